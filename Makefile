@@ -1,0 +1,38 @@
+# Set-up and entry points. `make pipeline` and `make test` each build .venv first when needed.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export DAGSTER_HOME ?= $(CURDIR)/.dagster
+
+.PHONY: setup pipeline test test-all dagster mlflow-ui clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-test.txt requirements-nodeps.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt -r requirements-test.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements-nodeps.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+pipeline: setup
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/python -m pipelines.run_local
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m ""
+
+dagster: setup
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+mlflow-ui: setup
+	$(BIN)/python mlflow/server.py --port 5000
+
+clean:
+	rm -rf lake .dagster mlflow/mlflow.db mlflow/artifacts

@@ -1,0 +1,1 @@
+"""GEM training library: data, model, training, transfer and metrics. Never imports dagster."""

@@ -1,0 +1,187 @@
+"""Base Batch Shuffling: length-sorted sub-batches assigned so every rank's step costs about the same.
+
+Samples are sorted by history length and cut into sub-batches of `sub_batch_size`, so a sub-batch
+holds similar lengths (little padding, a predictable cost). Sub-batches are sorted by cost and cut
+into groups of `world_size` neighbours of near-equal cost. A step takes `sub_batches_per_rank`
+groups, pairing the heaviest remaining group with the lightest; within a step, sub-batches go out
+heaviest first to the least-loaded rank, so the heaviest meets the lightest. Each rank then reads only its own rows of the plan: no communication at train time.
+Step order is shuffled so training does not see all long histories first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import polars as pl
+
+from gem_ops.data.atomic import write_parquet_atomic
+
+CostModel = Literal["tokens", "attention"]
+
+
+@dataclass(frozen=True)
+class ShufflingConfig:
+    sub_batch_size: int = 128
+    sub_batches_per_rank: int = 4
+    """A rank's batch per step is sub_batches_per_rank x sub_batch_size samples."""
+    cost: CostModel = "attention"
+    """tokens: L + 1 per sample; attention: (L + 1)^2, what self attention over the history costs."""
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("sub_batch_size", "sub_batches_per_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cost not in ("tokens", "attention"):
+            raise ValueError(f"cost must be 'tokens' or 'attention', got {self.cost!r}")
+
+    @property
+    def rank_batch_size(self) -> int:
+        return self.sub_batch_size * self.sub_batches_per_rank
+
+
+@dataclass
+class BatchPlan:
+    """examples[step, rank] lists the example indices rank `rank` trains on at step `step`."""
+
+    world_size: int
+    examples: np.ndarray  # [steps, world_size, rank_batch_size] int64
+    cost: np.ndarray  # [steps, world_size] float64
+    dropped: int  # samples left out because they did not fill a whole step
+
+    @property
+    def steps(self) -> int:
+        return int(self.examples.shape[0])
+
+    def rank_examples(self, rank: int) -> np.ndarray:
+        return self.examples[:, rank]
+
+    def to_frame(self) -> pl.DataFrame:
+        steps, world, per_rank = self.examples.shape
+        return pl.DataFrame(
+            {
+                "step": np.repeat(np.arange(steps, dtype=np.int32), world),
+                "rank": np.tile(np.arange(world, dtype=np.int32), steps),
+                "cost": self.cost.reshape(-1),
+                "examples": self.examples.reshape(steps * world, per_rank),
+            }
+        )
+
+
+def sample_cost(history_lengths: np.ndarray, cost: CostModel) -> np.ndarray:
+    tokens = history_lengths.astype(np.float64) + 1.0  # the candidate is a token too
+    return tokens if cost == "tokens" else tokens * tokens
+
+
+def plan_base_batch_shuffling(
+    history_lengths: np.ndarray, world_size: int, config: ShufflingConfig, example_ids: np.ndarray | None = None
+) -> BatchPlan:
+    """Balanced plan: every rank's per-step cost is close to the step mean."""
+    _check_world_size(world_size)
+    rng = np.random.default_rng(config.seed)
+    ids, costs = _ids_and_costs(history_lengths, example_ids, config.cost)
+    n_sub, dropped_ids = _usable_sub_batches(ids.size, world_size, config)
+    keep = np.sort(rng.permutation(ids.size)[: n_sub * config.sub_batch_size])  # random survivors
+    ids, costs, lengths = ids[keep], costs[keep], history_lengths[keep]
+
+    # Sub-batches of similar lengths: sort by length, random order among equal lengths.
+    order = np.lexsort((rng.random(ids.size), lengths))
+    sub_ids = ids[order].reshape(n_sub, config.sub_batch_size)
+    sub_cost = costs[order].reshape(n_sub, config.sub_batch_size).sum(1)
+
+    by_cost = np.argsort(-sub_cost, kind="stable")
+    groups = by_cost.reshape(-1, world_size)  # neighbours in cost order: near-equal costs
+    n_groups, k = groups.shape[0], config.sub_batches_per_rank
+    # Fold groups heaviest-with-lightest: step s takes groups s, G-1-s, s+1, G-2-s, ... (k of them).
+    fold = np.empty(n_groups, dtype=np.int64)
+    fold[0::2] = np.arange((n_groups + 1) // 2)
+    fold[1::2] = n_groups - 1 - np.arange(n_groups // 2)
+    step_subs = groups[fold].reshape(n_groups // k, k * world_size)
+    step_subs = step_subs[rng.permutation(step_subs.shape[0])]
+    per_rank_sub = _assign_within_steps(step_subs, sub_cost, world_size, k)  # [steps, world, k]
+    examples = sub_ids[per_rank_sub].reshape(per_rank_sub.shape[0], world_size, config.rank_batch_size)
+    return BatchPlan(world_size, examples, sub_cost[per_rank_sub].sum(-1), dropped_ids)
+
+
+def _assign_within_steps(step_subs: np.ndarray, sub_cost: np.ndarray, world_size: int, k: int) -> np.ndarray:
+    """Longest-processing-time first within each step, all steps at once: sub-batches in falling cost
+    order go to the least-loaded rank that still has room. With one heavy and one light group per
+    step this pairs the heaviest sub-batch with the lightest, and it keeps balancing for larger k."""
+    steps = step_subs.shape[0]
+    order = np.argsort(-sub_cost[step_subs], axis=1, kind="stable")
+    ranked = np.take_along_axis(step_subs, order, axis=1)
+    load = np.zeros((steps, world_size))
+    filled = np.zeros((steps, world_size), dtype=np.int64)
+    out = np.empty((steps, world_size, k), dtype=np.int64)
+    rows = np.arange(steps)
+    for j in range(ranked.shape[1]):
+        rank = np.argmin(np.where(filled < k, load, np.inf), axis=1)
+        out[rows, rank, filled[rows, rank]] = ranked[:, j]
+        load[rows, rank] += sub_cost[ranked[:, j]]
+        filled[rows, rank] += 1
+    return out
+
+
+def plan_random(
+    history_lengths: np.ndarray, world_size: int, config: ShufflingConfig, example_ids: np.ndarray | None = None
+) -> BatchPlan:
+    """The baseline: a plain random shuffle cut into per-rank batches of the same size."""
+    _check_world_size(world_size)
+    rng = np.random.default_rng(config.seed)
+    ids, costs = _ids_and_costs(history_lengths, example_ids, config.cost)
+    n_sub, dropped = _usable_sub_batches(ids.size, world_size, config)
+    order = rng.permutation(ids.size)[: n_sub * config.sub_batch_size]
+    shape = (-1, world_size, config.rank_batch_size)
+    return BatchPlan(world_size, ids[order].reshape(shape), costs[order].reshape(shape).sum(-1), dropped)
+
+
+def imbalance(plan: BatchPlan) -> dict[str, float]:
+    """How much slower steps run than with perfect balance (every rank waits for the slowest).
+
+    max_over_mean: sum over steps of the slowest rank's cost / sum of the mean rank cost; 1.0 is perfect.
+    """
+    if plan.steps == 0:
+        return {"max_over_mean": float("nan"), "worst_step": float("nan"), "steps": 0}
+    step_max, step_mean = plan.cost.max(1), plan.cost.mean(1)
+    ratio = np.divide(step_max, step_mean, out=np.ones_like(step_max), where=step_mean > 0)
+    return {
+        "max_over_mean": float(step_max.sum() / step_mean.sum()),
+        "worst_step": float(ratio.max()),
+        "p99_step": float(np.quantile(ratio, 0.99)),
+        "steps": plan.steps,
+    }
+
+
+def write_plan(plan: BatchPlan, destination: str | os.PathLike) -> Path:
+    return write_parquet_atomic(plan.to_frame(), destination, statistics=True)
+
+
+def read_rank_plan(path: str | os.PathLike, rank: int) -> np.ndarray:
+    """One rank's [steps, rank_batch_size] example indices, read with a predicate on `rank` alone."""
+    frame = pl.scan_parquet(path).filter(pl.col("rank") == rank).sort("step").select("examples").collect()
+    if frame.height == 0:
+        raise ValueError(f"{path}: no rows for rank {rank}; the plan was made for a smaller world size")
+    return frame["examples"].to_numpy()
+
+
+def _ids_and_costs(history_lengths, example_ids, cost: CostModel):
+    history_lengths = np.asarray(history_lengths)
+    ids = np.arange(history_lengths.size, dtype=np.int64) if example_ids is None else np.asarray(example_ids)
+    if ids.shape != history_lengths.shape:
+        raise ValueError(f"example_ids {ids.shape} and history_lengths {history_lengths.shape} differ in shape")
+    return ids, sample_cost(history_lengths, cost)
+
+
+def _usable_sub_batches(n: int, world_size: int, config: ShufflingConfig) -> tuple[int, int]:
+    per_step = world_size * config.sub_batches_per_rank
+    n_sub = (n // config.sub_batch_size) // per_step * per_step
+    return n_sub, n - n_sub * config.sub_batch_size
+
+
+def _check_world_size(world_size: int):
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")

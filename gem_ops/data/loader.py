@@ -1,0 +1,131 @@
+"""Turns example indices into a training batch: jagged histories (values + offsets), ids, labels."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from gem_ops.data.sequence_logs import EXAMPLES, TIMELINE_FIELDS, TIMELINES, read_manifest
+
+
+@dataclass
+class SequenceBatch:
+    """One batch. History tensors are jagged: values of all examples back to back, sliced by offsets."""
+
+    example_index: torch.Tensor  # [B] row in examples
+    timestamp: torch.Tensor  # [B] request time, ms since epoch
+    item_id: torch.Tensor  # [B] candidate item
+    surface: torch.Tensor  # [B] domain id
+    sparse_features: dict[str, torch.Tensor]  # name -> [B] ids
+    dense_features: torch.Tensor  # [B, n_dense] float32
+    labels: torch.Tensor  # [B, n_objectives] float32, 0 where unlabelled
+    label_mask: torch.Tensor  # [B, n_objectives] bool
+    history_offsets: torch.Tensor  # [B + 1] int64
+    history_item_id: torch.Tensor  # [N]
+    history_surface: torch.Tensor  # [N]
+    history_event_type: torch.Tensor  # [N]
+    history_action: torch.Tensor  # [N] bitmask of the event's positive labels
+    history_age_seconds: torch.Tensor  # [N] float32, request time minus event time
+
+    @property
+    def size(self) -> int:
+        return int(self.item_id.shape[0])
+
+    @property
+    def history_lengths(self) -> torch.Tensor:
+        return self.history_offsets[1:] - self.history_offsets[:-1]
+
+    def to(self, device: torch.device | str) -> SequenceBatch:
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = {k: v.to(device) for k, v in value.items()} if isinstance(value, dict) else value.to(device)
+        return SequenceBatch(**moved)
+
+
+class SequenceLogs:
+    """A sequence_logs folder opened for reading; histories are sliced out of flat timeline arrays."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        manifest = read_manifest(self.path)
+        summary = manifest["summary"]
+        self.objectives: list[str] = summary["objectives"]
+        self.surfaces: list[str] = summary["surfaces"]
+        self.event_types: list[str] = summary["event_types"]
+        self.sparse_features: list[str] = summary["sparse_features"]
+        self.dense_features: list[str] = summary["dense_features"]
+        self.max_history_len: int = manifest["config"]["max_history_len"]
+        self._labels: list[str] = manifest["labels"]
+
+        timelines = pl.read_parquet(self.path / TIMELINES / "*.parquet")
+        lengths = timelines[TIMELINE_FIELDS[0]].list.len().to_numpy()
+        self.timeline_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.timeline_offsets[1:])
+        self.user_ids = timelines["user_id"].to_numpy()
+        self._timeline = {name: timelines[name].explode().to_numpy() for name in TIMELINE_FIELDS}
+
+        examples = pl.read_parquet(self.path / EXAMPLES / "*.parquet")
+        self._examples = {name: examples[name].to_numpy() for name in examples.columns if name not in self._labels}
+        self._label_values = np.stack([examples[c].fill_null(0).to_numpy() for c in self._labels], 1).astype(np.float32)
+        self._label_mask = np.stack([examples[c].is_not_null().to_numpy() for c in self._labels], 1)
+        self.n_examples = examples.height
+
+    def __len__(self) -> int:
+        return self.n_examples
+
+    def column(self, name: str) -> np.ndarray:
+        """A column of the examples table (history_len, split, timestamp, ...)."""
+        return self._examples[name]
+
+    def timeline_column(self, name: str) -> np.ndarray:
+        """A flat timeline field over all users, sliced by timeline_offsets."""
+        return self._timeline[name]
+
+    def split_indices(self, split: str) -> np.ndarray:
+        code = {"train": 0, "eval": 1}[split]
+        return np.flatnonzero(self._examples["split"] == code)
+
+    def history_lengths(self, max_history_len: int | None = None) -> np.ndarray:
+        limit = self.max_history_len if max_history_len is None else min(max_history_len, self.max_history_len)
+        return np.minimum(self._examples["history_len"], limit)
+
+    def batch(self, indices: np.ndarray | list[int], max_history_len: int | None = None) -> SequenceBatch:
+        """Gathers the examples at `indices`; histories keep their most recent `max_history_len` events."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.n_examples):
+            raise IndexError(f"example index out of range [0, {self.n_examples}) in {self.path}")
+        ex = self._examples
+        lengths = self.history_lengths(max_history_len)[idx].astype(np.int64)
+        end = self.timeline_offsets[ex["user_row"][idx]] + ex["history_end"][idx]
+        offsets = np.zeros(idx.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # Flat positions of every history event: each example's run [end - length, end).
+        positions = np.repeat(end - lengths - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+        request_ts = np.repeat(ex["timestamp"][idx], lengths)
+        t = self._timeline
+        return SequenceBatch(
+            example_index=torch.from_numpy(idx),
+            timestamp=torch.from_numpy(ex["timestamp"][idx]),
+            item_id=torch.from_numpy(ex["item_id"][idx]),
+            surface=torch.from_numpy(ex["surface"][idx].astype(np.int64)),
+            sparse_features={name: torch.from_numpy(ex[name][idx]) for name in self.sparse_features},
+            dense_features=torch.from_numpy(
+                np.stack([ex[name][idx] for name in self.dense_features], 1).astype(np.float32)
+                if self.dense_features
+                else np.zeros((idx.size, 0), dtype=np.float32)
+            ),
+            labels=torch.from_numpy(self._label_values[idx]),
+            label_mask=torch.from_numpy(self._label_mask[idx]),
+            history_offsets=torch.from_numpy(offsets),
+            history_item_id=torch.from_numpy(t["item_id"][positions]),
+            history_surface=torch.from_numpy(t["surface"][positions].astype(np.int64)),
+            history_event_type=torch.from_numpy(t["event_type"][positions].astype(np.int64)),
+            history_action=torch.from_numpy(t["action"][positions].astype(np.int64)),
+            history_age_seconds=torch.from_numpy(((request_ts - t["timestamp"][positions]) / 1000.0).astype(np.float32)),
+        )

@@ -1,0 +1,16 @@
+"""The Dagster code location: assets, checks, resources, jobs and schedules."""
+
+import dagster as dg
+
+from assets.raw_event_logs import raw_event_logs
+from assets.resources import LakeResource, MLflowResource
+from assets.sequence_logs import sequence_logs
+from assets.shuffled_batches import shuffled_batches
+from pipelines.jobs import prepare_data_job, prepare_data_schedule
+
+defs = dg.Definitions(
+    assets=[raw_event_logs, sequence_logs, shuffled_batches],
+    jobs=[prepare_data_job],
+    schedules=[prepare_data_schedule],
+    resources={"lake": LakeResource(), "mlflow": MLflowResource()},
+)

@@ -1,0 +1,96 @@
+"""Start and stop server processes in tests: each in its own session, stopped as a whole group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _is_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _log_tail(proc: subprocess.Popen, chars: int = 4000) -> str:
+    proc.log.seek(0)
+    return proc.log.read().decode(errors="replace")[-chars:]
+
+
+def start_server(
+    cmd: Sequence[str],
+    url: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+) -> subprocess.Popen:
+    """Starts `cmd` and returns once `url` answers 200; the output goes to `proc.log`.
+
+    A new session makes the process a group leader with default signal handlers, so
+    `stop_server` can end it together with any workers it forks.
+    """
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        list(cmd),
+        env={**os.environ, **(env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    proc.log = log
+    deadline = time.monotonic() + timeout
+    while not _is_up(url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}:\n{_log_tail(proc)}")
+        if time.monotonic() > deadline:
+            stop_server(proc)
+            raise TimeoutError(f"{url} did not answer within {timeout} s:\n{_log_tail(proc)}")
+        time.sleep(0.2)
+    return proc
+
+
+def group_processes(pgid: int) -> list[psutil.Process]:
+    """Live members of a process group (zombies, which no signal can end, are left out)."""
+    members = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(process)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return members
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM to the whole process group, then SIGKILL to whatever is left after `timeout`."""
+    pgid = proc.pid  # start_new_session: the group id is the leader's pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not group_processes(pgid):
+                break
+            time.sleep(0.05)
+        else:
+            continue  # still running: escalate
+        break
+    proc.wait(timeout=timeout)

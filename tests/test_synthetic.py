@@ -1,0 +1,183 @@
+from datetime import date, timedelta
+
+import numpy as np
+import polars as pl
+import pytest
+
+from gem_ops.data.event_logs import normalize_event_log
+from gem_ops.data.synthetic import (
+    AD_IMPRESSION,
+    DEFAULT_SURFACES,
+    ORGANIC_VIEW,
+    SyntheticConfig,
+    current_interest,
+    generate_day,
+    generate_days,
+)
+
+SMALL = SyntheticConfig(n_users=2_000)
+# Large enough for the heavy tail (~0.5% power users) and for label rates to be measurable.
+FORTNIGHT = SyntheticConfig(n_users=10_000)
+FORTNIGHT_DAYS = 14
+
+CANONICAL_SCHEMA = {
+    "user_id": pl.Int64,
+    "timestamp": pl.Datetime("ms", "UTC"),
+    "item_id": pl.Int64,
+    "surface": pl.String,
+    "event_type": pl.String,
+    "label_click": pl.Int8,
+    "label_conversion": pl.Int8,
+    "user_segment": pl.Int64,
+    "user_age_bucket": pl.Int64,
+    "item_category": pl.Int64,
+    "item_advertiser": pl.Int64,
+    "item_bid": pl.Float32,
+}
+
+
+def day(config: SyntheticConfig, offset: int) -> date:
+    return config.start_date + timedelta(days=offset)
+
+
+@pytest.fixture(scope="module")
+def fortnight() -> pl.DataFrame:
+    events = generate_days(FORTNIGHT, FORTNIGHT.start_date, FORTNIGHT_DAYS)
+    return events.with_columns(day_index=(pl.col("timestamp").dt.date() - FORTNIGHT.start_date).dt.total_days())
+
+
+@pytest.fixture(scope="module")
+def ads(fortnight: pl.DataFrame) -> pl.DataFrame:
+    return fortnight.filter(pl.col("event_type") == AD_IMPRESSION)
+
+
+def test_same_day_gives_identical_frame():
+    first = generate_day(SMALL, day(SMALL, 3))
+    assert first.equals(generate_day(SyntheticConfig(n_users=2_000), day(SMALL, 3)))
+    # A day does not depend on which other days are generated with it.
+    several = generate_days(SMALL, day(SMALL, 1), 4)
+    assert several.filter(pl.col("timestamp").dt.date() == day(SMALL, 3)).equals(first)
+
+
+def test_different_seed_gives_different_frame():
+    assert not generate_day(SMALL, SMALL.start_date).equals(
+        generate_day(SyntheticConfig(n_users=2_000, seed=1), SMALL.start_date)
+    )
+
+
+def test_output_is_canonical_and_sorted():
+    events = generate_days(SMALL, SMALL.start_date, 3)
+    assert dict(events.schema) == CANONICAL_SCHEMA
+    assert normalize_event_log(events, "synthetic").equals(events)
+    assert events["timestamp"].is_sorted()
+    assert set(events["event_type"].unique()) == {ORGANIC_VIEW, AD_IMPRESSION}
+    assert events["timestamp"].dt.date().unique().sort().to_list() == [day(SMALL, i) for i in range(3)]
+
+
+def test_days_before_start_date_raise():
+    with pytest.raises(ValueError, match="day 2026-10-31"):
+        generate_day(SMALL, date(2026, 10, 31))
+    with pytest.raises(ValueError, match="day 2026-10-30"):
+        generate_days(SMALL, date(2026, 10, 30), 5)
+
+
+def test_item_id_ranges(fortnight: pl.DataFrame):
+    organic_items = fortnight.filter(pl.col("item_id") < FORTNIGHT.ad_id_start)
+    ad_items = fortnight.filter(pl.col("item_id") >= FORTNIGHT.ad_id_start)
+    assert (organic_items["event_type"] == ORGANIC_VIEW).all()
+    assert (organic_items["item_advertiser"] == 0).all() and (organic_items["item_bid"] == 0).all()
+    assert (ad_items["item_advertiser"] >= 1).all() and (ad_items["item_bid"] > 0).all()
+    assert ad_items["item_id"].max() < FORTNIGHT.ad_id_start + FORTNIGHT.n_ads
+
+
+def test_label_nulls_and_conversion_within_click(fortnight: pl.DataFrame, ads: pl.DataFrame):
+    organic = fortnight.filter(pl.col("event_type") == ORGANIC_VIEW)
+    assert organic["label_click"].null_count() == organic.height
+    assert organic["label_conversion"].null_count() == organic.height
+    assert ads["label_click"].null_count() == 0
+    stories = ads.filter(pl.col("surface") == "stories")
+    assert stories.height > 0 and stories["label_conversion"].null_count() == stories.height
+    assert ads.filter(pl.col("surface") != "stories")["label_conversion"].null_count() == 0
+    assert ads.filter((pl.col("label_conversion") == 1) & (pl.col("label_click") == 0)).height == 0
+    assert ads["label_conversion"].sum() > 0
+
+
+def test_surfaces_have_their_base_rates(ads: pl.DataFrame):
+    rates = dict(ads.group_by("surface").agg(pl.col("label_click").mean()).iter_rows())
+    for spec in DEFAULT_SURFACES:
+        assert 0.6 * spec.ctr < rates[spec.name] < 1.6 * spec.ctr, (spec.name, rates[spec.name])
+    assert rates["search"] > 1.3 * rates["feed"] > 1.3 * 1.3 * rates["reels"] > 1.3**3 * rates["stories"]
+
+    clicked = ads.filter(pl.col("label_click") == 1)
+    conversion_rates = dict(clicked.group_by("surface").agg(pl.col("label_conversion").mean()).iter_rows())
+    for spec in DEFAULT_SURFACES:
+        if spec.cvr is not None:
+            assert 0.5 * spec.cvr < conversion_rates[spec.name] < 2 * spec.cvr, (spec.name, conversion_rates[spec.name])
+
+
+def test_history_lengths_are_heavy_tailed(fortnight: pl.DataFrame):
+    per_user = fortnight.group_by("user_id").len()["len"]
+    power_share = (per_user > 1000).mean()
+    assert per_user.median() < 50
+    assert 0.001 < power_share < 0.02
+    assert per_user.max() <= FORTNIGHT_DAYS * FORTNIGHT.max_events_per_user_per_day + FORTNIGHT.early_items_per_user
+
+
+def with_current_interest(events: pl.DataFrame) -> pl.DataFrame:
+    interests = pl.concat(
+        pl.DataFrame(
+            {
+                "day_index": offset,
+                "user_id": np.arange(FORTNIGHT.n_users),
+                "interest": current_interest(FORTNIGHT, day(FORTNIGHT, offset)),
+            }
+        )
+        for offset in range(FORTNIGHT_DAYS)
+    )
+    return events.join(interests, on=["day_index", "user_id"])
+
+
+def test_interest_drives_views_and_clicks(fortnight: pl.DataFrame, ads: pl.DataFrame):
+    content_views = with_current_interest(
+        fortnight.filter((pl.col("event_type") == ORGANIC_VIEW) & (pl.col("item_id") < FORTNIGHT.ad_id_start))
+    )
+    assert (content_views["item_category"] == content_views["interest"]).mean() > 0.7
+
+    ctr = dict(
+        with_current_interest(ads)
+        .group_by(matches=pl.col("item_category") == pl.col("interest"))
+        .agg(pl.col("label_click").mean())
+        .iter_rows()
+    )
+    assert ctr[True] > 1.5 * ctr[False]
+
+
+def test_retargeting_early_items_converts_more(fortnight: pl.DataFrame, ads: pl.DataFrame):
+    # Retargeting impressions: the ad was among the user's organic views of the early days.
+    early_views = (
+        fortnight.filter(
+            (pl.col("event_type") == ORGANIC_VIEW)
+            & (pl.col("item_id") >= FORTNIGHT.ad_id_start)
+            & (pl.col("day_index") < FORTNIGHT.early_days)
+        )
+        .select("user_id", "item_id")
+        .unique()
+    )
+    assert early_views.height > 0.9 * FORTNIGHT.n_users
+    assert fortnight.filter(
+        (pl.col("event_type") == ORGANIC_VIEW)
+        & (pl.col("item_id") >= FORTNIGHT.ad_id_start)
+        & (pl.col("day_index") >= FORTNIGHT.early_days)
+    ).is_empty()
+
+    later = ads.filter(pl.col("day_index") >= FORTNIGHT.early_days).join(
+        early_views.with_columns(retarget=pl.lit(True)), on=["user_id", "item_id"], how="left"
+    )
+    rates = {
+        retarget: (share, conversion)
+        for retarget, share, conversion in later.group_by(retarget=pl.col("retarget").fill_null(False))
+        .agg(pl.len() / later.height, pl.col("label_conversion").mean())
+        .iter_rows()
+    }
+    assert 0.10 < rates[True][0] < 0.20  # close to the configured retarget share
+    assert rates[True][1] >= 3 * rates[False][1]
