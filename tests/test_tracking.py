@@ -263,6 +263,7 @@ def _get_json(url: str) -> dict:
         return json.load(response)
 
 
+@pytest.mark.server
 def test_server_script_serves_runs_logged_with_and_without_it(tmp_path, empty_database):
     shutil.copyfile(empty_database, tmp_path / "m.db")
     tracking_uri = f"sqlite:///{tmp_path / 'm.db'}"

@@ -1,10 +1,11 @@
 """Base Batch Shuffling: length-sorted sub-batches assigned so every rank's step costs about the same.
 
-Samples are sorted by history length and cut into sub-batches of `sub_batch_size`, so a sub-batch
-holds similar lengths (little padding, a predictable cost). Sub-batches are sorted by cost and cut
-into groups of `world_size` neighbours of near-equal cost. A step takes `sub_batches_per_rank`
-groups, pairing the heaviest remaining group with the lightest; within a step, sub-batches go out
-heaviest first to the least-loaded rank, so the heaviest meets the lightest. Each rank then reads only its own rows of the plan: no communication at train time.
+Samples are sorted by history length and cut into groups of `world_size` sub-batches of
+`sub_batch_size`; each group's samples are dealt to its sub-batches in serpentine order, so a
+sub-batch holds similar lengths (little padding, a predictable cost) and the sub-batches of a group
+cost about the same, even in a heavy tail where neighbouring lengths differ a lot. A step takes
+`sub_batches_per_rank` groups, pairing the heaviest remaining group with the lightest, and rank r
+takes sub-batch r of the heavier groups and sub-batch world_size-1-r of the lighter ones. Each rank then reads only its own rows of the plan: no communication at train time.
 Step order is shuffled so training does not see all long histories first.
 """
 
@@ -88,42 +89,25 @@ def plan_base_batch_shuffling(
     keep = np.sort(rng.permutation(ids.size)[: n_sub * config.sub_batch_size])  # random survivors
     ids, costs, lengths = ids[keep], costs[keep], history_lengths[keep]
 
-    # Sub-batches of similar lengths: sort by length, random order among equal lengths.
-    order = np.lexsort((rng.random(ids.size), lengths))
-    sub_ids = ids[order].reshape(n_sub, config.sub_batch_size)
-    sub_cost = costs[order].reshape(n_sub, config.sub_batch_size).sum(1)
+    # Groups of world_size sub-batches cover neighbouring lengths: sort by length (random among ties),
+    # and deal each group's samples to its sub-batches in serpentine order, so the sub-batches of a
+    # group hold similar lengths and near-equal cost even in the heavy tail.
+    order = np.lexsort((rng.random(ids.size), lengths))[::-1]
+    dealt = order.reshape(-1, config.sub_batch_size, world_size).copy()  # [groups, rounds, world]
+    dealt[:, 1::2, :] = dealt[:, 1::2, ::-1]
+    group_subs = dealt.transpose(0, 2, 1)  # [groups, world, sub_batch_size], heaviest group first
 
-    by_cost = np.argsort(-sub_cost, kind="stable")
-    groups = by_cost.reshape(-1, world_size)  # neighbours in cost order: near-equal costs
-    n_groups, k = groups.shape[0], config.sub_batches_per_rank
-    # Fold groups heaviest-with-lightest: step s takes groups s, G-1-s, s+1, G-2-s, ... (k of them).
+    # A step takes k groups, the heaviest remaining with the lightest; rank r gets sub-batch r of
+    # the heavier groups and sub-batch world-1-r of the lighter ones, evening out what dealing left.
+    k, n_groups = config.sub_batches_per_rank, group_subs.shape[0]
     fold = np.empty(n_groups, dtype=np.int64)
     fold[0::2] = np.arange((n_groups + 1) // 2)
     fold[1::2] = n_groups - 1 - np.arange(n_groups // 2)
-    step_subs = groups[fold].reshape(n_groups // k, k * world_size)
-    step_subs = step_subs[rng.permutation(step_subs.shape[0])]
-    per_rank_sub = _assign_within_steps(step_subs, sub_cost, world_size, k)  # [steps, world, k]
-    examples = sub_ids[per_rank_sub].reshape(per_rank_sub.shape[0], world_size, config.rank_batch_size)
-    return BatchPlan(world_size, examples, sub_cost[per_rank_sub].sum(-1), dropped_ids)
-
-
-def _assign_within_steps(step_subs: np.ndarray, sub_cost: np.ndarray, world_size: int, k: int) -> np.ndarray:
-    """Longest-processing-time first within each step, all steps at once: sub-batches in falling cost
-    order go to the least-loaded rank that still has room. With one heavy and one light group per
-    step this pairs the heaviest sub-batch with the lightest, and it keeps balancing for larger k."""
-    steps = step_subs.shape[0]
-    order = np.argsort(-sub_cost[step_subs], axis=1, kind="stable")
-    ranked = np.take_along_axis(step_subs, order, axis=1)
-    load = np.zeros((steps, world_size))
-    filled = np.zeros((steps, world_size), dtype=np.int64)
-    out = np.empty((steps, world_size, k), dtype=np.int64)
-    rows = np.arange(steps)
-    for j in range(ranked.shape[1]):
-        rank = np.argmin(np.where(filled < k, load, np.inf), axis=1)
-        out[rows, rank, filled[rows, rank]] = ranked[:, j]
-        load[rows, rank] += sub_cost[ranked[:, j]]
-        filled[rows, rank] += 1
-    return out
+    steps = group_subs[fold].reshape(n_groups // k, k, world_size, config.sub_batch_size).copy()
+    steps[:, 1::2] = steps[:, 1::2, ::-1]
+    steps = steps[rng.permutation(steps.shape[0])].transpose(0, 2, 1, 3)  # [steps, world, k, sub_batch]
+    examples = ids[steps].reshape(steps.shape[0], world_size, config.rank_batch_size)
+    return BatchPlan(world_size, examples, costs[steps].sum((-1, -2)), dropped_ids)
 
 
 def plan_random(

@@ -63,14 +63,14 @@ class SequenceLogs:
         self.max_history_len: int = manifest["config"]["max_history_len"]
         self._labels: list[str] = manifest["labels"]
 
-        timelines = pl.read_parquet(self.path / TIMELINES / "*.parquet")
+        timelines = pl.read_parquet(sorted((self.path / TIMELINES).glob("*.parquet")))
         lengths = timelines[TIMELINE_FIELDS[0]].list.len().to_numpy()
         self.timeline_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=self.timeline_offsets[1:])
         self.user_ids = timelines["user_id"].to_numpy()
         self._timeline = {name: timelines[name].explode().to_numpy() for name in TIMELINE_FIELDS}
 
-        examples = pl.read_parquet(self.path / EXAMPLES / "*.parquet")
+        examples = pl.read_parquet(sorted((self.path / EXAMPLES).glob("*.parquet")))
         self._examples = {name: examples[name].to_numpy() for name in examples.columns if name not in self._labels}
         self._label_values = np.stack([examples[c].fill_null(0).to_numpy() for c in self._labels], 1).astype(np.float32)
         self._label_mask = np.stack([examples[c].is_not_null().to_numpy() for c in self._labels], 1)
@@ -80,7 +80,7 @@ class SequenceLogs:
         return self.n_examples
 
     def column(self, name: str) -> np.ndarray:
-        """A column of the examples table (history_len, split, timestamp, ...)."""
+        """A column of the examples table (history_end, split, timestamp, ...)."""
         return self._examples[name]
 
     def timeline_column(self, name: str) -> np.ndarray:
@@ -93,7 +93,7 @@ class SequenceLogs:
 
     def history_lengths(self, max_history_len: int | None = None) -> np.ndarray:
         limit = self.max_history_len if max_history_len is None else min(max_history_len, self.max_history_len)
-        return np.minimum(self._examples["history_len"], limit)
+        return np.minimum(self._examples["history_end"], limit)
 
     def batch(self, indices: np.ndarray | list[int], max_history_len: int | None = None) -> SequenceBatch:
         """Gathers the examples at `indices`; histories keep their most recent `max_history_len` events."""

@@ -5,21 +5,23 @@ Layout of a sequence_logs folder (written atomically):
                        event_type, action (bitmask of positive labels), sorted by time
     examples/          Parquet parts, one row per labelled event (a request): user_row (row in timelines),
                        history_end (how many of that user's timeline events are strictly earlier),
-                       history_len (history_end truncated to max_history_len), the candidate's
-                       features and labels, and split (0 train, 1 eval)
+                       the candidate's features and labels, and split (0 train, 1 eval)
     manifest.json      vocabularies, column roles, counts, the eval cut-off and the config
 
-A request's history is timeline[user_row][history_end - history_len : history_end]: every event of
-the same user strictly before the request time, most recent last, so nothing at or after the request
-leaks in. Storage grows with events, not events x history length.
+A request's history is timeline[user_row][history_end - L : history_end] with L = min(history_end,
+max_history_len): the user's events strictly before the request time, most recent last, so nothing at
+or after the request leaks in. Storage grows with events, not events x history length.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -27,11 +29,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gem_ops.data.atomic import atomic_path
-from gem_ops.data.schema import EventLogColumns, classify_columns
+from gem_ops.data.schema import CATEGORY_COLUMNS, EventLogColumns, classify_columns
 
 TIMELINE_FIELDS = ("item_id", "timestamp", "surface", "event_type", "action")
 MANIFEST = "manifest.json"
@@ -77,6 +78,7 @@ class SequenceLogsSummary:
     dense_features: list[str]
     timeline_length_quantiles: dict[str, float] = field(default_factory=dict)
     history_length_quantiles: dict[str, float] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def build_sequence_logs(
@@ -85,20 +87,18 @@ def build_sequence_logs(
     """Builds a sequence_logs folder from event-log Parquet files already in the canonical schema."""
     if not event_paths:
         raise ValueError("build_sequence_logs needs at least one event-log file")
+    timer = StageTimer()
     paths = [str(p) for p in event_paths]
-    scan = pl.scan_parquet(paths, include_file_paths="_file")
-    columns = classify_columns(scan.drop("_file").collect_schema(), source=paths[0])
-    per_file = (
-        scan.group_by("_file")
-        .agg(pl.len().alias("n"), pl.col("timestamp").min().alias("first"), pl.col("timestamp").max().alias("last"),
-             pl.col("surface").unique().alias("surfaces"), pl.col("event_type").unique().alias("event_types"))
-        .sort("first")
-        .collect()
-    )
-    paths = per_file["_file"].to_list()  # in time order: the merge in _user_time_order relies on it
+    columns = classify_columns(pl.scan_parquet(paths).collect_schema(), source=paths[0])
+    with timer("scan"):
+        per_file = _per_file_times(paths)
+        paths = per_file["_file"].to_list()  # in time order: the merge in _user_time_order relies on it
+        categories = {path: _read_categories(path) for path in paths}
     n_events = int(per_file["n"].sum())
-    surfaces = sorted(set(per_file["surfaces"].explode().to_list()))
-    event_types = sorted(set(per_file["event_types"].explode().to_list()))
+    if n_events == 0:
+        raise ValueError(f"no events in {len(paths)} event-log file(s), e.g. {paths[0]}")
+    surfaces, event_types = (sorted({v for c in categories.values() for v in _dictionary_values(c[name])})
+                             for name in CATEGORY_COLUMNS)
     eval_start = None
     if config.eval_days > 0:
         eval_start = per_file["last"].max().date() - timedelta(days=config.eval_days - 1)
@@ -108,18 +108,19 @@ def build_sequence_logs(
         raise ValueError(f"history_event_types {list(history_types)} match no event_type in the data ({event_types})")
 
     n_buckets = max(1, math.ceil(n_events / config.max_events_in_memory))
+    if n_buckets > 1:
+        categories.clear()  # the codes are reread per bucket: keep memory bounded
     encoder = _Encoder(surfaces, event_types, history_types, columns)
     with atomic_path(destination) as tmp:
-        writer = _SequenceLogsWriter(tmp)
-        for bucket in range(n_buckets):
-            parts = []
-            for path in paths:
-                part = pl.scan_parquet(path).select(columns.all)
-                if n_buckets > 1:  # each user lands in exactly one bucket: timelines never split
-                    part = part.filter(pl.col("user_id").hash(seed=0) % n_buckets == bucket)
-                parts.append(part.collect())
-            if sum(p.height for p in parts):
-                writer.write(*_build_chunk(parts, encoder, config.max_history_len, eval_start_ms, writer.n_users))
+        writer = _SequenceLogsWriter(tmp, config.max_history_len, timer)
+        try:
+            for bucket in range(n_buckets):
+                with timer("read"):
+                    parts = _read_bucket(paths, encoder, categories, bucket, n_buckets)
+                if sum(p.height for p in parts):
+                    _build_chunk(parts, encoder, eval_start_ms, writer, timer)
+        finally:
+            writer.close()
         summary = SequenceLogsSummary(
             path=str(destination),
             n_events=n_events,
@@ -137,10 +138,57 @@ def build_sequence_logs(
             dense_features=list(columns.dense_features),
             timeline_length_quantiles=writer.timeline_quantiles(),
             history_length_quantiles=writer.history_quantiles(),
+            stage_seconds=timer.seconds,
         )
         manifest = {"summary": asdict(summary), "config": asdict(config), "labels": list(columns.labels)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
     return summary
+
+
+def _per_file_times(paths: list[str]) -> pl.DataFrame:
+    """Rows and first/last timestamp of each file, from Parquet statistics where the writer kept them."""
+    rows = []
+    for path in paths:
+        meta = pq.ParquetFile(path).metadata
+        stats = [_column_stats(meta.row_group(i), "timestamp") for i in range(meta.num_row_groups)]
+        if meta.num_rows and all(s is not None and s.has_min_max for s in stats):
+            first, last = min(s.min for s in stats), max(s.max for s in stats)
+        else:
+            first, last = pl.scan_parquet(path).select(pl.col("timestamp").min(), pl.col("timestamp").max()).collect().row(0)
+        rows.append({"_file": path, "n": meta.num_rows, "first": _as_utc(first), "last": _as_utc(last)})
+    return pl.DataFrame(rows, schema={"_file": pl.String, "n": pl.Int64, "first": pl.Datetime("ms", "UTC"),
+                                      "last": pl.Datetime("ms", "UTC")}).sort("first", nulls_last=True)
+
+
+def _column_stats(row_group, name: str):
+    for i in range(row_group.num_columns):
+        if row_group.column(i).path_in_schema == name:
+            return row_group.column(i).statistics
+    return None
+
+
+def _as_utc(value):
+    return value.replace(tzinfo=timezone.utc) if value is not None and value.tzinfo is None else value
+
+
+def _read_bucket(paths, encoder: _Encoder, categories, bucket: int, n_buckets: int) -> list[_Part]:
+    if n_buckets == 1:
+        # pop: each file's dictionary codes are freed once they are encoded
+        return [encoder.encode(pl.read_parquet(p, columns=encoder.numeric_columns), categories.pop(p)) for p in paths]
+    # Each user lands in exactly one bucket, so timelines never split across buckets.
+    in_bucket = pl.col("user_id").hash(seed=0) % n_buckets == bucket
+    columns = encoder.columns.all
+    return [encoder.encode(pl.scan_parquet(p).select(columns).filter(in_bucket).collect()) for p in paths]
+
+
+def _read_categories(path: str) -> dict[str, pa.ChunkedArray]:
+    """The string columns as Parquet stores them, dictionary-encoded: no per-row strings are built."""
+    table = pq.read_table(path, columns=list(CATEGORY_COLUMNS), read_dictionary=list(CATEGORY_COLUMNS))
+    return {name: table[name] for name in CATEGORY_COLUMNS}
+
+
+def _dictionary_values(column: pa.ChunkedArray) -> set[str]:
+    return {v for chunk in column.chunks for v in chunk.dictionary.to_pylist()}
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -148,27 +196,54 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 
 class _Encoder:
-    """Maps strings to small integer codes and labels to the action bitmask."""
+    """Maps strings to small integer codes (sorted vocabularies) and labels to the action bitmask."""
 
     def __init__(self, surfaces, event_types, history_types, columns: EventLogColumns):
-        self.surface = pl.Enum(surfaces)
-        self.event_type = pl.Enum(event_types)
+        self.vocab = {"surface": surfaces, "event_type": event_types}
         self.history_codes = None if history_types is None else [event_types.index(t) for t in history_types if t in event_types]
         self.columns = columns
+        self.numeric_columns = [c for c in columns.all if c not in CATEGORY_COLUMNS]
         if len(columns.labels) > 8:
             raise ValueError(f"at most 8 objectives fit the action bitmask, found {len(columns.labels)}")
 
-    def encode(self, frame: pl.DataFrame) -> pl.DataFrame:
-        action = pl.lit(0, pl.Int8)
+    def encode(self, frame: pl.DataFrame, categories: dict[str, pa.ChunkedArray] | None = None) -> _Part:
+        """Integer codes for the strings (from Parquet dictionaries when given), time in ms, the action
+        bitmask and whether any label is present, as arrays beside the frame, which stays as read:
+        adding columns to a frame read in several chunks would copy all of it."""
+        derived = {}
+        for name, vocab in self.vocab.items():
+            if categories is None:
+                derived[name] = frame[name].cast(pl.Enum(vocab)).to_physical().cast(pl.Int8).to_numpy()
+            else:  # remap each chunk's dictionary indices through a tiny lookup table
+                chunks = []
+                for chunk in categories[name].chunks:
+                    lookup = np.array([vocab.index(v) for v in chunk.dictionary.to_pylist()], dtype=np.int8)
+                    chunks.append(lookup[chunk.indices.to_numpy(zero_copy_only=False)])
+                derived[name] = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int8)
+        derived["timestamp"] = frame["timestamp"].dt.cast_time_unit("ms").to_physical().to_numpy()
+        action = np.zeros(frame.height, dtype=np.int8)
+        labelled = np.zeros(frame.height, dtype=bool)
         for bit, name in enumerate(self.columns.labels):
-            action = action + (pl.col(name).fill_null(0) == 1).cast(pl.Int8) * (1 << bit)
-        return frame.with_columns(
-            pl.col("timestamp").dt.epoch("ms").alias("timestamp"),
-            pl.col("surface").cast(self.surface).to_physical().cast(pl.Int8),
-            pl.col("event_type").cast(self.event_type).to_physical().cast(pl.Int8),
-            action.alias("action"),
-            pl.any_horizontal(pl.col(c).is_not_null() for c in self.columns.labels).alias("_labelled"),
-        )
+            label = frame[name].fill_null(-1).to_numpy()
+            action |= (label == 1).astype(np.int8) << bit
+            labelled |= label >= 0
+        derived["action"], derived["labelled"] = action, labelled
+        return _Part(frame, derived)
+
+
+@dataclass
+class _Part:
+    """One input file (or its share of a bucket): the frame as read, and arrays derived from it."""
+
+    frame: pl.DataFrame
+    derived: dict[str, np.ndarray]
+
+    @property
+    def height(self) -> int:
+        return self.frame.height
+
+    def column(self, name: str) -> np.ndarray:
+        return self.derived[name] if name in self.derived else self.frame[name].to_numpy()
 
 
 def _is_user_time_sorted(user: np.ndarray, ts: np.ndarray) -> bool:
@@ -186,7 +261,10 @@ def _user_time_order(user: np.ndarray, ts: np.ndarray, part_offsets: np.ndarray)
     """
     bounds = list(zip(part_offsets[:-1], part_offsets[1:]))
     parts_sorted = all(_is_user_time_sorted(user[a:b], ts[a:b]) for a, b in bounds if b > a)
-    disjoint = all(ts[b1 - 1] <= ts[a2] for (a1, b1), (a2, b2) in zip(bounds, bounds[1:]) if b1 > a1 and b2 > a2)
+    # A part is sorted by user first, so its last row need not be its latest event: compare max with min.
+    disjoint = all(
+        ts[a1:b1].max() <= ts[a2:b2].min() for (a1, b1), (a2, b2) in zip(bounds, bounds[1:]) if b1 > a1 and b2 > a2
+    )
     if not (parts_sorted and disjoint):
         return _sort_order(user, ts)
     n = len(user)
@@ -199,8 +277,12 @@ def _user_time_order(user: np.ndarray, ts: np.ndarray, part_offsets: np.ndarray)
     # Runs appear in partition order, so a stable sort by user keeps each user's runs in time order.
     run_order = _stable_argsort(user[run_start])
     run_start, run_len = run_start[run_order], run_len[run_order]
-    out_start = np.cumsum(run_len) - run_len
-    return np.repeat(run_start - out_start, run_len) + np.arange(n, dtype=np.int64)
+    # Built as a running sum of steps (1 inside a run, a jump between runs): one array, no temporaries.
+    order = np.ones(n, dtype=np.int64)
+    order[0] = run_start[0]
+    out_start = np.cumsum(run_len[:-1])
+    order[out_start] = run_start[1:] - (run_start[:-1] + run_len[:-1] - 1)
+    return np.cumsum(order, out=order)
 
 
 def _sort_order(user: np.ndarray, ts: np.ndarray) -> np.ndarray:
@@ -218,90 +300,152 @@ def _stable_argsort(*keys: np.ndarray) -> np.ndarray:
     return frame.select(pl.arg_sort_by(frame.columns, maintain_order=True)).to_series().to_numpy()
 
 
-def _build_chunk(parts: list[pl.DataFrame], encoder: _Encoder, max_len: int, eval_start_ms: int, user_base: int):
-    """One bucket of users: timelines in (user, time) order; examples in input order."""
-    parts = [encoder.encode(p) for p in parts if p.height]
-    part_offsets = np.cumsum([0] + [p.height for p in parts])
-    events = pl.concat(parts, rechunk=False)
-    n = events.height
-    user = events["user_id"].to_numpy()
-    ts = events["timestamp"].to_numpy()
-    order = _user_time_order(user, ts, part_offsets)
-    user_s, ts_s = user[order], ts[order]
+def _build_chunk(parts: list[_Part], encoder: _Encoder, eval_start_ms: int, writer: _SequenceLogsWriter,
+                 timer: StageTimer) -> None:
+    """One bucket of users: timelines in (user, time) order, then examples, one file per input part.
 
-    new_user = np.empty(n, dtype=bool)
-    new_user[0] = True
-    np.not_equal(user_s[1:], user_s[:-1], out=new_user[1:])
-    new_run = new_user.copy()
-    new_run[1:] |= ts_s[1:] != ts_s[:-1]  # a run is one user's events at one instant
-
-    event_type_s = events["event_type"].to_numpy()[order]
-    is_hist = None if encoder.history_codes is None else np.isin(event_type_s, encoder.history_codes)
-    if is_hist is None:
-        hist_before = np.arange(n, dtype=np.int64)  # history events earlier in (user, time) order
-    else:
-        hist_before = np.cumsum(is_hist, dtype=np.int64) - is_hist
-
-    run_id = np.cumsum(new_run) - 1
-    user_id_of_row = np.cumsum(new_user) - 1
-    user_first = np.flatnonzero(new_user)
-    # Strictly before the request: history events before the first event at this instant.
-    history_end_s = hist_before[np.flatnonzero(new_run)[run_id]] - hist_before[user_first[user_id_of_row]]
-    pointer_s = (user_id_of_row + user_base) << 32 | history_end_s  # user_row and history_end, one scatter
-    pointer = np.empty(n, dtype=np.int64)
-    pointer[order] = pointer_s
-
-    timeline = {"item_id": events["item_id"].to_numpy()[order], "timestamp": ts_s, "event_type": event_type_s,
-                "surface": events["surface"].to_numpy()[order], "action": events["action"].to_numpy()[order]}
-    if is_hist is None:
-        hist_per_user = np.diff(np.append(user_first, n))
-    else:
-        timeline = {k: v[is_hist] for k, v in timeline.items()}
-        hist_per_user = np.add.reduceat(is_hist.astype(np.int64), user_first)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(hist_per_user)]))
-    timelines = pl.DataFrame(
-        {"user_id": user_s[user_first]}
-        | {k: pl.Series(k, pa.LargeListArray.from_arrays(offsets, pa.array(timeline[k]))) for k in TIMELINE_FIELDS}
-    )
-
+    Arrays are dropped as soon as they are used: peak memory is about the input plus a few columns.
+    """
+    user_base = writer.n_users
+    with timer("columns"):
+        parts = [p for p in parts if p.height]
+        part_offsets = np.cumsum([0] + [p.height for p in parts])
+        n = int(part_offsets[-1])
+        user, ts = _column(parts, "user_id"), _column(parts, "timestamp")
+    with timer("order"):
+        order = _user_time_order(user, ts, part_offsets)
+        user_s, ts_s = user[order], ts[order]
+        del user, ts
+        new_user = np.empty(n, dtype=bool)
+        new_user[0] = True
+        np.not_equal(user_s[1:], user_s[:-1], out=new_user[1:])
+        new_run = new_user.copy()
+        new_run[1:] |= ts_s[1:] != ts_s[:-1]  # a run is one user's events at one instant
+        user_first = np.flatnonzero(new_user)
+        user_ids = user_s[user_first]
+        del user_s, new_user
+        user_len = np.diff(np.append(user_first, n))
+        event_type_s = _column(parts, "event_type")[order]
+        is_hist = None if encoder.history_codes is None else np.isin(event_type_s, encoder.history_codes)
+    with timer("timelines"):
+        timeline = {"item_id": _column(parts, "item_id")[order], "timestamp": ts_s, "event_type": event_type_s,
+                    "surface": _column(parts, "surface")[order], "action": _column(parts, "action")[order]}
+        del ts_s
+        if is_hist is None:
+            hist_per_user = user_len
+        else:
+            timeline = {k: v[is_hist] for k, v in timeline.items()}
+            hist_per_user = np.add.reduceat(is_hist.astype(np.int64), user_first)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(hist_per_user)]))
+        timelines = pl.DataFrame(
+            {"user_id": user_ids}
+            | {k: pl.Series(k, pa.LargeListArray.from_arrays(offsets, pa.array(timeline.pop(k)))) for k in TIMELINE_FIELDS}
+        )
+    writer.write_timelines(timelines, hist_per_user)  # in the background, while examples are made
+    del timelines
+    with timer("pointers"):
+        run_first = np.flatnonzero(new_run)
+        run_len = np.diff(np.append(run_first, n))
+        del new_run
+        if is_hist is None:
+            hist_before_run, hist_before_user = run_first, user_first
+        else:  # count only history events: position among the user's history events
+            hist_before = np.cumsum(is_hist, dtype=np.int64) - is_hist
+            hist_before_run, hist_before_user = hist_before[run_first], hist_before[user_first]
+            del hist_before
+        # Strictly before the request: the user's history events before the first event at this instant.
+        history_end = np.empty(n, dtype=np.int32)
+        sorted_values = np.repeat(hist_before_run.astype(np.int32), run_len)
+        sorted_values -= np.repeat(hist_before_user.astype(np.int32), user_len)
+        history_end[order] = sorted_values
+        del hist_before_run, run_first, run_len, sorted_values
+        user_row = np.empty(n, dtype=np.int32)
+        user_row[order] = np.repeat(np.arange(user_base, user_base + len(user_first), dtype=np.int32), user_len)
+        del order
     c = encoder.columns
-    user_row = (pointer >> 32).astype(np.int32)
-    history_end = (pointer & 0xFFFFFFFF).astype(np.int32)
-    examples = events.select(
-        pl.Series("user_row", user_row),
-        pl.Series("history_end", history_end),
-        pl.Series("history_len", np.minimum(history_end, max_len)),
-        "timestamp", "item_id", "surface", "event_type", *c.labels, *c.sparse_features, *c.dense_features,
-        (pl.col("timestamp") >= eval_start_ms).cast(pl.Int8).alias("split"),
-        "_labelled",
-    )
-    if not bool(examples["_labelled"].all()):
-        examples = examples.filter("_labelled")
-    return timelines, examples.drop("_labelled"), hist_per_user
+    for part, start, end in zip(parts, part_offsets[:-1], part_offsets[1:]):
+        with timer("examples"):
+            d = part.derived
+            examples = part.frame.select(
+                pl.Series("user_row", user_row[start:end]),
+                pl.Series("history_end", history_end[start:end]),
+                pl.Series("timestamp", d["timestamp"]), "item_id",
+                pl.Series("surface", d["surface"]), pl.Series("event_type", d["event_type"]),
+                *c.labels, *c.sparse_features, *c.dense_features,
+                pl.Series("split", (d["timestamp"] >= eval_start_ms).astype(np.int8)),
+            )
+            if not d["labelled"].all():
+                examples = examples.filter(pl.Series(d["labelled"]))
+        writer.write_examples(examples)
+    writer.end_part()
+
+
+def _column(parts: list[_Part], name: str) -> np.ndarray:
+    return np.concatenate([p.column(name) for p in parts])
+
+
+class StageTimer:
+    """Wall time per named stage, summed over buckets: where preparation spends its time."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 class _SequenceLogsWriter:
     """Writes each bucket of users as one part file of timelines and one of examples."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, max_history_len: int, timer: StageTimer):
+        self.folder, self.max_history_len, self.timer = folder, max_history_len, timer
         (folder / TIMELINES).mkdir(parents=True)
         (folder / EXAMPLES).mkdir()
         self.n_parts = self.n_users = self.n_timeline_events = self.n_examples = self.n_eval = 0
         self._timeline_lengths: list[np.ndarray] = []
         self._history_lengths: list[np.ndarray] = []
+        self._example_files = 0
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._pending: Future | None = None
 
-    def write(self, timelines: pl.DataFrame, examples: pl.DataFrame, timeline_lengths: np.ndarray):
-        name = f"part-{self.n_parts:05d}.parquet"
-        timelines.write_parquet(self.folder / TIMELINES / name, compression="lz4")
-        examples.write_parquet(self.folder / EXAMPLES / name, compression="lz4")
-        self.n_parts += 1
+    def write_timelines(self, timelines: pl.DataFrame, timeline_lengths: np.ndarray) -> None:
+        """Starts writing in a thread: Parquet encoding releases the GIL, so it overlaps numpy work."""
+        self.finish()
+        path = self.folder / TIMELINES / f"part-{self.n_parts:05d}.parquet"
+        self._pending = self._pool.submit(timelines.write_parquet, path, compression="lz4", statistics=False)
         self.n_users += timelines.height
         self.n_timeline_events += int(timeline_lengths.sum())
+        self._timeline_lengths.append(timeline_lengths)
+
+    def write_examples(self, examples: pl.DataFrame) -> None:
+        """Examples of one input file; files sort in input order, as example indices count them."""
+        with self.timer("write"):
+            name = f"part-{self.n_parts:05d}-{self._example_files:05d}.parquet"
+            examples.write_parquet(self.folder / EXAMPLES / name, compression="lz4")
+        self._example_files += 1
         self.n_examples += examples.height
         self.n_eval += int(examples["split"].sum())
-        self._timeline_lengths.append(timeline_lengths)
-        self._history_lengths.append(examples["history_len"].to_numpy())
+        self._history_lengths.append(np.minimum(examples["history_end"].to_numpy(), self.max_history_len))
+
+    def end_part(self) -> None:
+        with self.timer("write"):
+            self.finish()
+        self.n_parts += 1
+        self._example_files = 0
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            self._pending.result()  # re-raises a failed write
+            self._pending = None
+
+    def close(self) -> None:
+        self.finish()
+        self._pool.shutdown()
 
     def timeline_quantiles(self) -> dict[str, float]:
         return _quantiles(np.concatenate(self._timeline_lengths)) if self._timeline_lengths else {}

@@ -1,0 +1,41 @@
+"""What every benchmark records beside its figures: the commit, the machine and the settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def commit() -> dict:
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
+    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+
+
+def save(name: str, settings: dict, results: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               **commit(), "machine": machine(), "settings": settings, "results": results}
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, path)
+    print(f"saved {path}")
+    return path

@@ -1,0 +1,87 @@
+"""SequenceLogs.batch: tensor dtypes and shapes, jagged offsets, label masks, history cuts."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.event_log_builders import build, example_by_item, hand_events, history_items
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return build(hand_events(), tmp_path_factory.mktemp("loader") / "seq")[1]
+
+
+@pytest.fixture(scope="module")
+def batch(logs):
+    return logs.batch(np.arange(len(logs)))
+
+
+def test_batch_dtypes(batch):
+    for name in ("example_index", "timestamp", "item_id", "surface", "history_offsets", "history_item_id",
+                 "history_surface", "history_event_type", "history_action"):
+        assert getattr(batch, name).dtype == torch.int64, name
+    assert batch.sparse_features["user_segment"].dtype == torch.int64
+    for name in ("dense_features", "labels", "history_age_seconds"):
+        assert getattr(batch, name).dtype == torch.float32, name
+    assert batch.label_mask.dtype == torch.bool
+
+
+def test_batch_shapes(logs, batch):
+    n, tokens = len(logs), int(logs.history_lengths().sum())
+    assert n == 9 and batch.size == n
+    assert batch.dense_features.shape == (n, 1)
+    assert batch.labels.shape == batch.label_mask.shape == (n, 2)
+    assert batch.history_offsets.shape == (n + 1,)
+    for name in ("history_item_id", "history_surface", "history_event_type", "history_action",
+                 "history_age_seconds"):
+        assert getattr(batch, name).shape == (tokens,), name
+
+
+def test_offsets_agree_with_history_lengths(logs, batch):
+    assert batch.history_offsets[0] == 0
+    assert batch.history_lengths.tolist() == logs.history_lengths().tolist()
+    assert int(batch.history_offsets[-1]) == batch.history_item_id.numel()
+
+
+def test_features_follow_their_example(logs, batch):
+    row = example_by_item(logs, 17)
+    assert batch.sparse_features["user_segment"][row] == 7 % 5
+    assert batch.dense_features[row, 0] == pytest.approx(1.7)
+    assert logs.surfaces[int(batch.surface[row])] == "feed"
+
+
+def test_null_label_is_zero_and_masked(logs, batch):
+    row = example_by_item(logs, 13)  # clicked 0, conversion unknown
+    assert batch.labels[row].tolist() == [0.0, 0.0]
+    assert batch.label_mask[row].tolist() == [True, False]
+    row = example_by_item(logs, 14)  # clicked and converted
+    assert batch.labels[row].tolist() == [1.0, 1.0]
+    assert batch.label_mask[row].tolist() == [True, True]
+
+
+def test_history_action_is_the_label_bitmask(logs):
+    history = logs.batch([example_by_item(logs, 16)])  # history 11, 12, 13, 14, 15
+    assert history.history_action.tolist() == [0, 1, 0, 3, 0]
+
+
+def test_first_event_of_a_user_has_empty_history(logs):
+    one = logs.batch([example_by_item(logs, 21)])
+    assert one.history_offsets.tolist() == [0, 0]
+    assert one.history_item_id.numel() == 0
+    assert one.history_age_seconds.numel() == 0
+
+
+def test_index_out_of_range_raises(logs):
+    with pytest.raises(IndexError):
+        logs.batch([len(logs)])
+    with pytest.raises(IndexError):
+        logs.batch([-1])
+
+
+def test_max_history_len_override_cuts_to_the_most_recent(logs):
+    row = example_by_item(logs, 17)
+    cut = logs.batch([row], max_history_len=3)
+    assert cut.history_item_id.tolist() == [14, 15, 16]
+    assert history_items(logs, 17, max_history_len=1) == [16]
+    assert logs.batch([row]).history_lengths.tolist() == [6]  # the override does not stick

@@ -1,0 +1,118 @@
+"""The data assets materialized with Dagster into a temporary instance and a real MLflow SQLite store."""
+
+from datetime import date, timedelta
+
+import dagster as dg
+import pytest
+from mlflow.tracking import MlflowClient
+
+from assets.raw_event_logs import raw_event_logs
+from assets.resources import LakeResource, MLflowResource
+from assets.sequence_logs import sequence_logs
+from assets.shuffled_batches import shuffled_batches
+from gem_ops.data.batch_shuffling import read_rank_plan
+from gem_ops.data.loader import SequenceLogs
+
+DAYS = [date(2026, 11, 1) + timedelta(days=i) for i in range(3)]
+RUN_CONFIG = {
+    "ops": {
+        "raw_event_logs": {"config": {"synthetic_users": 400}},
+        "sequence_logs": {"config": {"lookback_days": 3, "max_history_len": 64}},
+        "shuffled_batches": {"config": {"world_sizes": [1, 2], "sub_batches_per_rank": 1, "sub_batch_size": 16}},
+    }
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    resources = {
+        "lake": LakeResource(base_dir=str(root / "lake")),
+        "mlflow": MLflowResource(tracking_uri=f"sqlite:///{root / 'mlflow.db'}", artifact_location=str(root / "artifacts")),
+    }
+    (root / "dagster").mkdir()
+    with dg.instance_for_test(temp_dir=str(root / "dagster")) as instance:
+        results = {}
+        for day in DAYS[:-1]:
+            results[day] = dg.materialize(
+                [raw_event_logs], partition_key=day.isoformat(), resources=resources, instance=instance,
+                run_config={"ops": {"raw_event_logs": RUN_CONFIG["ops"]["raw_event_logs"]}},
+            )
+        results[DAYS[-1]] = dg.materialize(
+            [raw_event_logs, sequence_logs, shuffled_batches], partition_key=DAYS[-1].isoformat(),
+            resources=resources, instance=instance, run_config=RUN_CONFIG,
+        )
+        yield {"root": root, "results": results, "instance": instance, "client": MlflowClient(f"sqlite:///{root / 'mlflow.db'}")}
+
+
+def test_every_run_succeeds_and_checks_pass(pipeline):
+    assert all(r.success for r in pipeline["results"].values())
+    evaluations = pipeline["results"][DAYS[-1]].get_asset_check_evaluations()
+    by_name = {e.check_name: e for e in evaluations}
+    assert set(by_name) == {"schema", "null_rate", "no_future_leakage", "length_distribution"}
+    assert all(e.passed for e in evaluations)
+    assert by_name["no_future_leakage"].metadata["leaked"].value == 0
+
+
+def test_outputs_land_in_the_lake(pipeline):
+    lake = pipeline["root"] / "lake"
+    assert sorted(p.name for p in (lake / "raw_event_logs").iterdir()) == [f"{d}.parquet" for d in DAYS]
+    logs = SequenceLogs(lake / "sequence_logs" / DAYS[-1].isoformat())
+    assert len(logs) > 0 and logs.max_history_len == 64
+    for world_size in (1, 2):
+        plan = read_rank_plan(lake / "shuffled_batches" / DAYS[-1].isoformat() / f"world_size={world_size}.parquet", 0)
+        assert plan.shape[1] == 16
+        assert set(plan.ravel()) <= set(logs.split_indices("train"))
+
+
+def test_materialization_metadata(pipeline):
+    result = pipeline["results"][DAYS[-1]]
+    materializations = {m.asset_key.to_user_string(): m for m in result.get_asset_materialization_events()}
+    seq_meta = materializations["sequence_logs"].materialization.metadata
+    assert seq_meta["window"].value == f"{DAYS[0]} .. {DAYS[-1]}"
+    assert seq_meta["n_examples"].value > 0
+    balance = materializations["shuffled_batches"].materialization.metadata["imbalance"].value
+    assert set(balance) == {"1", "2"} or set(balance) == {1, 2}
+
+
+def test_mlflow_runs_metrics_and_artifacts(pipeline):
+    client = pipeline["client"]
+    experiment = client.get_experiment_by_name("gem")
+    runs = client.search_runs([experiment.experiment_id], max_results=100)
+    last_run_id = pipeline["results"][DAYS[-1]].run_id
+    parent = [r for r in runs if r.data.tags.get("dagster.run_id") == last_run_id and "mlflow.parentRunId" not in r.data.tags]
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    children = {
+        r.data.tags["dagster.asset_key"]: r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id
+    }
+    assert set(children) == {"raw_event_logs", "sequence_logs", "shuffled_batches"}
+    for child in children.values():
+        assert child.info.status == "FINISHED"
+        assert child.data.tags["dagster.partition_key"] == DAYS[-1].isoformat()
+
+    seq = children["sequence_logs"]
+    assert seq.data.metrics["n_examples"] > 0
+    assert seq.data.metrics["leakage.leaked"] == 0
+    assert {a.path for a in client.list_artifacts(seq.info.run_id)} >= {"length_histogram.png", "manifest.json"}
+    shuffled = children["shuffled_batches"]
+    assert 1.0 <= shuffled.data.metrics["ws2.imbalance_bbs"] <= shuffled.data.metrics["ws2.imbalance_random"] + 1e-9
+    assert {a.path for a in client.list_artifacts(shuffled.info.run_id)} >= {"balance.png", "balance.json"}
+    raw = children["raw_event_logs"]
+    assert raw.data.metrics["events"] > 0 and raw.data.params["source"] == "synthetic"
+
+
+def test_missing_upstream_partition_names_the_day(tmp_path):
+    resources = {
+        "lake": LakeResource(base_dir=str(tmp_path / "lake")),
+        "mlflow": MLflowResource(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", artifact_location=str(tmp_path / "a")),
+    }
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        result = dg.materialize(
+            [sequence_logs], partition_key="2026-11-02", resources=resources, instance=instance,
+            run_config={"ops": {"sequence_logs": {"config": {"lookback_days": 2}}}}, raise_on_error=False,
+        )
+    assert not result.success
+    failure = result.get_step_failure_events()[0].step_failure_data.error
+    assert "2026-11-01" in str(failure) and "2026-11-02" in str(failure)
