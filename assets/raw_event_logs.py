@@ -23,6 +23,7 @@ class RawEventLogsConfig(dg.Config):
     synthetic_seed: int = 0
     parquet_template: str = Field("", description="For source=parquet: a path with {date}, e.g. /data/{date}.parquet")
     movielens_dir: str = Field("", description="For source=movielens: the ml-latest-small folder (default: bundled).")
+    movielens_replay_days: int = Field(14, description="For source=movielens: days the sample is replayed onto.")
 
     def event_source(self) -> EventSource:
         synthetic = SyntheticConfig(
@@ -31,7 +32,8 @@ class RawEventLogsConfig(dg.Config):
             seed=self.synthetic_seed,
         )
         extra = {"movielens_dir": self.movielens_dir} if self.movielens_dir else {}
-        return EventSource(kind=self.source, synthetic=synthetic, parquet_template=self.parquet_template, **extra)
+        return EventSource(kind=self.source, synthetic=synthetic, parquet_template=self.parquet_template,
+                           movielens_replay_days=self.movielens_replay_days, **extra)
 
 
 def raw_partition_path(lake: LakeResource, day: str):

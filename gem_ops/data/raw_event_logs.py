@@ -30,6 +30,8 @@ class EventSource:
     kind: Source = "synthetic"
     synthetic: SyntheticConfig = SyntheticConfig()
     movielens_dir: str = str(DEFAULT_MOVIELENS_DIR)
+    movielens_replay_days: int = 14
+    """MovieLens is replayed onto this many days from the synthetic start date (see movielens.py)."""
     parquet_template: str = ""
     """For kind='parquet': a path with {date} (YYYY-MM-DD), e.g. /data/events/{date}.parquet."""
 
@@ -39,7 +41,9 @@ def load_day(source: EventSource, day: date) -> pl.DataFrame:
     if source.kind == "synthetic":
         frame, origin = generate_day(source.synthetic, day), f"synthetic day {day}"
     elif source.kind == "movielens":
-        frame, origin = _day_slice(load_movielens(source.movielens_dir), day), f"{source.movielens_dir} ({day})"
+        events = load_movielens(source.movielens_dir, replay_start=source.synthetic.start_date,
+                                replay_days=source.movielens_replay_days)
+        frame, origin = _day_slice(events, day), f"{source.movielens_dir} ({day})"
         if frame.height == 0:
             return frame
     elif source.kind == "parquet":
