@@ -3,6 +3,7 @@
 from datetime import date, timedelta
 
 import dagster as dg
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -116,3 +117,25 @@ def test_missing_upstream_partition_names_the_day(tmp_path):
     assert not result.success
     failure = result.get_step_failure_events()[0].step_failure_data.error
     assert "2026-11-01" in str(failure) and "2026-11-02" in str(failure)
+
+
+def test_movielens_source_through_the_assets(tmp_path):
+    """The bundled MovieLens sample: ratings are history, sampled negatives are examples only."""
+    resources = {
+        "lake": LakeResource(base_dir=str(tmp_path / "lake")),
+        "mlflow": MLflowResource(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", artifact_location=str(tmp_path / "a")),
+    }
+    raw_config = {"ops": {"raw_event_logs": {"config": {"source": "movielens", "movielens_replay_days": 2}}}}
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        first = dg.materialize([raw_event_logs], partition_key="2026-11-01", resources=resources, instance=instance,
+                               run_config=raw_config)
+        config = {"ops": {**raw_config["ops"], "sequence_logs": {"config": {"lookback_days": 2, "history_event_types": ["rating"]}}}}
+        second = dg.materialize([raw_event_logs, sequence_logs], partition_key="2026-11-02", resources=resources,
+                                instance=instance, run_config=config)
+    assert first.success and second.success
+    logs = SequenceLogs(tmp_path / "lake" / "sequence_logs" / "2026-11-02")
+    rating = logs.event_types.index("rating")
+    assert set(np.unique(logs.timeline_column("event_type"))) == {rating}
+    example_types = set(np.unique(logs.column("event_type")))
+    assert example_types == {rating, logs.event_types.index("sampled_negative")}
+    assert set(logs.surfaces) <= {"action", "comedy", "drama", "other"}

@@ -344,21 +344,22 @@ def _build_chunk(parts: list[_Part], encoder: _Encoder, eval_start_ms: int, writ
     writer.write_timelines(timelines, hist_per_user)  # in the background, while examples are made
     del timelines
     with timer("pointers"):
-        run_first = np.flatnonzero(new_run)
-        run_len = np.diff(np.append(run_first, n))
+        # Per event in (user, time) order: where its instant's run starts, and where its user starts.
+        run_start = np.where(new_run, np.arange(n, dtype=np.int32), 0)
+        np.maximum.accumulate(run_start, out=run_start)
         del new_run
-        if is_hist is None:
-            hist_before_run, hist_before_user = run_first, user_first
-        else:  # count only history events: position among the user's history events
-            hist_before = np.cumsum(is_hist, dtype=np.int64) - is_hist
-            hist_before_run, hist_before_user = hist_before[run_first], hist_before[user_first]
-            del hist_before
+        user_start = np.repeat(user_first.astype(np.int32), user_len)
         # Strictly before the request: the user's history events before the first event at this instant.
+        if is_hist is None:
+            run_start -= user_start
+            sorted_values = run_start
+        else:  # count only history events
+            hist_before = np.cumsum(is_hist, dtype=np.int32) - is_hist
+            sorted_values = hist_before[run_start] - hist_before[user_start]
+            del hist_before, run_start
         history_end = np.empty(n, dtype=np.int32)
-        sorted_values = np.repeat(hist_before_run.astype(np.int32), run_len)
-        sorted_values -= np.repeat(hist_before_user.astype(np.int32), user_len)
         history_end[order] = sorted_values
-        del hist_before_run, run_first, run_len, sorted_values
+        del sorted_values, user_start
         user_row = np.empty(n, dtype=np.int32)
         user_row[order] = np.repeat(np.arange(user_base, user_base + len(user_first), dtype=np.int32), user_len)
         del order
