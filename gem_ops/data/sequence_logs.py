@@ -49,15 +49,18 @@ class SequenceLogsConfig:
     history_event_types: tuple[str, ...] | None = None
     """Event types that join timelines; None means all (MovieLens keeps sampled negatives out)."""
     max_events_in_memory: int = 30_000_000
-    """Above this many events, users are processed in hash buckets so memory stays bounded."""
+    """Above this many events, users are read in hash buckets so memory stays bounded."""
+    chunk_events: int = 2_000_000
+    """Users are processed in ranges of about this many events: a smaller working set is faster."""
 
     def __post_init__(self):
         if self.max_history_len < 1:
             raise ValueError(f"max_history_len must be >= 1, got {self.max_history_len}")
         if self.eval_days < 0:
             raise ValueError(f"eval_days must be >= 0, got {self.eval_days}")
-        if self.max_events_in_memory < 1:
-            raise ValueError(f"max_events_in_memory must be >= 1, got {self.max_events_in_memory}")
+        for name in ("max_events_in_memory", "chunk_events"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -101,7 +104,8 @@ def build_sequence_logs(
                              for name in CATEGORY_COLUMNS)
     eval_start = None
     if config.eval_days > 0:
-        eval_start = per_file["last"].max().date() - timedelta(days=config.eval_days - 1)
+        last = datetime.fromtimestamp(per_file["last"].max() / 1000, tz=timezone.utc)
+        eval_start = last.date() - timedelta(days=config.eval_days - 1)
     eval_start_ms = _epoch_ms(eval_start) if eval_start else np.iinfo(np.int64).max
     history_types = config.history_event_types
     if history_types is not None and not set(history_types) & set(event_types):
@@ -117,8 +121,16 @@ def build_sequence_logs(
             for bucket in range(n_buckets):
                 with timer("read"):
                     parts = _read_bucket(paths, encoder, categories, bucket, n_buckets)
-                if sum(p.height for p in parts):
-                    _build_chunk(parts, encoder, eval_start_ms, writer, timer)
+                user_row = [np.empty(p.height, dtype=np.int32) for p in parts]
+                history_end = [np.empty(p.height, dtype=np.int32) for p in parts]
+                for chunk in _user_range_chunks(parts, config.chunk_events):
+                    rows, ends = _build_timelines([parts[i].slice(a, b) for i, a, b in chunk], encoder, writer, timer)
+                    offset = 0
+                    for i, a, b in chunk:  # back into each input part's own order
+                        user_row[i][a:b], history_end[i][a:b] = rows[offset:offset + b - a], ends[offset:offset + b - a]
+                        offset += b - a
+                for part, rows, ends in zip(parts, user_row, history_end):
+                    _write_examples(part, rows, ends, encoder, eval_start_ms, writer, timer)
         finally:
             writer.close()
         summary = SequenceLogsSummary(
@@ -146,18 +158,20 @@ def build_sequence_logs(
 
 
 def _per_file_times(paths: list[str]) -> pl.DataFrame:
-    """Rows and first/last timestamp of each file, from Parquet statistics where the writer kept them."""
+    """Rows and first/last timestamp (ms) of each file, from Parquet statistics where the writer kept
+    them (raw values: converting them to datetimes would import pandas)."""
     rows = []
     for path in paths:
         meta = pq.ParquetFile(path).metadata
         stats = [_column_stats(meta.row_group(i), "timestamp") for i in range(meta.num_row_groups)]
-        if meta.num_rows and all(s is not None and s.has_min_max for s in stats):
-            first, last = min(s.min for s in stats), max(s.max for s in stats)
+        if meta.num_rows and all(s is not None and s.has_min_max and _is_ms(s) for s in stats):
+            first, last = min(s.min_raw for s in stats), max(s.max_raw for s in stats)
         else:
-            first, last = pl.scan_parquet(path).select(pl.col("timestamp").min(), pl.col("timestamp").max()).collect().row(0)
-        rows.append({"_file": path, "n": meta.num_rows, "first": _as_utc(first), "last": _as_utc(last)})
-    return pl.DataFrame(rows, schema={"_file": pl.String, "n": pl.Int64, "first": pl.Datetime("ms", "UTC"),
-                                      "last": pl.Datetime("ms", "UTC")}).sort("first", nulls_last=True)
+            ms = pl.col("timestamp").dt.cast_time_unit("ms").to_physical()
+            first, last = pl.scan_parquet(path).select(ms.min(), ms.max()).collect().row(0)
+        rows.append({"_file": path, "n": meta.num_rows, "first": first, "last": last})
+    schema = {"_file": pl.String, "n": pl.Int64, "first": pl.Int64, "last": pl.Int64}
+    return pl.DataFrame(rows, schema=schema).sort("first", nulls_last=True)
 
 
 def _column_stats(row_group, name: str):
@@ -167,8 +181,8 @@ def _column_stats(row_group, name: str):
     return None
 
 
-def _as_utc(value):
-    return value.replace(tzinfo=timezone.utc) if value is not None and value.tzinfo is None else value
+def _is_ms(stats) -> bool:
+    return stats.physical_type == "INT64" and "milliseconds" in str(stats.logical_type)
 
 
 def _read_bucket(paths, encoder: _Encoder, categories, bucket: int, n_buckets: int) -> list[_Part]:
@@ -181,9 +195,29 @@ def _read_bucket(paths, encoder: _Encoder, categories, bucket: int, n_buckets: i
     return [encoder.encode(pl.scan_parquet(p).select(columns).filter(in_bucket).collect()) for p in paths]
 
 
+def _user_range_chunks(parts: list[_Part], chunk_events: int):
+    """Ranges of user ids of about chunk_events events, as (part index, start, end) row slices of the
+    user-sorted parts; parts not sorted by user are taken whole, as one range."""
+    total = sum(p.height for p in parts)
+    users = [p.column("user_id") for p in parts]
+    n_chunks = math.ceil(total / chunk_events)
+    if n_chunks <= 1 or not all(np.all(u[1:] >= u[:-1]) for u in users):
+        if total:
+            yield [(i, 0, p.height) for i, p in enumerate(parts) if p.height]
+        return
+    sample = np.concatenate([u[:: max(1, total // 100_000)] for u in users])
+    splits = np.unique(np.quantile(sample, np.linspace(0, 1, n_chunks + 1)[1:-1], method="lower"))
+    cuts = [np.concatenate([[0], np.searchsorted(u, splits, side="right"), [len(u)]]) for u in users]
+    for c in range(len(splits) + 1):
+        chunk = [(i, int(cut[c]), int(cut[c + 1])) for i, cut in enumerate(cuts) if cut[c + 1] > cut[c]]
+        if chunk:
+            yield chunk
+
+
 def _read_categories(path: str) -> dict[str, pa.ChunkedArray]:
     """The string columns as Parquet stores them, dictionary-encoded: no per-row strings are built."""
-    table = pq.read_table(path, columns=list(CATEGORY_COLUMNS), read_dictionary=list(CATEGORY_COLUMNS))
+    # ParquetFile, not read_table: read_table imports pyarrow.dataset (a third of a second).
+    table = pq.ParquetFile(path, read_dictionary=list(CATEGORY_COLUMNS)).read(columns=list(CATEGORY_COLUMNS))
     return {name: table[name] for name in CATEGORY_COLUMNS}
 
 
@@ -218,7 +252,7 @@ class _Encoder:
                 chunks = []
                 for chunk in categories[name].chunks:
                     lookup = np.array([vocab.index(v) for v in chunk.dictionary.to_pylist()], dtype=np.int8)
-                    chunks.append(lookup[chunk.indices.to_numpy(zero_copy_only=False)])
+                    chunks.append(lookup[chunk.indices.to_numpy(zero_copy_only=True)])  # no nulls: a view; the copying path imports pandas
                 derived[name] = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int8)
         derived["timestamp"] = frame["timestamp"].dt.cast_time_unit("ms").to_physical().to_numpy()
         action = np.zeros(frame.height, dtype=np.int8)
@@ -244,6 +278,9 @@ class _Part:
 
     def column(self, name: str) -> np.ndarray:
         return self.derived[name] if name in self.derived else self.frame[name].to_numpy()
+
+    def slice(self, start: int, end: int) -> _Part:
+        return _Part(self.frame.slice(start, end - start), {k: v[start:end] for k, v in self.derived.items()})
 
 
 def _is_user_time_sorted(user: np.ndarray, ts: np.ndarray) -> bool:
@@ -300,9 +337,10 @@ def _stable_argsort(*keys: np.ndarray) -> np.ndarray:
     return frame.select(pl.arg_sort_by(frame.columns, maintain_order=True)).to_series().to_numpy()
 
 
-def _build_chunk(parts: list[_Part], encoder: _Encoder, eval_start_ms: int, writer: _SequenceLogsWriter,
-                 timer: StageTimer) -> None:
-    """One bucket of users: timelines in (user, time) order, then examples, one file per input part.
+def _build_timelines(parts: list[_Part], encoder: _Encoder, writer: _SequenceLogsWriter,
+                     timer: StageTimer) -> tuple[np.ndarray, np.ndarray]:
+    """One range of users: writes their timelines in (user, time) order and returns, for every event
+    in input order, its user's timeline row and its history_end.
 
     Arrays are dropped as soon as they are used: peak memory is about the input plus a few columns.
     """
@@ -363,22 +401,25 @@ def _build_chunk(parts: list[_Part], encoder: _Encoder, eval_start_ms: int, writ
         user_row = np.empty(n, dtype=np.int32)
         user_row[order] = np.repeat(np.arange(user_base, user_base + len(user_first), dtype=np.int32), user_len)
         del order
-    c = encoder.columns
-    for part, start, end in zip(parts, part_offsets[:-1], part_offsets[1:]):
-        with timer("examples"):
-            d = part.derived
-            examples = part.frame.select(
-                pl.Series("user_row", user_row[start:end]),
-                pl.Series("history_end", history_end[start:end]),
-                pl.Series("timestamp", d["timestamp"]), "item_id",
-                pl.Series("surface", d["surface"]), pl.Series("event_type", d["event_type"]),
-                *c.labels, *c.sparse_features, *c.dense_features,
-                pl.Series("split", (d["timestamp"] >= eval_start_ms).astype(np.int8)),
-            )
-            if not d["labelled"].all():
-                examples = examples.filter(pl.Series(d["labelled"]))
-        writer.write_examples(examples)
-    writer.end_part()
+    return user_row, history_end
+
+
+def _write_examples(part: _Part, user_row: np.ndarray, history_end: np.ndarray, encoder: _Encoder,
+                    eval_start_ms: int, writer: _SequenceLogsWriter, timer: StageTimer) -> None:
+    """The labelled events of one input file, in its order, with their pointers into the timelines."""
+    c, d = encoder.columns, part.derived
+    with timer("examples"):
+        examples = part.frame.select(
+            pl.Series("user_row", user_row),
+            pl.Series("history_end", history_end),
+            pl.Series("timestamp", d["timestamp"]), "item_id",
+            pl.Series("surface", d["surface"]), pl.Series("event_type", d["event_type"]),
+            *c.labels, *c.sparse_features, *c.dense_features,
+            pl.Series("split", (d["timestamp"] >= eval_start_ms).astype(np.int8)),
+        )
+        if not d["labelled"].all():
+            examples = examples.filter(pl.Series(d["labelled"]))
+    writer.write_examples(examples)
 
 
 def _column(parts: list[_Part], name: str) -> np.ndarray:
@@ -401,43 +442,38 @@ class StageTimer:
 
 
 class _SequenceLogsWriter:
-    """Writes each bucket of users as one part file of timelines and one of examples."""
+    """Numbered part files: timelines per range of users, examples per input file (and bucket).
+    The loader reads parts in name order, so example indices are row numbers in that order."""
 
     def __init__(self, folder: Path, max_history_len: int, timer: StageTimer):
         self.folder, self.max_history_len, self.timer = folder, max_history_len, timer
         (folder / TIMELINES).mkdir(parents=True)
         (folder / EXAMPLES).mkdir()
-        self.n_parts = self.n_users = self.n_timeline_events = self.n_examples = self.n_eval = 0
+        self.n_users = self.n_timeline_events = self.n_examples = self.n_eval = 0
+        self._timeline_files = self._example_files = 0
         self._timeline_lengths: list[np.ndarray] = []
         self._history_lengths: list[np.ndarray] = []
-        self._example_files = 0
         self._pool = ThreadPoolExecutor(max_workers=1)
         self._pending: Future | None = None
 
     def write_timelines(self, timelines: pl.DataFrame, timeline_lengths: np.ndarray) -> None:
         """Starts writing in a thread: Parquet encoding releases the GIL, so it overlaps numpy work."""
-        self.finish()
-        path = self.folder / TIMELINES / f"part-{self.n_parts:05d}.parquet"
+        with self.timer("write"):
+            self.finish()
+        path = self.folder / TIMELINES / f"part-{self._timeline_files:05d}.parquet"
         self._pending = self._pool.submit(timelines.write_parquet, path, compression="lz4", statistics=False)
+        self._timeline_files += 1
         self.n_users += timelines.height
         self.n_timeline_events += int(timeline_lengths.sum())
         self._timeline_lengths.append(timeline_lengths)
 
     def write_examples(self, examples: pl.DataFrame) -> None:
-        """Examples of one input file; files sort in input order, as example indices count them."""
         with self.timer("write"):
-            name = f"part-{self.n_parts:05d}-{self._example_files:05d}.parquet"
-            examples.write_parquet(self.folder / EXAMPLES / name, compression="lz4")
+            examples.write_parquet(self.folder / EXAMPLES / f"part-{self._example_files:05d}.parquet", compression="lz4")
         self._example_files += 1
         self.n_examples += examples.height
         self.n_eval += int(examples["split"].sum())
         self._history_lengths.append(np.minimum(examples["history_end"].to_numpy(), self.max_history_len))
-
-    def end_part(self) -> None:
-        with self.timer("write"):
-            self.finish()
-        self.n_parts += 1
-        self._example_files = 0
 
     def finish(self) -> None:
         if self._pending is not None:
@@ -445,7 +481,8 @@ class _SequenceLogsWriter:
             self._pending = None
 
     def close(self) -> None:
-        self.finish()
+        with self.timer("write"):
+            self.finish()
         self._pool.shutdown()
 
     def timeline_quantiles(self) -> dict[str, float]:
