@@ -17,7 +17,7 @@ import polars as pl
 from gem_ops.data.atomic import write_parquet_atomic
 from gem_ops.data.event_logs import normalize_event_log, read_event_log
 from gem_ops.data.movielens import DEFAULT_MOVIELENS_DIR, load_movielens
-from gem_ops.data.schema import EventLogError
+from gem_ops.data.schema import SORTED_BY_KEY, USER_TIME_ORDER, EventLogError
 from gem_ops.data.synthetic import SyntheticConfig, generate_day
 
 Source = Literal["synthetic", "movielens", "parquet"]
@@ -65,7 +65,9 @@ def sort_for_storage(frame: pl.DataFrame) -> pl.DataFrame:
 
 def write_partition(frame: pl.DataFrame, destination: str | os.PathLike) -> Path:
     """Writes one day atomically, sorted by (user_id, timestamp)."""
-    return write_parquet_atomic(sort_for_storage(frame), destination, statistics=True)
+    return write_parquet_atomic(
+        sort_for_storage(frame), destination, statistics=True, metadata={SORTED_BY_KEY: USER_TIME_ORDER}
+    )
 
 
 def _day_slice(frame: pl.DataFrame, day: date) -> pl.DataFrame:

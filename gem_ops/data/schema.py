@@ -26,6 +26,9 @@ ID_COLUMNS = ("user_id", "item_id")
 CATEGORY_COLUMNS = ("surface", "event_type")
 REQUIRED_COLUMNS = ("user_id", "timestamp", "item_id", "surface", "event_type")
 LABEL_PREFIX = "label_"
+SORTED_BY_KEY = "gem.sorted_by"
+"""Parquet key-value metadata naming the sort order a writer guarantees ("user_id,timestamp")."""
+USER_TIME_ORDER = "user_id,timestamp"
 FEATURE_PREFIXES = ("user_", "item_")
 
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gem_ops.data.atomic import atomic_path
-from gem_ops.data.schema import CATEGORY_COLUMNS, EventLogColumns, classify_columns
+from gem_ops.data.schema import CATEGORY_COLUMNS, SORTED_BY_KEY, USER_TIME_ORDER, EventLogColumns, classify_columns
 
 TIMELINE_FIELDS = ("item_id", "timestamp", "surface", "event_type", "action")
 MANIFEST = "manifest.json"
@@ -98,6 +98,7 @@ def build_sequence_logs(
         paths = per_file["_file"].to_list()  # in time order: the merge in _user_time_order relies on it
         categories = {path: _read_categories(path) for path in paths}
     n_events = int(per_file["n"].sum())
+    declared_mergeable = _declared_mergeable(per_file)
     if n_events == 0:
         raise ValueError(f"no events in {len(paths)} event-log file(s), e.g. {paths[0]}")
     surfaces, event_types = (sorted({v for c in categories.values() for v in _dictionary_values(c[name])})
@@ -123,8 +124,9 @@ def build_sequence_logs(
                     parts = _read_bucket(paths, encoder, categories, bucket, n_buckets)
                 user_row = [np.empty(p.height, dtype=np.int32) for p in parts]
                 history_end = [np.empty(p.height, dtype=np.int32) for p in parts]
-                for chunk in _user_range_chunks(parts, config.chunk_events):
-                    rows, ends = _build_timelines([parts[i].slice(a, b) for i, a, b in chunk], encoder, writer, timer)
+                for chunk in _user_range_chunks(parts, config.chunk_events, declared_mergeable):
+                    sliced = [parts[i].slice(a, b) for i, a, b in chunk]
+                    rows, ends = _build_timelines(sliced, encoder, writer, timer, declared_mergeable)
                     offset = 0
                     for i, a, b in chunk:  # back into each input part's own order
                         user_row[i][a:b], history_end[i][a:b] = rows[offset:offset + b - a], ends[offset:offset + b - a]
@@ -169,8 +171,9 @@ def _per_file_times(paths: list[str]) -> pl.DataFrame:
         else:
             ms = pl.col("timestamp").dt.cast_time_unit("ms").to_physical()
             first, last = pl.scan_parquet(path).select(ms.min(), ms.max()).collect().row(0)
-        rows.append({"_file": path, "n": meta.num_rows, "first": first, "last": last})
-    schema = {"_file": pl.String, "n": pl.Int64, "first": pl.Int64, "last": pl.Int64}
+        declared = (meta.metadata or {}).get(SORTED_BY_KEY.encode(), b"").decode()
+        rows.append({"_file": path, "n": meta.num_rows, "first": first, "last": last, "sorted": declared == USER_TIME_ORDER})
+    schema = {"_file": pl.String, "n": pl.Int64, "first": pl.Int64, "last": pl.Int64, "sorted": pl.Boolean}
     return pl.DataFrame(rows, schema=schema).sort("first", nulls_last=True)
 
 
@@ -195,13 +198,20 @@ def _read_bucket(paths, encoder: _Encoder, categories, bucket: int, n_buckets: i
     return [encoder.encode(pl.scan_parquet(p).select(columns).filter(in_bucket).collect()) for p in paths]
 
 
-def _user_range_chunks(parts: list[_Part], chunk_events: int):
+def _declared_mergeable(per_file: pl.DataFrame) -> bool:
+    """Every file declares (user, time) order and the files cover disjoint times, in order."""
+    present = per_file.filter(pl.col("n") > 0)
+    disjoint = bool((present["last"].head(-1) <= present["first"].tail(-1)).all()) if present.height > 1 else True
+    return bool(present["sorted"].all()) and disjoint
+
+
+def _user_range_chunks(parts: list[_Part], chunk_events: int, declared_sorted: bool):
     """Ranges of user ids of about chunk_events events, as (part index, start, end) row slices of the
     user-sorted parts; parts not sorted by user are taken whole, as one range."""
     total = sum(p.height for p in parts)
     users = [p.column("user_id") for p in parts]
     n_chunks = math.ceil(total / chunk_events)
-    if n_chunks <= 1 or not all(np.all(u[1:] >= u[:-1]) for u in users):
+    if n_chunks <= 1 or not (declared_sorted or all(np.all(u[1:] >= u[:-1]) for u in users)):
         if total:
             yield [(i, 0, p.height) for i, p in enumerate(parts) if p.height]
         return
@@ -252,7 +262,7 @@ class _Encoder:
                 chunks = []
                 for chunk in categories[name].chunks:
                     lookup = np.array([vocab.index(v) for v in chunk.dictionary.to_pylist()], dtype=np.int8)
-                    chunks.append(lookup[chunk.indices.to_numpy(zero_copy_only=True)])  # no nulls: a view; the copying path imports pandas
+                    chunks.append(lookup[_int_view(chunk.indices)])
                 derived[name] = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int8)
         derived["timestamp"] = frame["timestamp"].dt.cast_time_unit("ms").to_physical().to_numpy()
         action = np.zeros(frame.height, dtype=np.int8)
@@ -263,6 +273,18 @@ class _Encoder:
             labelled |= label >= 0
         derived["action"], derived["labelled"] = action, labelled
         return _Part(frame, derived)
+
+
+def _int_view(array: pa.Array) -> np.ndarray:
+    """A null-free integer Arrow array as a numpy view (pyarrow's to_numpy imports pandas: 0.3 s)."""
+    width = array.type.bit_width // 8
+    return np.frombuffer(array.buffers()[1], dtype=f"<i{width}", count=len(array), offset=array.offset * width)
+
+
+def _arrow_view(values: np.ndarray) -> pa.Array:
+    """A contiguous numpy array as an Arrow array without a copy (pa.array would import pandas)."""
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
 
 
 @dataclass
@@ -288,21 +310,16 @@ def _is_user_time_sorted(user: np.ndarray, ts: np.ndarray) -> bool:
     return bool(np.all((du > 0) | ((du == 0) & (dt >= 0))))
 
 
-def _user_time_order(user: np.ndarray, ts: np.ndarray, part_offsets: np.ndarray) -> np.ndarray:
+def _user_time_order(user: np.ndarray, ts: np.ndarray, part_offsets: np.ndarray, declared_mergeable: bool) -> np.ndarray:
     """The permutation that puts events in (user, time) order.
 
     raw_event_logs stores each daily partition sorted by (user_id, timestamp), and the partitions
     cover disjoint days, so each user's timeline is the concatenation of one run per partition:
     ordering the runs is enough, and the gathers that follow read memory in runs, not at random.
-    Anything else (overlapping or unsorted parts) falls back to one global sort.
+    Files that declare that order in their metadata (raw_event_logs writes it) are trusted; others
+    are checked, and anything else (overlapping or unsorted parts) falls back to one global sort.
     """
-    bounds = list(zip(part_offsets[:-1], part_offsets[1:]))
-    parts_sorted = all(_is_user_time_sorted(user[a:b], ts[a:b]) for a, b in bounds if b > a)
-    # A part is sorted by user first, so its last row need not be its latest event: compare max with min.
-    disjoint = all(
-        ts[a1:b1].max() <= ts[a2:b2].min() for (a1, b1), (a2, b2) in zip(bounds, bounds[1:]) if b1 > a1 and b2 > a2
-    )
-    if not (parts_sorted and disjoint):
+    if not (declared_mergeable or _mergeable(user, ts, part_offsets)):
         return _sort_order(user, ts)
     n = len(user)
     new_run = np.empty(n, dtype=bool)
@@ -322,6 +339,13 @@ def _user_time_order(user: np.ndarray, ts: np.ndarray, part_offsets: np.ndarray)
     return np.cumsum(order, out=order)
 
 
+def _mergeable(user: np.ndarray, ts: np.ndarray, part_offsets: np.ndarray) -> bool:
+    bounds = [(a, b) for a, b in zip(part_offsets[:-1], part_offsets[1:]) if b > a]
+    parts_sorted = all(_is_user_time_sorted(user[a:b], ts[a:b]) for a, b in bounds)
+    # A part is sorted by user first, so its last row need not be its latest event: compare max with min.
+    return parts_sorted and all(ts[a1:b1].max() <= ts[a2:b2].min() for (a1, b1), (a2, b2) in zip(bounds, bounds[1:]))
+
+
 def _sort_order(user: np.ndarray, ts: np.ndarray) -> np.ndarray:
     """Stable (user, time) order; one packed integer key when the value ranges allow it."""
     u0, t0 = user.min(), ts.min()
@@ -337,8 +361,8 @@ def _stable_argsort(*keys: np.ndarray) -> np.ndarray:
     return frame.select(pl.arg_sort_by(frame.columns, maintain_order=True)).to_series().to_numpy()
 
 
-def _build_timelines(parts: list[_Part], encoder: _Encoder, writer: _SequenceLogsWriter,
-                     timer: StageTimer) -> tuple[np.ndarray, np.ndarray]:
+def _build_timelines(parts: list[_Part], encoder: _Encoder, writer: _SequenceLogsWriter, timer: StageTimer,
+                     declared_mergeable: bool) -> tuple[np.ndarray, np.ndarray]:
     """One range of users: writes their timelines in (user, time) order and returns, for every event
     in input order, its user's timeline row and its history_end.
 
@@ -351,7 +375,7 @@ def _build_timelines(parts: list[_Part], encoder: _Encoder, writer: _SequenceLog
         n = int(part_offsets[-1])
         user, ts = _column(parts, "user_id"), _column(parts, "timestamp")
     with timer("order"):
-        order = _user_time_order(user, ts, part_offsets)
+        order = _user_time_order(user, ts, part_offsets, declared_mergeable)
         user_s, ts_s = user[order], ts[order]
         del user, ts
         new_user = np.empty(n, dtype=bool)
@@ -374,10 +398,10 @@ def _build_timelines(parts: list[_Part], encoder: _Encoder, writer: _SequenceLog
         else:
             timeline = {k: v[is_hist] for k, v in timeline.items()}
             hist_per_user = np.add.reduceat(is_hist.astype(np.int64), user_first)
-        offsets = pa.array(np.concatenate([[0], np.cumsum(hist_per_user)]))
+        offsets = _arrow_view(np.concatenate([[0], np.cumsum(hist_per_user)]))
         timelines = pl.DataFrame(
             {"user_id": user_ids}
-            | {k: pl.Series(k, pa.LargeListArray.from_arrays(offsets, pa.array(timeline.pop(k)))) for k in TIMELINE_FIELDS}
+            | {k: pl.Series(k, pa.LargeListArray.from_arrays(offsets, _arrow_view(timeline.pop(k)))) for k in TIMELINE_FIELDS}
         )
     writer.write_timelines(timelines, hist_per_user)  # in the background, while examples are made
     del timelines
@@ -493,12 +517,13 @@ class _SequenceLogsWriter:
 
 
 def _quantiles(values: np.ndarray) -> dict[str, float]:
+    """Quantiles of non-negative integer lengths from their histogram: one pass, no sort."""
     if values.size == 0:
         return {}
-    qs = {"p50": 0.5, "p90": 0.9, "p99": 0.99, "max": 1.0}
-    out = {k: float(np.quantile(values, q)) for k, q in qs.items()}
-    out["mean"] = float(values.mean())
-    return out
+    cumulative = np.cumsum(np.bincount(values))
+    qs = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+    out = {k: float(np.searchsorted(cumulative, q * values.size)) for k, q in qs.items()}
+    return out | {"max": float(values.max()), "mean": float(values.mean())}
 
 
 def _epoch_ms(day) -> int:
