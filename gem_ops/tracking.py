@@ -30,6 +30,8 @@ TRACKING_DIR = PROJECT_ROOT / "mlflow"
 GIT_DIRTY_TAG = "gem.git.dirty"
 RUN_ROLE_TAG = "gem.run_role"  # "parent": one per pipeline run; "step": one per step, nested under it
 FAILED_STEP_TAG = "gem.failed_step"  # set on a parent once any of its steps failed; never cleared
+# MLflow 3's UI opens an experiment in its GenAI (traces) view unless told it holds model training.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def default_tracking_uri() -> str:
@@ -111,7 +113,7 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_location: str | 
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:
-            return client.create_experiment(name, artifact_location=artifact_location)
+            return client.create_experiment(name, artifact_location=artifact_location, tags=EXPERIMENT_TAGS)
         except MlflowException as error:
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise

@@ -79,6 +79,7 @@ def test_materialization_metadata(pipeline):
 def test_mlflow_runs_metrics_and_artifacts(pipeline):
     client = pipeline["client"]
     experiment = client.get_experiment_by_name("gem")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # UI opens on runs
     runs = client.search_runs([experiment.experiment_id], max_results=100)
     last_run_id = pipeline["results"][DAYS[-1]].run_id
     parent = [r for r in runs if r.data.tags.get("dagster.run_id") == last_run_id and "mlflow.parentRunId" not in r.data.tags]
