@@ -25,7 +25,8 @@ class SequenceLogsAssetConfig(dg.Config):
 
     def builder_config(self) -> SequenceLogsConfig:
         types = tuple(self.history_event_types) if self.history_event_types else None
-        return SequenceLogsConfig(self.max_history_len, self.eval_days, types, self.max_events_in_memory)
+        return SequenceLogsConfig(max_history_len=self.max_history_len, eval_days=self.eval_days,
+                                  history_event_types=types, max_events_in_memory=self.max_events_in_memory)
 
 
 def sequence_logs_path(lake: LakeResource, day: str):

@@ -20,7 +20,6 @@ from tests.event_log_builders import (
     hand_events,
     histories_by_key,
     history_items,
-    write,
 )
 
 NO_LEAKS = {"leaked": 0, "missed": 0, "unsorted": 0}
