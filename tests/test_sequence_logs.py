@@ -20,6 +20,7 @@ from tests.event_log_builders import (
     hand_events,
     histories_by_key,
     history_items,
+    write,
 )
 
 NO_LEAKS = {"leaked": 0, "missed": 0, "unsorted": 0}
@@ -185,11 +186,34 @@ def test_daily_files_equal_one_file(tmp_path, synthetic_days):
     assert histories_by_key(from_days) == histories_by_key(from_one)
 
 
-def test_user_buckets_give_the_same_examples(tmp_path, synthetic_days):
+def test_user_ranges_give_the_same_examples(tmp_path, synthetic_days):
     events, daily = synthetic_days
     whole, in_memory = build(daily, tmp_path / "whole")
-    bucketed, in_buckets = build(daily, tmp_path / "buckets", max_events_in_memory=events.height // 4)
-    assert whole.n_buckets == 1 and bucketed.n_buckets >= 4
+    ranged, in_ranges = build(daily, tmp_path / "ranges", chunk_events=events.height // 4)
+    assert whole.n_user_ranges == 1 and ranged.n_user_ranges >= 4
+    assert leakage_violations(in_ranges) == NO_LEAKS
+    assert ranged.n_timeline_events == whole.n_timeline_events == events.height
+    assert histories_by_key(in_ranges) == histories_by_key(in_memory)
+
+
+def test_streamed_user_ranges_give_the_same_examples(tmp_path, synthetic_days):
+    """Past max_events_in_memory, files that declare their order are read one range of users at a time."""
+    events, daily = synthetic_days
+    whole, in_memory = build(daily, tmp_path / "whole")
+    streamed, in_ranges = build(daily, tmp_path / "streamed", max_events_in_memory=events.height // 4)
+    assert streamed.n_buckets == 1 and streamed.n_user_ranges >= 4
+    assert leakage_violations(in_ranges) == NO_LEAKS
+    assert streamed.n_timeline_events == events.height
+    assert histories_by_key(in_ranges) == histories_by_key(in_memory)
+
+
+def test_hash_buckets_give_the_same_examples(tmp_path, synthetic_days):
+    """Files that do not declare their order are read whole, or in hash buckets when large."""
+    events, daily = synthetic_days
+    undeclared = [write(pl.read_parquet(p), tmp_path / f"plain-{i}.parquet") for i, p in enumerate(daily)]
+    whole, in_memory = build(daily, tmp_path / "whole")
+    bucketed, in_buckets = build(undeclared, tmp_path / "buckets", max_events_in_memory=events.height // 4)
+    assert bucketed.n_buckets >= 4
     assert leakage_violations(in_buckets) == NO_LEAKS
     assert bucketed.n_timeline_events == whole.n_timeline_events == events.height
     assert histories_by_key(in_buckets) == histories_by_key(in_memory)

@@ -49,7 +49,8 @@ class SequenceLogsConfig:
     history_event_types: tuple[str, ...] | None = None
     """Event types that join timelines; None means all (MovieLens keeps sampled negatives out)."""
     max_events_in_memory: int = 30_000_000
-    """Above this many events, users are read in hash buckets so memory stays bounded."""
+    """Above this many events, input is read a range (or, for files that do not declare their order,
+    a hash bucket) of users at a time, so memory stays bounded."""
     chunk_events: int = 2_000_000
     """Users are processed in ranges of about this many events: a smaller working set is faster."""
 
@@ -73,6 +74,7 @@ class SequenceLogsSummary:
     n_train: int
     n_eval: int
     n_buckets: int
+    n_user_ranges: int
     eval_start: str | None
     surfaces: list[str]
     event_types: list[str]
@@ -112,27 +114,25 @@ def build_sequence_logs(
     if history_types is not None and not set(history_types) & set(event_types):
         raise ValueError(f"history_event_types {list(history_types)} match no event_type in the data ({event_types})")
 
-    n_buckets = max(1, math.ceil(n_events / config.max_events_in_memory))
+    # Inputs that fit are read whole (fastest). Larger ones that declare their order stream one range
+    # of users at a time; larger undeclared ones are read in hash buckets of users.
+    fits = n_events <= config.max_events_in_memory
+    streaming = declared_mergeable and not fits
+    n_buckets = 1 if fits or streaming else math.ceil(n_events / config.max_events_in_memory)
     if n_buckets > 1:
         categories.clear()  # the codes are reread per bucket: keep memory bounded
     encoder = _Encoder(surfaces, event_types, history_types, columns)
     with atomic_path(destination) as tmp:
         writer = _SequenceLogsWriter(tmp, config.max_history_len, timer)
         try:
-            for bucket in range(n_buckets):
-                with timer("read"):
-                    parts = _read_bucket(paths, encoder, categories, bucket, n_buckets)
-                user_row = [np.empty(p.height, dtype=np.int32) for p in parts]
-                history_end = [np.empty(p.height, dtype=np.int32) for p in parts]
-                for chunk in _user_range_chunks(parts, config.chunk_events, declared_mergeable):
-                    sliced = [parts[i].slice(a, b) for i, a, b in chunk]
-                    rows, ends = _build_timelines(sliced, encoder, writer, timer, declared_mergeable)
-                    offset = 0
-                    for i, a, b in chunk:  # back into each input part's own order
-                        user_row[i][a:b], history_end[i][a:b] = rows[offset:offset + b - a], ends[offset:offset + b - a]
-                        offset += b - a
-                for part, rows, ends in zip(parts, user_row, history_end):
-                    _write_examples(part, rows, ends, encoder, eval_start_ms, writer, timer)
+            if streaming:
+                chunk_events = min(config.chunk_events, config.max_events_in_memory)
+                _build_streaming(paths, categories, encoder, chunk_events, eval_start_ms, writer, timer)
+            else:
+                for bucket in range(n_buckets):
+                    with timer("read"):
+                        parts = _read_bucket(paths, encoder, categories, bucket, n_buckets)
+                    _build_in_memory(parts, encoder, config.chunk_events, declared_mergeable, eval_start_ms, writer, timer)
         finally:
             writer.close()
         summary = SequenceLogsSummary(
@@ -144,6 +144,7 @@ def build_sequence_logs(
             n_train=writer.n_examples - writer.n_eval,
             n_eval=writer.n_eval,
             n_buckets=n_buckets,
+            n_user_ranges=writer.n_timeline_parts,
             eval_start=eval_start.isoformat() if eval_start else None,
             surfaces=surfaces,
             event_types=event_types,
@@ -157,6 +158,46 @@ def build_sequence_logs(
         manifest = {"summary": asdict(summary), "config": asdict(config), "labels": list(columns.labels)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
     return summary
+
+
+def _build_streaming(paths, categories, encoder: _Encoder, chunk_events: int, eval_start_ms: int,
+                     writer: _SequenceLogsWriter, timer: StageTimer) -> None:
+    """Files that declare (user, time) order over disjoint days: one range of users at a time is read
+    (a row slice of every file), so memory holds one range, whatever the total."""
+    with timer("scan"):
+        users = [pl.read_parquet(p, columns=["user_id"])["user_id"].to_numpy() for p in paths]
+        codes = [encoder.codes(categories.pop(p)) for p in paths]
+    for chunk in _user_range_chunks(users, chunk_events):
+        with timer("read"):  # user ids were read already: the slices skip that column
+            parts = [
+                encoder.encode(pl.scan_parquet(paths[i]).select(encoder.numeric_columns[1:]).slice(a, b - a).collect(),
+                               {k: v[a:b] for k, v in codes[i].items()} | {"user_id": users[i][a:b]})
+                for i, a, b in chunk
+            ]
+        rows, ends = _build_timelines(parts, encoder, writer, timer, declared_mergeable=True)
+        offsets = np.cumsum([0] + [p.height for p in parts])
+        _write_examples([(p, rows[s:e], ends[s:e]) for p, s, e in zip(parts, offsets[:-1], offsets[1:])],
+                        encoder, eval_start_ms, writer, timer)
+
+
+def _build_in_memory(parts: list[_Part], encoder: _Encoder, chunk_events: int, declared_mergeable: bool,
+                     eval_start_ms: int, writer: _SequenceLogsWriter, timer: StageTimer) -> None:
+    """Files read whole: in ranges of users where every file is sorted by user, else all at once;
+    examples are written per input file, in its order."""
+    users = [p.column("user_id") for p in parts]
+    if not (declared_mergeable or all(np.all(u[1:] >= u[:-1]) for u in users)):
+        chunk_events = sum(len(u) for u in users) or 1  # one range: the rows cannot be cut by user
+    user_row = [np.empty(p.height, dtype=np.int32) for p in parts]
+    history_end = [np.empty(p.height, dtype=np.int32) for p in parts]
+    for chunk in _user_range_chunks(users, chunk_events):
+        rows, ends = _build_timelines([parts[i].slice(a, b) for i, a, b in chunk], encoder, writer, timer,
+                                      declared_mergeable)
+        offset = 0
+        for i, a, b in chunk:  # back into each input part's own order
+            user_row[i][a:b], history_end[i][a:b] = rows[offset:offset + b - a], ends[offset:offset + b - a]
+            offset += b - a
+    for part, rows, ends in zip(parts, user_row, history_end):
+        _write_examples([(part, rows, ends)], encoder, eval_start_ms, writer, timer)
 
 
 def _per_file_times(paths: list[str]) -> pl.DataFrame:
@@ -191,7 +232,8 @@ def _is_ms(stats) -> bool:
 def _read_bucket(paths, encoder: _Encoder, categories, bucket: int, n_buckets: int) -> list[_Part]:
     if n_buckets == 1:
         # pop: each file's dictionary codes are freed once they are encoded
-        return [encoder.encode(pl.read_parquet(p, columns=encoder.numeric_columns), categories.pop(p)) for p in paths]
+        return [encoder.encode(pl.read_parquet(p, columns=encoder.numeric_columns), encoder.codes(categories.pop(p)))
+                for p in paths]
     # Each user lands in exactly one bucket, so timelines never split across buckets.
     in_bucket = pl.col("user_id").hash(seed=0) % n_buckets == bucket
     columns = encoder.columns.all
@@ -205,15 +247,14 @@ def _declared_mergeable(per_file: pl.DataFrame) -> bool:
     return bool(present["sorted"].all()) and disjoint
 
 
-def _user_range_chunks(parts: list[_Part], chunk_events: int, declared_sorted: bool):
-    """Ranges of user ids of about chunk_events events, as (part index, start, end) row slices of the
-    user-sorted parts; parts not sorted by user are taken whole, as one range."""
-    total = sum(p.height for p in parts)
-    users = [p.column("user_id") for p in parts]
+def _user_range_chunks(users: list[np.ndarray], chunk_events: int):
+    """Ranges of user ids of about chunk_events events, as (file index, start, end) row slices of
+    files sorted by user."""
+    total = sum(len(u) for u in users)
     n_chunks = math.ceil(total / chunk_events)
-    if n_chunks <= 1 or not (declared_sorted or all(np.all(u[1:] >= u[:-1]) for u in users)):
+    if n_chunks <= 1:
         if total:
-            yield [(i, 0, p.height) for i, p in enumerate(parts) if p.height]
+            yield [(i, 0, len(u)) for i, u in enumerate(users) if len(u)]
         return
     sample = np.concatenate([u[:: max(1, total // 100_000)] for u in users])
     splits = np.unique(np.quantile(sample, np.linspace(0, 1, n_chunks + 1)[1:-1], method="lower"))
@@ -246,24 +287,29 @@ class _Encoder:
         self.vocab = {"surface": surfaces, "event_type": event_types}
         self.history_codes = None if history_types is None else [event_types.index(t) for t in history_types if t in event_types]
         self.columns = columns
-        self.numeric_columns = [c for c in columns.all if c not in CATEGORY_COLUMNS]
+        self.numeric_columns = [c for c in columns.all if c not in CATEGORY_COLUMNS]  # user_id first
         if len(columns.labels) > 8:
             raise ValueError(f"at most 8 objectives fit the action bitmask, found {len(columns.labels)}")
 
-    def encode(self, frame: pl.DataFrame, categories: dict[str, pa.ChunkedArray] | None = None) -> _Part:
-        """Integer codes for the strings (from Parquet dictionaries when given), time in ms, the action
+    def codes(self, categories: dict[str, pa.ChunkedArray]) -> dict[str, np.ndarray]:
+        """Integer codes from Parquet dictionaries: each chunk's indices remapped by a tiny lookup."""
+        codes = {}
+        for name, vocab in self.vocab.items():
+            chunks = []
+            for chunk in categories[name].chunks:
+                lookup = np.array([vocab.index(v) for v in chunk.dictionary.to_pylist()], dtype=np.int8)
+                chunks.append(lookup[_int_view(chunk.indices)])
+            codes[name] = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int8)
+        return codes
+
+    def encode(self, frame: pl.DataFrame, codes: dict[str, np.ndarray] | None = None) -> _Part:
+        """Integer codes for the strings (given, or from the string columns), time in ms, the action
         bitmask and whether any label is present, as arrays beside the frame, which stays as read:
         adding columns to a frame read in several chunks would copy all of it."""
-        derived = {}
-        for name, vocab in self.vocab.items():
-            if categories is None:
-                derived[name] = frame[name].cast(pl.Enum(vocab)).to_physical().cast(pl.Int8).to_numpy()
-            else:  # remap each chunk's dictionary indices through a tiny lookup table
-                chunks = []
-                for chunk in categories[name].chunks:
-                    lookup = np.array([vocab.index(v) for v in chunk.dictionary.to_pylist()], dtype=np.int8)
-                    chunks.append(lookup[_int_view(chunk.indices)])
-                derived[name] = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int8)
+        if codes is None:
+            codes = {name: frame[name].cast(pl.Enum(vocab)).to_physical().cast(pl.Int8).to_numpy()
+                     for name, vocab in self.vocab.items()}
+        derived = dict(codes)
         derived["timestamp"] = frame["timestamp"].dt.cast_time_unit("ms").to_physical().to_numpy()
         action = np.zeros(frame.height, dtype=np.int8)
         labelled = np.zeros(frame.height, dtype=bool)
@@ -428,21 +474,24 @@ def _build_timelines(parts: list[_Part], encoder: _Encoder, writer: _SequenceLog
     return user_row, history_end
 
 
-def _write_examples(part: _Part, user_row: np.ndarray, history_end: np.ndarray, encoder: _Encoder,
-                    eval_start_ms: int, writer: _SequenceLogsWriter, timer: StageTimer) -> None:
-    """The labelled events of one input file, in its order, with their pointers into the timelines."""
-    c, d = encoder.columns, part.derived
+def _write_examples(pieces: list[tuple[_Part, np.ndarray, np.ndarray]], encoder: _Encoder, eval_start_ms: int,
+                    writer: _SequenceLogsWriter, timer: StageTimer) -> None:
+    """The labelled events of the pieces, in their order, with their pointers into the timelines."""
+    c = encoder.columns
     with timer("examples"):
-        examples = part.frame.select(
-            pl.Series("user_row", user_row),
-            pl.Series("history_end", history_end),
-            pl.Series("timestamp", d["timestamp"]), "item_id",
-            pl.Series("surface", d["surface"]), pl.Series("event_type", d["event_type"]),
-            *c.labels, *c.sparse_features, *c.dense_features,
-            pl.Series("split", (d["timestamp"] >= eval_start_ms).astype(np.int8)),
-        )
-        if not d["labelled"].all():
-            examples = examples.filter(pl.Series(d["labelled"]))
+        frames = []
+        for part, user_row, history_end in pieces:
+            d = part.derived
+            examples = part.frame.select(
+                pl.Series("user_row", user_row),
+                pl.Series("history_end", history_end),
+                pl.Series("timestamp", d["timestamp"]), "item_id",
+                pl.Series("surface", d["surface"]), pl.Series("event_type", d["event_type"]),
+                *c.labels, *c.sparse_features, *c.dense_features,
+                pl.Series("split", (d["timestamp"] >= eval_start_ms).astype(np.int8)),
+            )
+            frames.append(examples if d["labelled"].all() else examples.filter(pl.Series(d["labelled"])))
+        examples = frames[0] if len(frames) == 1 else pl.concat(frames)
     writer.write_examples(examples)
 
 
@@ -474,7 +523,7 @@ class _SequenceLogsWriter:
         (folder / TIMELINES).mkdir(parents=True)
         (folder / EXAMPLES).mkdir()
         self.n_users = self.n_timeline_events = self.n_examples = self.n_eval = 0
-        self._timeline_files = self._example_files = 0
+        self._timeline_files = self._example_files = self.n_timeline_parts = 0
         self._timeline_lengths: list[np.ndarray] = []
         self._history_lengths: list[np.ndarray] = []
         self._pool = ThreadPoolExecutor(max_workers=1)
@@ -487,6 +536,7 @@ class _SequenceLogsWriter:
         path = self.folder / TIMELINES / f"part-{self._timeline_files:05d}.parquet"
         self._pending = self._pool.submit(timelines.write_parquet, path, compression="lz4", statistics=False)
         self._timeline_files += 1
+        self.n_timeline_parts = self._timeline_files
         self.n_users += timelines.height
         self.n_timeline_events += int(timeline_lengths.sum())
         self._timeline_lengths.append(timeline_lengths)
