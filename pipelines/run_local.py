@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("DAGSTER_HOME is not set: point it at a folder for the Dagster instance (make pipeline does)")
     Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
     run_config = yaml.safe_load(args.config.read_text()) if args.config else {}
+    # Step events at INFO on the console; every event still lands in the instance for the UI.
+    run_config.setdefault("loggers", {"console": {"config": {"log_level": "INFO"}}})
     end = date.fromisoformat(args.end)
     job = defs.get_job_def("prepare_data")
     with dg.DagsterInstance.get() as instance:
