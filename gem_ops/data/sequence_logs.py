@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gem_ops.data.atomic import atomic_path
+from gem_ops.data.heap import reusable_heap
 from gem_ops.data.schema import CATEGORY_COLUMNS, SORTED_BY_KEY, USER_TIME_ORDER, EventLogColumns, classify_columns
 
 TIMELINE_FIELDS = ("item_id", "timestamp", "surface", "event_type", "action")
@@ -122,7 +123,7 @@ def build_sequence_logs(
     if n_buckets > 1:
         categories.clear()  # the codes are reread per bucket: keep memory bounded
     encoder = _Encoder(surfaces, event_types, history_types, columns)
-    with atomic_path(destination) as tmp:
+    with atomic_path(destination) as tmp, reusable_heap():
         writer = _SequenceLogsWriter(tmp, config.max_history_len, timer)
         try:
             if streaming:
