@@ -15,13 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-from queue import Empty
+import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from datetime import date, timedelta
 from pathlib import Path
+from queue import Empty
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
@@ -57,13 +59,12 @@ def _prepare(paths, out, queue):
 def _prepare_warm(paths, out, queue, repeats: int = 3):
     """Steady state: one process prepares the same input repeatedly (a worker preparing partition
     after partition); the first, cold, run is left out."""
-    import shutil
-
     from gem_ops.data.sequence_logs import SequenceLogsConfig, build_sequence_logs
 
     seconds = []
     for i in range(repeats + 1):
         shutil.rmtree(out, ignore_errors=True)
+        os.sync()
         start = time.perf_counter()
         summary = build_sequence_logs(paths, out, SequenceLogsConfig(max_history_len=1024))
         seconds.append(time.perf_counter() - start)
@@ -111,7 +112,14 @@ def in_fresh_process(target, *args) -> dict:
 
 
 def measure(target, paths, folder: Path, repeats: int) -> dict:
-    runs = [in_fresh_process(target, paths, str(folder / f"{target.__name__}-{i}")) for i in range(repeats)]
+    """Each run starts with no dirty pages pending (sync), and the previous run's output is removed
+    (run 0's is kept for the balance figures), so one run's writeback does not slow the next."""
+    runs = []
+    for i in range(repeats):
+        if i > 1:
+            shutil.rmtree(folder / f"{target.__name__}-{i - 1}", ignore_errors=True)
+        os.sync()
+        runs.append(in_fresh_process(target, paths, str(folder / f"{target.__name__}-{i}")))
     seconds = statistics.median(r["seconds"] for r in runs)
     return {"events": runs[0]["events"], "median_seconds": seconds, "events_per_second": runs[0]["events"] / seconds,
             "peak_rss_mib": max(r["peak_rss_mib"] for r in runs), "runs": runs}
