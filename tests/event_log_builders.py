@@ -13,6 +13,22 @@ from gem_ops.data.sequence_logs import SequenceLogsConfig, SequenceLogsSummary, 
 
 DAY0 = date(2026, 11, 1)
 
+# The canonical dtype of every column the tests' event logs use (gem_ops.data.schema).
+CANONICAL_DTYPES = {
+    "user_id": pl.Int64,
+    "timestamp": pl.Datetime("ms", "UTC"),
+    "item_id": pl.Int64,
+    "surface": pl.String,
+    "event_type": pl.String,
+    "label_click": pl.Int8,
+    "label_conversion": pl.Int8,
+    "user_segment": pl.Int64,
+    "user_age_bucket": pl.Int64,
+    "item_category": pl.Int64,
+    "item_advertiser": pl.Int64,
+    "item_bid": pl.Float32,
+}
+
 # (user_id, day, second of day, item_id, surface, event_type, label_click, label_conversion)
 # Item ids are unique, so an example can be found by its item.
 HAND_EVENTS = [

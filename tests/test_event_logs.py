@@ -10,18 +10,10 @@ from gem_ops.data.atomic import atomic_path, write_parquet_atomic
 from gem_ops.data.event_logs import read_event_log
 from gem_ops.data.raw_event_logs import EventSource, load_day, write_partition
 from gem_ops.data.schema import REQUIRED_COLUMNS, EventLogError
-from tests.event_log_builders import DAY0, hand_events, ts, valid_raw_events, write
+from tests.event_log_builders import CANONICAL_DTYPES, DAY0, hand_events, ts, valid_raw_events, write
 
-CANONICAL = {
-    "user_id": pl.Int64,
-    "timestamp": pl.Datetime("ms", "UTC"),
-    "item_id": pl.Int64,
-    "surface": pl.String,
-    "event_type": pl.String,
-    "label_click": pl.Int8,
-    "user_segment": pl.Int64,
-    "item_bid": pl.Float32,
-}
+CANONICAL = {c: CANONICAL_DTYPES[c] for c in ("user_id", "timestamp", "item_id", "surface", "event_type",
+                                              "label_click", "user_segment", "item_bid")}
 
 
 def read_error(path: Path) -> EventLogError:

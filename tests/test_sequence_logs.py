@@ -186,37 +186,29 @@ def test_daily_files_equal_one_file(tmp_path, synthetic_days):
     assert histories_by_key(from_days) == histories_by_key(from_one)
 
 
-def test_user_ranges_give_the_same_examples(tmp_path, synthetic_days):
+@pytest.mark.parametrize(
+    "declared, split_by, path_taken",
+    [
+        # read whole, then cut into user ranges in memory
+        (True, "chunk_events", lambda summary: summary.n_user_ranges >= 4),
+        # past max_events_in_memory, files that declare their order stream one range of users at a time
+        (True, "max_events_in_memory", lambda summary: summary.n_buckets == 1 and summary.n_user_ranges >= 4),
+        # files that do not declare their order are read in hash buckets of users
+        (False, "max_events_in_memory", lambda summary: summary.n_buckets >= 4),
+    ],
+    ids=["ranges-in-memory", "streamed-ranges", "hash-buckets"],
+)
+def test_split_builds_give_the_same_examples(tmp_path, synthetic_days, declared, split_by, path_taken):
     events, daily = synthetic_days
-    whole, in_memory = build(daily, tmp_path / "whole")
-    ranged, in_ranges = build(daily, tmp_path / "ranges", chunk_events=events.height // 4)
-    assert whole.n_user_ranges == 1 and ranged.n_user_ranges >= 4
-    assert leakage_violations(in_ranges) == NO_LEAKS
-    assert ranged.n_timeline_events == whole.n_timeline_events == events.height
-    assert histories_by_key(in_ranges) == histories_by_key(in_memory)
-
-
-def test_streamed_user_ranges_give_the_same_examples(tmp_path, synthetic_days):
-    """Past max_events_in_memory, files that declare their order are read one range of users at a time."""
-    events, daily = synthetic_days
-    whole, in_memory = build(daily, tmp_path / "whole")
-    streamed, in_ranges = build(daily, tmp_path / "streamed", max_events_in_memory=events.height // 4)
-    assert streamed.n_buckets == 1 and streamed.n_user_ranges >= 4
-    assert leakage_violations(in_ranges) == NO_LEAKS
-    assert streamed.n_timeline_events == events.height
-    assert histories_by_key(in_ranges) == histories_by_key(in_memory)
-
-
-def test_hash_buckets_give_the_same_examples(tmp_path, synthetic_days):
-    """Files that do not declare their order are read whole, or in hash buckets when large."""
-    events, daily = synthetic_days
-    undeclared = [write(pl.read_parquet(p), tmp_path / f"plain-{i}.parquet") for i, p in enumerate(daily)]
-    whole, in_memory = build(daily, tmp_path / "whole")
-    bucketed, in_buckets = build(undeclared, tmp_path / "buckets", max_events_in_memory=events.height // 4)
-    assert bucketed.n_buckets >= 4
-    assert leakage_violations(in_buckets) == NO_LEAKS
-    assert bucketed.n_timeline_events == whole.n_timeline_events == events.height
-    assert histories_by_key(in_buckets) == histories_by_key(in_memory)
+    if not declared:  # rewritten without the sort-order metadata that write_partition adds
+        daily = [write(pl.read_parquet(p), tmp_path / f"plain-{i}.parquet") for i, p in enumerate(daily)]
+    whole, in_memory = build(synthetic_days[1], tmp_path / "whole")
+    split, in_parts = build(daily, tmp_path / "split", **{split_by: events.height // 4})
+    assert whole.n_user_ranges == 1 and whole.n_buckets == 1
+    assert path_taken(split)
+    assert leakage_violations(in_parts) == NO_LEAKS
+    assert split.n_timeline_events == whole.n_timeline_events == events.height
+    assert histories_by_key(in_parts) == histories_by_key(in_memory)
 
 
 def test_synthetic_days_build_without_leakage(tmp_path):

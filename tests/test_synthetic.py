@@ -14,26 +14,13 @@ from gem_ops.data.synthetic import (
     generate_day,
     generate_days,
 )
+from tests.event_log_builders import CANONICAL_DTYPES
 
 SMALL = SyntheticConfig(n_users=2_000)
 # Large enough for the heavy tail (~0.5% power users) and for label rates to be measurable.
 FORTNIGHT = SyntheticConfig(n_users=10_000)
 FORTNIGHT_DAYS = 14
 
-CANONICAL_SCHEMA = {
-    "user_id": pl.Int64,
-    "timestamp": pl.Datetime("ms", "UTC"),
-    "item_id": pl.Int64,
-    "surface": pl.String,
-    "event_type": pl.String,
-    "label_click": pl.Int8,
-    "label_conversion": pl.Int8,
-    "user_segment": pl.Int64,
-    "user_age_bucket": pl.Int64,
-    "item_category": pl.Int64,
-    "item_advertiser": pl.Int64,
-    "item_bid": pl.Float32,
-}
 
 
 def day(config: SyntheticConfig, offset: int) -> date:
@@ -67,7 +54,7 @@ def test_different_seed_gives_different_frame():
 
 def test_output_is_canonical_and_sorted():
     events = generate_days(SMALL, SMALL.start_date, 3)
-    assert dict(events.schema) == CANONICAL_SCHEMA
+    assert dict(events.schema) == CANONICAL_DTYPES
     assert normalize_event_log(events, "synthetic").equals(events)
     assert events["timestamp"].is_sorted()
     assert set(events["event_type"].unique()) == {ORGANIC_VIEW, AD_IMPRESSION}

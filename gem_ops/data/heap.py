@@ -2,7 +2,7 @@
 
 glibc hands every large block (over 128 KiB) straight back to the kernel when freed, so each range
 of users a build processes would fault its arrays in afresh; on VMs that back guest memory lazily
-that costs 0.15-1.5 s per GiB. Raising the mmap and trim thresholds for the duration lets later
+that is slow. Raising the mmap and trim thresholds for the duration lets later
 ranges reuse pages already touched; afterwards the thresholds go back to glibc's defaults and the
 heap is trimmed, so the process keeps no extra memory. A no-op where libc is not glibc.
 """

@@ -268,7 +268,7 @@ def _user_range_chunks(users: list[np.ndarray], chunk_events: int):
 
 def _read_categories(path: str) -> dict[str, pa.ChunkedArray]:
     """The string columns as Parquet stores them, dictionary-encoded: no per-row strings are built."""
-    # ParquetFile, not read_table: read_table imports pyarrow.dataset (a third of a second).
+    # ParquetFile, not read_table: read_table imports pyarrow.dataset, which is slow to import.
     table = pq.ParquetFile(path, read_dictionary=list(CATEGORY_COLUMNS)).read(columns=list(CATEGORY_COLUMNS))
     return {name: table[name] for name in CATEGORY_COLUMNS}
 
@@ -323,7 +323,7 @@ class _Encoder:
 
 
 def _int_view(array: pa.Array) -> np.ndarray:
-    """A null-free integer Arrow array as a numpy view (pyarrow's to_numpy imports pandas: 0.3 s)."""
+    """A null-free integer Arrow array as a numpy view (pyarrow's to_numpy imports pandas)."""
     width = array.type.bit_width // 8
     return np.frombuffer(array.buffers()[1], dtype=f"<i{width}", count=len(array), offset=array.offset * width)
 
@@ -545,8 +545,8 @@ class _SequenceLogsWriter:
 
     def write_examples(self, examples: pl.DataFrame) -> None:
         with self.timer("write"):
-            # Uncompressed, no statistics: 45% less time to write for 25% more bytes (timelines,
-            # which compress 2.3x, stay lz4); loaders read whole files, so statistics buy nothing.
+            # Uncompressed, no statistics: examples compress little, so writing them plain is cheaper
+            # (timelines, which compress well, stay lz4); loaders read whole files, so statistics buy nothing.
             path = self.folder / EXAMPLES / f"part-{self._example_files:05d}.parquet"
             examples.write_parquet(path, compression="uncompressed", statistics=False)
         self._example_files += 1
