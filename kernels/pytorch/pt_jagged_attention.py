@@ -1,0 +1,84 @@
+"""PyTorch reference of jagged attention: the CPU default and the oracle for the Triton kernel.
+
+Sequences are grouped by (query length, key length) rounded up to powers of two, and each group is
+padded only to its own longest sequence, so padding costs at most about 4x the real pairs and never
+the batch maximum. Autograd runs through the gathers, so the backward pass comes for free.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# A group whose padded score tensor would exceed this many elements is split into chunks.
+MAX_SCORE_ELEMENTS = 1 << 25
+
+
+def pt_jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    causal: bool,
+    activation: str,
+    scale: float,
+) -> torch.Tensor:
+    """See kernels.jagged_attention.jagged_attention for the contract."""
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    q_lengths = (q_offsets[1:] - q_offsets[:-1]).cpu()
+    kv_lengths = (kv_offsets[1:] - kv_offsets[:-1]).cpu()
+    active = torch.nonzero(q_lengths > 0).flatten()
+    if active.numel() == 0:
+        return out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for empty batches
+
+    group_key = _pow2_ceil(q_lengths[active]) * (1 << 32) + _pow2_ceil(kv_lengths[active])
+    for key in torch.unique(group_key).tolist():
+        members = active[group_key == key]
+        max_q = int(q_lengths[members].max())
+        max_kv = int(kv_lengths[members].max())
+        per_sequence = q.shape[1] * max_q * max(max_kv, 1)
+        chunk = max(1, MAX_SCORE_ELEMENTS // per_sequence)
+        for start in range(0, members.numel(), chunk):
+            seqs = members[start : start + chunk].to(q.device)
+            rows, row_valid = _padded_index(q_offsets[seqs], q_lengths[seqs].to(q.device), max_q)
+            cols, col_valid = _padded_index(kv_offsets[seqs], kv_lengths[seqs].to(q.device), max_kv)
+            attended = _dense_attention(
+                q[rows], k[cols], v[cols], row_valid, col_valid, kv_lengths[seqs].to(q.device),
+                causal, activation, scale,
+            )
+            out = out.index_put((rows[row_valid],), attended[row_valid])
+    return out
+
+
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x <= 1, x, 2 ** torch.ceil(torch.log2(x.double())).long())
+
+
+def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int):
+    """[b, width] flat token positions of each sequence (clamped where padded) and their validity."""
+    position = torch.arange(width, device=starts.device)
+    valid = position[None, :] < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + position[None, :], starts[:, None].clamp(min=0))
+    return index, valid
+
+
+def _dense_attention(q, k, v, row_valid, col_valid, kv_lengths, causal, activation, scale):
+    """q [b, Lq, H, D], k [b, Lk, H, D], v [b, Lk, H, Dv] -> [b, Lq, H, Dv] on padded tensors."""
+    compute = torch.promote_types(q.dtype, torch.float32)  # low-precision inputs accumulate in fp32
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(compute), k.to(compute)) * scale
+    allowed = col_valid[:, None, None, :] & row_valid[:, None, :, None]
+    if causal:
+        q_lengths = row_valid.sum(1)
+        # Aligned to the end: query i of a sequence sees keys j <= i + (Lk - Lq).
+        shift = (kv_lengths - q_lengths)[:, None, None]
+        qi = torch.arange(q.shape[1], device=q.device)[None, :, None]
+        kj = torch.arange(k.shape[1], device=q.device)[None, None, :]
+        allowed = allowed & (kj <= qi + shift)[:, None]
+    if activation == "softmax":
+        # Rows with no visible key get finite scores and zero weights, so no NaN reaches the gradients.
+        scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+        weights = torch.softmax(scores, dim=-1) * allowed
+    else:
+        weights = F.silu(scores).masked_fill(~allowed, 0.0) / kv_lengths.clamp(min=1)[:, None, None, None]
+    return torch.einsum("bhqk,bkhd->bqhd", weights, v.to(compute)).to(v.dtype)

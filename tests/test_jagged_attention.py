@@ -1,0 +1,114 @@
+"""Jagged attention reference against a padded dense computation (the whole batch padded to its maximum)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.jagged_attention import jagged_attention
+
+
+def random_offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def padded_dense_attention(q, k, v, q_offsets, kv_offsets, causal, activation, scale):
+    """Every sequence padded to the batch maximum, masked, attended with dense ops, and unpadded."""
+    B = q_offsets.numel() - 1
+    lq, lk = q_offsets.diff(), kv_offsets.diff()
+    Lq, Lk = max(int(lq.max()), 1), max(int(lk.max()), 1)
+    H, D, Dv = q.shape[1], q.shape[2], v.shape[2]
+    pq, pk, pv = q.new_zeros(B, H, Lq, D), k.new_zeros(B, H, Lk, D), v.new_zeros(B, H, Lk, Dv)
+    for b in range(B):
+        pq[b, :, : lq[b]] = q[q_offsets[b] : q_offsets[b + 1]].transpose(0, 1)
+        pk[b, :, : lk[b]] = k[kv_offsets[b] : kv_offsets[b + 1]].transpose(0, 1)
+        pv[b, :, : lk[b]] = v[kv_offsets[b] : kv_offsets[b + 1]].transpose(0, 1)
+    i = torch.arange(Lq)[:, None]
+    j = torch.arange(Lk)[None, :]
+    mask = (j[None] < lk[:, None, None]) & (i[None] < lq[:, None, None])
+    if causal:
+        mask &= j[None] <= i[None] + (lk - lq)[:, None, None]
+    mask = mask[:, None]  # [B, 1, Lq, Lk]
+    if activation == "softmax":
+        has_key = mask.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=mask | ~has_key, scale=scale) * has_key
+    else:
+        weights = F.silu(pq @ pk.transpose(-1, -2) * scale) * mask / lk.clamp(min=1)[:, None, None, None]
+        out = weights @ pv
+    return torch.cat([out[b, :, : lq[b]].transpose(0, 1) for b in range(B)])
+
+
+CASES = {
+    "mixed": [0, 1, 5, 17, 33, 2, 64, 0, 9],
+    "all_empty": [0, 0, 0],
+    "single": [1],
+    "long_tail": [3, 1, 2, 4, 1, 200, 2, 1, 1, 130],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_self_attention_matches_padded_dense(case, causal, activation):
+    torch.manual_seed(0)
+    offsets = random_offsets(CASES[case])
+    n, H, D = int(offsets[-1]), 2, 8
+    q, k, v = (torch.randn(n, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    scale = 1 / math.sqrt(D)
+    got = jagged_attention(q, k, v, offsets, causal=causal, activation=activation)
+    want = padded_dense_attention(q, k, v, offsets, offsets, causal, activation, scale)
+    torch.testing.assert_close(got, want)
+    _assert_same_gradients(got, want, (q, k, v))
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_cross_attention_with_different_value_width(activation):
+    torch.manual_seed(1)
+    kv_lengths = [0, 1, 7, 40, 3]
+    q_offsets = random_offsets([2] * len(kv_lengths))  # two query tokens per sample
+    kv_offsets = random_offsets(kv_lengths)
+    H, D, Dv = 3, 4, 6
+    q = torch.randn(int(q_offsets[-1]), H, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(int(kv_offsets[-1]), H, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(int(kv_offsets[-1]), H, Dv, dtype=torch.float64, requires_grad=True)
+    got = jagged_attention(q, k, v, q_offsets, kv_offsets, activation=activation)
+    want = padded_dense_attention(q, k, v, q_offsets, kv_offsets, False, activation, 1 / math.sqrt(D))
+    assert got.shape == (q.shape[0], H, Dv)
+    torch.testing.assert_close(got, want)
+    assert torch.all(got[:2] == 0), "a sample with an empty history attends to nothing"
+    _assert_same_gradients(got, want, (q, k, v))
+
+
+def test_groups_larger_than_the_chunk_limit_are_split(monkeypatch):
+    import kernels.pytorch.pt_jagged_attention as reference
+
+    torch.manual_seed(2)
+    offsets = random_offsets([5, 6, 7, 8, 5, 6])
+    q, k, v = (torch.randn(int(offsets[-1]), 1, 4, dtype=torch.float64) for _ in range(3))
+    whole = jagged_attention(q, k, v, offsets)
+    monkeypatch.setattr(reference, "MAX_SCORE_ELEMENTS", 64)  # one sequence per chunk
+    torch.testing.assert_close(jagged_attention(q, k, v, offsets), whole)
+
+
+def test_bad_arguments_name_the_problem():
+    q = torch.randn(4, 2, 8)
+    offsets = torch.tensor([0, 4])
+    with pytest.raises(ValueError, match="activation"):
+        jagged_attention(q, q, q, offsets, activation="relu")
+    with pytest.raises(ValueError, match="backend 'nope' unknown"):
+        jagged_attention(q, q, q, offsets, backend="nope")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        jagged_attention(q, torch.randn(4, 3, 8), q, offsets)
+
+
+def _assert_same_gradients(got, want, inputs):
+    upstream = torch.randn_like(got)
+    grads_got = torch.autograd.grad(got, inputs, upstream, retain_graph=True, allow_unused=True)
+    grads_want = torch.autograd.grad(want, inputs, upstream, allow_unused=True)
+    for name, a, b in zip("qkv", grads_got, grads_want):
+        if b is None:
+            continue
+        assert a is not None, f"no gradient for {name}"
+        assert torch.isfinite(a).all(), f"non-finite gradient for {name}"
+        torch.testing.assert_close(a, b, msg=lambda m: f"d{name}: {m}")
