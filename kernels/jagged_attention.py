@@ -84,3 +84,14 @@ def _check(q, k, v, q_offsets, kv_offsets, activation):
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q_offsets.shape != kv_offsets.shape or q_offsets.dim() != 1:
         raise ValueError(f"q_offsets {tuple(q_offsets.shape)} and kv_offsets {tuple(kv_offsets.shape)} must be [B + 1]")
+
+
+def _register_kernels() -> None:
+    try:
+        from kernels.triton.triton_jagged_attention import supports, triton_jagged_attention
+    except ImportError:  # no Triton on this machine: the reference serves alone
+        return
+    register_backend("triton", triton_jagged_attention, supports)
+
+
+_register_kernels()

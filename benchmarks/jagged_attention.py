@@ -1,0 +1,222 @@
+"""Jagged attention on the GPU: our Triton kernel against FlexAttention, padded SDPA and the reference.
+
+FLOPs are counted on real tokens only: a sequence with Lq queries and Lk keys has P visible
+(query, key) pairs, P = Lq * Lk, or the exact causal count (about half). Forward = 2 * P * H * (D + Dv)
+(QK^T and PV); backward = 2.5 x forward, as FlashAttention counts it; forward + backward = 3.5 x forward.
+Every method is charged the same real-token FLOPs whatever it computes on padding or masked blocks.
+
+Methods, all bf16, self attention over one jagged batch of `--tokens` tokens:
+  triton      kernels.triton (values + offsets)
+  flex        torch.compile'd flex_attention over the concatenated batch, document mask (plus causal);
+              'flex' reuses a block mask built beforehand, 'flex+mask' builds it inside the timed call,
+              as training must when batches change every step
+  sdpa_padded F.scaled_dot_product_attention on a [B, H, Lmax, D] batch padded beforehand (padding and
+              unpadding not timed); causal uses is_causal (padded keys come after real ones), full
+              attention a key-padding mask
+Layout changes (padding, [T, H, D] -> [1, H, T, D]) happen before timing; gradients are taken with
+respect to each method's own input layout.
+  reference   kernels.pytorch (the oracle)
+
+Run on a GPU: python -m benchmarks.jagged_attention [--quick]. Writes benchmarks/results/jagged_attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import save
+from kernels.jagged_attention import jagged_attention
+
+METHODS = ("triton", "flex", "flex+mask", "sdpa_padded", "reference")
+
+
+def long_tail_lengths(tokens: int, max_len: int, seed: int) -> list[int]:
+    """One sequence of max_len, then many short ones and a few long (L = max_len * u^3), `tokens` in all."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [max_len]
+    while sum(lengths) < tokens:
+        n = max(1, int(max_len * float(torch.rand(1, generator=g)) ** 3))
+        lengths.append(min(n, tokens - sum(lengths)))
+    return lengths
+
+
+def uniform_lengths(tokens: int, max_len: int) -> list[int]:
+    return [max_len] * (tokens // max_len)
+
+
+def visible_pairs(lengths: list[int], causal: bool) -> int:
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+
+
+def timed(fn) -> float:
+    from triton.testing import do_bench
+
+    fn()  # compile and autotune outside the timing
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: tuple[str, ...]) -> dict:
+    """Median ms of forward (no grad) and forward + backward for each method on one jagged batch."""
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    q, k, v = (torch.randn(int(offsets[-1]), heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    runners = {
+        "triton": _jagged(offsets, causal, "triton"),
+        "reference": _jagged(offsets, causal, "pytorch"),
+        "sdpa_padded": _padded_sdpa(offsets, causal),
+        **_flex(lengths, offsets, causal),
+    }
+    row = {}
+    for method in methods:
+        prepare, call = runners[method]
+        inputs = [x.requires_grad_() for x in prepare(q, k, v)]  # layout changes are not timed
+        try:
+            d_out = torch.randn_like(call(*inputs))
+            with torch.no_grad():
+                forward_ms = timed(lambda: call(*inputs))
+            both_ms = timed(lambda: torch.autograd.grad(call(*inputs), inputs, d_out))
+        except torch.OutOfMemoryError:
+            forward_ms = both_ms = float("nan")
+        row[method] = {"fwd_ms": forward_ms, "fwd_bwd_ms": both_ms}
+        del inputs
+        torch.cuda.empty_cache()
+    return row
+
+
+def _jagged(offsets, causal, backend):
+    def prepare(q, k, v):
+        return [x.detach().clone() for x in (q, k, v)]
+
+    def call(q, k, v):
+        return jagged_attention(q, k, v, offsets, causal=causal, backend=backend)
+
+    return prepare, call
+
+
+def _padded_sdpa(offsets, causal):
+    """[B, H, Lmax, D] padded beforehand; causal uses is_causal (padded keys come after every real one)."""
+    lengths = offsets.diff()
+    longest = int(lengths.max())
+    position = torch.arange(longest, device=offsets.device)
+    valid = position[None, :] < lengths[:, None]
+    index = (offsets[:-1, None] + position[None, :]).clamp(max=int(offsets[-1]) - 1)
+    key_mask = None if causal else valid[:, None, None, :]
+
+    def prepare(q, k, v):
+        return [(x[index] * valid[..., None, None]).transpose(1, 2).contiguous() for x in (q, k, v)]
+
+    def call(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, is_causal=causal)
+
+    return prepare, call
+
+
+def _flex(lengths, offsets, causal):
+    """flex_attention over the whole batch as one [1, H, T, D] sequence with a document mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    total = int(offsets[-1])
+    document = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), offsets.diff())
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = document[q_idx] == document[kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    def build_mask():
+        return create_block_mask(mask_mod, 1, None, total, total, device=offsets.device, _compile=True)
+
+    flex = _compiled_flex(flex_attention)
+    prebuilt = build_mask()
+
+    def prepare(q, k, v):
+        return [x.detach().transpose(0, 1)[None].contiguous() for x in (q, k, v)]
+
+    return {
+        "flex": (prepare, lambda q, k, v: flex(q, k, v, block_mask=prebuilt)),
+        "flex+mask": (prepare, lambda q, k, v: flex(q, k, v, block_mask=build_mask())),
+    }
+
+
+_FLEX = None
+
+
+def _compiled_flex(flex_attention):
+    global _FLEX
+    if _FLEX is None:
+        torch._dynamo.config.cache_size_limit = 64  # one compile per shape; many shapes here
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--quick", action="store_true", help="two cases, to check before a full run")
+    args = parser.parse_args()
+
+    cases = []  # (mix, max_len, head_dim, causal)
+    for mix in ("long_tail", "uniform"):
+        for max_len in (512, 2048, 8192):
+            for dim in (64, 128):
+                cases.append((mix, max_len, dim, True))
+                if mix == "uniform":
+                    cases.append((mix, max_len, dim, False))
+    if args.quick:
+        cases = [("long_tail", 2048, 128, True), ("uniform", 8192, 128, False)]
+
+    results = []
+    for mix, max_len, dim, causal in cases:
+        lengths = long_tail_lengths(args.tokens, max_len, seed=max_len) if mix == "long_tail" else \
+            uniform_lengths(args.tokens, max_len)
+        heads = 1024 // dim
+        pairs = visible_pairs(lengths, causal)
+        forward_flops = 2 * pairs * heads * (dim + dim)
+        row = bench_case(lengths, heads, dim, causal, METHODS)
+        for method, t in row.items():
+            results.append({
+                "mix": mix, "max_len": max_len, "head_dim": dim, "heads": heads, "causal": causal,
+                "sequences": len(lengths), "tokens": sum(lengths), "visible_pairs": pairs, "method": method,
+                "fwd_ms": t["fwd_ms"], "fwd_tflops": tflops(forward_flops, t["fwd_ms"]),
+                "fwd_bwd_ms": t["fwd_bwd_ms"], "fwd_bwd_tflops": tflops(3.5 * forward_flops, t["fwd_bwd_ms"]),
+            })
+        print_rows(results[-len(row):])
+
+    settings = {"tokens": args.tokens, "dtype": "bfloat16", "heads_times_dim": 1024, "quick": args.quick,
+                "flop_convention": "forward 4*P*H*D (P = visible real pairs, causal exact), backward 2.5x forward",
+                "torch": torch.__version__, "triton": __import__("triton").__version__,
+                "gpu": torch.cuda.get_device_name()}
+    save("jagged_attention", settings, results)
+    print_summary(results)
+
+
+def print_rows(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"{r['mix']:>9} L<={r['max_len']:<5} D={r['head_dim']:<3} {'causal' if r['causal'] else 'full  '} "
+              f"{r['method']:>11}: fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
+              f"fwd+bwd {r['fwd_bwd_ms']:8.3f} ms {r['fwd_bwd_tflops']:6.1f} TF/s", flush=True)
+
+
+def print_summary(results: list[dict]) -> None:
+    """TFLOP/s per case and method, then our speed-up over FlexAttention (mask built in the step)."""
+    by_case: dict[tuple, dict] = {}
+    for r in results:
+        by_case.setdefault((r["mix"], r["max_len"], r["head_dim"], r["causal"]), {})[r["method"]] = r
+    print("\nTFLOP/s on real tokens, forward / forward+backward")
+    print(f"{'case':<30}" + "".join(f"{m:>18}" for m in METHODS) + f"{'vs flex+mask':>14}")
+    for (mix, max_len, dim, causal), row in by_case.items():
+        cells = "".join(
+            f"{row[m]['fwd_tflops']:>8.0f} /{row[m]['fwd_bwd_tflops']:>6.0f}  " if m in row else f"{'':>18}"
+            for m in METHODS)
+        ratio = row["flex+mask"]["fwd_bwd_ms"] / row["triton"]["fwd_bwd_ms"] if "flex+mask" in row else math.nan
+        print(f"{mix:>9} L<={max_len:<5} D={dim:<3} {'causal' if causal else 'full':<7}{cells}{ratio:>10.2f}x")
+
+
+if __name__ == "__main__":
+    main()

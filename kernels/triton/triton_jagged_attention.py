@@ -1,0 +1,555 @@
+"""Triton jagged flash attention: forward and backward on values + offsets, never padded.
+
+Work is a list of tiles (sequence, first row) built with torch ops on the device from the offsets,
+heaviest first, so no length is read back to the host. Each kernel is persistent: a fixed grid of
+programs walks that list round-robin over (tile, head) items, so short sequences cost neither launches
+nor empty programs. The forward keeps an online softmax in fp32 and saves the base-2 logsumexp; the
+backward recomputes the scores in two kernels without atomics: one per key block (dk, dv), one per
+query block (dq). Key blocks that causality rules out are never visited, and blocks that need no
+mask skip the masking arithmetic.
+
+Contract: kernels.jagged_attention.jagged_attention. Launches need CUDA or TRITON_INTERPRET=1 set
+before this module is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOG2E = 1.4426950408889634
+# Scores of invalid positions get this added: exp2 of it is exactly 0, and it stays finite.
+NEG_LARGE = -1.0e30
+# The logsumexp stored for a query that sees no key: every recomputed probability of it is 0.
+EMPTY_ROW_LSE = 1.0e30
+
+
+def _configs(shapes: list[tuple[int, int, int, int]], tile_name: str, inner_name: str) -> list[triton.Config]:
+    return [triton.Config({tile_name: t, inner_name: i}, num_warps=w, num_stages=s) for t, i, w, s in shapes]
+
+
+# (tile block, inner block, warps, stages). Under the interpreter one small config keeps tests fast and
+# still spreads a sequence over several blocks.
+if INTERPRETING:
+    _FWD_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_M", "BLOCK_N")
+    _DQ_CONFIGS = _configs([(32, 16, 4, 1)], "BLOCK_M", "BLOCK_N")
+    _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M")
+else:
+    _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N")
+    _DQ_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2)], "BLOCK_M", "BLOCK_N")
+    _DKDV_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)], "BLOCK_N", "BLOCK_M")
+
+_AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU"]
+
+
+# Constants the kernels read (globals inside @triton.jit must be constexpr).
+_LOG2E = tl.constexpr(LOG2E)
+_NEG_LARGE = tl.constexpr(NEG_LARGE)
+# The running max starts above NEG_LARGE, so an invalid score's exp2(s - m) is 0 even while a row
+# has seen no valid key yet: masking needs only the subtraction.
+_RUNNING_MAX_START = tl.constexpr(NEG_LARGE / 2)
+_EMPTY_ROW_LSE = tl.constexpr(EMPTY_ROW_LSE)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tile lists
+
+
+class TileTable:
+    """Tiles (sequence, first row) for each block size the configs use, packed in one int32 tensor.
+
+    `index` [9, 2] holds (first tile, tile count) of block size b at row b // 16: each kernel reads
+    the row of its own autotuned block size. Counts stay on the device; capacities (upper bounds,
+    sum(ceil(L / b)) <= total / b + B) come from shapes, so building needs no device-to-host copy.
+    """
+
+    def __init__(self, own_lengths, other_lengths, own_total: int, sizes: list[int], causal: bool, queries_major: bool):
+        device = own_lengths.device
+        self.capacity: dict[int, int] = {}
+        self.index = torch.zeros(9, 2, dtype=torch.int32, device=device)
+        parts, first = [], 0
+        for size in sizes:
+            capacity = own_total // size + own_lengths.numel()
+            seq, start, count = _block_tiles(own_lengths, other_lengths, size, capacity, causal, queries_major)
+            parts.append(torch.stack([seq, start], 1))
+            self.index[size // 16, 0] = first
+            self.index[size // 16, 1:] = count
+            self.capacity[size] = capacity
+            first += capacity
+        self.tiles = torch.cat(parts).to(torch.int32).contiguous()
+
+
+def _block_tiles(own_lengths, other_lengths, block, capacity, causal, queries_major):
+    """Every block of `block` rows of every sequence, heaviest first; slots past the count come last."""
+    num_seqs = own_lengths.numel()
+    blocks = (own_lengths + block - 1) // block
+    ends = torch.cumsum(blocks, 0)
+    slot = torch.arange(capacity, device=own_lengths.device)
+    seq = torch.searchsorted(ends, slot, right=True).clamp(max=num_seqs - 1)
+    start = (slot - (ends[seq] - blocks[seq])) * block
+    count = ends[-1:]
+    work = _tile_work(own_lengths[seq], other_lengths[seq], start, block, causal, queries_major)
+    work = torch.where(slot < count, work, -1)
+    order = torch.argsort(work, descending=True)
+    return seq[order], start[order], count
+
+
+def _tile_work(own_len, other_len, start, block, causal, queries_major):
+    """Rows of the other side a tile visits: heavy tiles first keep the round-robin even."""
+    if not causal:
+        return other_len.clone()
+    if queries_major:  # query rows [start, last) see keys < last + (Lk - Lq)
+        last = torch.minimum(own_len, start + block)
+        return (last + other_len - own_len).clamp(min=0).minimum(other_len)
+    # key rows from `start` are seen by query rows >= start - (Lk - Lq)
+    return (other_len - (start - (own_len - other_len)).clamp(min=0)).clamp(min=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _persistent_grid(table: TileTable, block_name: str, num_heads: int, device: torch.device):
+    """Enough programs to fill the GPU, never more than there can be (tile, head) items."""
+
+    def grid(meta):
+        items = table.capacity[meta[block_name]] * num_heads
+        programs = 4 if INTERPRETING else _num_sms(device.index or 0) * max(1, 16 // meta["num_warps"])
+        return (max(1, min(items, programs)),)
+
+    return grid
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared device helpers
+
+
+@triton.jit
+def _work_item(item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr):
+    """The (tile, head) item's head, first row, and its sequence's starts and lengths."""
+    tile = first_tile + item // num_heads
+    head = item % num_heads
+    seq = tl.load(tiles_ptr + 2 * tile)
+    first_row = tl.load(tiles_ptr + 2 * tile + 1)
+    q_start = tl.load(q_offsets_ptr + seq)
+    q_len = (tl.load(q_offsets_ptr + seq + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(kv_offsets_ptr + seq)
+    kv_len = (tl.load(kv_offsets_ptr + seq + 1) - kv_start).to(tl.int32)
+    return head, first_row, q_start, q_len, kv_start, kv_len
+
+
+@triton.jit
+def _load_rows(base, rows, stride, row_ok, DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """[rows, DIM_PAD] from a [tokens, DIM] slice; zeros past DIM and, if checked, past valid rows."""
+    cols = tl.arange(0, DIM_PAD)
+    ptrs = base + rows[:, None] * stride + cols[None, :]
+    if CHECK_ROWS:
+        if DIM == DIM_PAD:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None] & (cols[None, :] < DIM), other=0.0)
+    else:
+        if DIM == DIM_PAD:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=cols[None, :] < DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(base, x, rows, stride, row_ok, DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    cols = tl.arange(0, DIM_PAD)
+    tl.store(base + rows[:, None] * stride + cols[None, :], x, mask=row_ok[:, None] & (cols[None, :] < DIM))
+
+
+@triton.jit
+def _visible_keys(m0, q_len, kv_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key range of query block [m0, m0 + BLOCK_M): [0, unmasked) needs no mask, [unmasked, hi) does."""
+    if CAUSAL:
+        shift = kv_len - q_len  # query i sees keys j <= i + shift
+        hi = tl.minimum(tl.maximum(tl.minimum(m0 + BLOCK_M, q_len) + shift, 0), kv_len)
+        every_row_sees = tl.minimum(tl.maximum(m0 + 1 + shift, 0), kv_len)
+    else:
+        hi = kv_len
+        every_row_sees = kv_len
+    return (every_row_sees // BLOCK_N) * BLOCK_N, hi
+
+
+@triton.jit
+def _seeing_queries(n0, q_len, kv_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query range of key block [n0, n0 + BLOCK_N): [lo, unmasked) needs the causal mask, [unmasked, q_len) not."""
+    if CAUSAL:
+        shift = kv_len - q_len
+        lo = (tl.minimum(tl.maximum(n0 - shift, 0), q_len) // BLOCK_M) * BLOCK_M
+        every_key_seen_from = tl.minimum(tl.maximum(n0 + BLOCK_N - 1 - shift, lo), q_len)
+        unmasked = lo + tl.cdiv(every_key_seen_from - lo, BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        unmasked = 0
+    return lo, unmasked
+
+
+@triton.jit
+def _visible(col_ok, cols, rows, shift, CAUSAL: tl.constexpr):
+    """[rows, cols]: key inside the sequence and, when causal, not after the query."""
+    if CAUSAL:
+        visible = col_ok[None, :] & (cols[None, :] <= rows[:, None] + shift)
+    else:
+        visible = col_ok[None, :] & (rows[:, None] >= 0)
+    return visible
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, lo, hi, shift, scale, inv_len,
+                    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k = _load_rows(k_base, cols, stride_kt, col_ok, HEAD_DIM, D_PAD, MASKED)
+        v = _load_rows(v_base, cols, stride_vt, col_ok, VALUE_DIM, DV_PAD, MASKED)
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            visible = _visible(col_ok, cols, rows, shift, CAUSAL)
+        if SILU:
+            x = s * scale
+            w = x * tl.sigmoid(x) * inv_len
+            if MASKED:
+                w = w * visible.to(tl.float32)
+            acc = tl.dot(w.to(v.dtype), v, acc)
+        else:
+            s = s * (scale * _LOG2E)
+            if MASKED:
+                s = s + tl.where(visible, 0.0, _NEG_LARGE)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.jit
+def _forward_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    num_heads, scale, length_bucket,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16))
+    items = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16) + 1) * num_heads
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        head, m0, q_start, q_len, kv_start, kv_len = _work_item(
+            item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q = _load_rows(q_ptr + q_start * stride_qt + head * stride_qh, rows, stride_qt, row_ok, HEAD_DIM, D_PAD, True)
+        k_base = k_ptr + kv_start * stride_kt + head * stride_kh
+        v_base = v_ptr + kv_start * stride_vt + head * stride_vh
+        shift = kv_len - q_len
+        inv_len = 1.0 / tl.maximum(kv_len, 1).to(tl.float32)
+        unmasked, hi = _visible_keys(m0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
+
+        acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], _RUNNING_MAX_START, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked,
+                                        shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU)
+        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi,
+                                        shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU)
+        if not SILU:
+            has_key = l_i > 0.0
+            l_safe = tl.where(has_key, l_i, 1.0)
+            acc = acc / l_safe[:, None]
+            lse = tl.where(has_key, m_i + tl.log2(l_safe), _EMPTY_ROW_LSE)
+            tl.store(lse_ptr + head * stride_lh + q_start + rows, lse, mask=row_ok)
+        _store_rows(out_ptr + q_start * stride_ot + head * stride_oh, acc.to(out_ptr.dtype.element_ty), rows,
+                    stride_ot, row_ok, VALUE_DIM, DV_PAD)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward: dq per query block
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, lo, hi, shift, scale, inv_len,
+               HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k = _load_rows(k_base, cols, stride_kt, col_ok, HEAD_DIM, D_PAD, MASKED)
+        v = _load_rows(v_base, cols, stride_vt, col_ok, VALUE_DIM, DV_PAD, MASKED)
+        s = tl.dot(q, tl.trans(k))
+        dp = tl.dot(do, tl.trans(v))
+        if MASKED:
+            visible = _visible(col_ok, cols, rows, shift, CAUSAL)
+        if SILU:
+            x = s * scale
+            sig = tl.sigmoid(x)
+            ds = dp * sig * (1.0 + x * (1.0 - sig)) * inv_len
+            if MASKED:
+                ds = ds * visible.to(tl.float32)
+        else:
+            s = s * (scale * _LOG2E)
+            if MASKED:
+                s = s + tl.where(visible, 0.0, _NEG_LARGE)
+            p = tl.exp2(s - lse[:, None])
+            ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.jit
+def _dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+    stride_lh, num_heads, scale, length_bucket,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16))
+    items = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16) + 1) * num_heads
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        head, m0, q_start, q_len, kv_start, kv_len = _work_item(
+            item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q = _load_rows(q_ptr + q_start * stride_qt + head * stride_qh, rows, stride_qt, row_ok, HEAD_DIM, D_PAD, True)
+        do = _load_rows(do_ptr + q_start * stride_dot + head * stride_doh, rows, stride_dot, row_ok,
+                        VALUE_DIM, DV_PAD, True)
+        if SILU:
+            lse = tl.zeros([BLOCK_M], dtype=tl.float32)
+            delta = lse
+        else:
+            lse = tl.load(lse_ptr + head * stride_lh + q_start + rows, mask=row_ok, other=_EMPTY_ROW_LSE)
+            delta = tl.load(delta_ptr + head * stride_lh + q_start + rows, mask=row_ok, other=0.0)
+        k_base = k_ptr + kv_start * stride_kt + head * stride_kh
+        v_base = v_ptr + kv_start * stride_vt + head * stride_vh
+        shift = kv_len - q_len
+        inv_len = 1.0 / tl.maximum(kv_len, 1).to(tl.float32)
+        unmasked, hi = _visible_keys(m0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
+
+        dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale,
+                        inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU)
+        dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale,
+                        inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU)
+        _store_rows(dq_ptr + q_start * stride_dqt + head * stride_dqh, (dq * scale).to(dq_ptr.dtype.element_ty), rows,
+                    stride_dqt, row_ok, HEAD_DIM, D_PAD)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward: dk, dv per key block
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols, lo, hi, q_len,
+                 shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr):
+    # Rows past q_len load zeros and an empty-row logsumexp, so they add nothing without a mask.
+    for m0 in range(lo, hi, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q = _load_rows(q_base, rows, stride_qt, row_ok, HEAD_DIM, D_PAD, True)
+        do = _load_rows(do_base, rows, stride_dot, row_ok, VALUE_DIM, DV_PAD, True)
+        s_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
+        dp_t = tl.dot(v, tl.trans(do))
+        if MASKED:
+            visible = cols[:, None] <= rows[None, :] + shift
+        if SILU:
+            x = s_t * scale
+            sig = tl.sigmoid(x)
+            w_t = x * sig * inv_len
+            ds_t = dp_t * sig * (1.0 + x * (1.0 - sig)) * inv_len
+            if MASKED:
+                keep = visible.to(tl.float32)
+                w_t = w_t * keep
+                ds_t = ds_t * keep
+            dv = tl.dot(w_t.to(do.dtype), do, dv)
+        else:
+            lse = tl.load(lse_base + rows, mask=row_ok, other=_EMPTY_ROW_LSE)
+            delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+            s_t = s_t * (scale * _LOG2E)
+            if MASKED:
+                s_t = s_t + tl.where(visible, 0.0, _NEG_LARGE)
+            p_t = tl.exp2(s_t - lse[None, :])
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
+            ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.jit
+def _dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
+    tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh, num_heads, scale, length_bucket,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16))
+    items = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16) + 1) * num_heads
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        head, n0, q_start, q_len, kv_start, kv_len = _work_item(
+            item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_len
+        k = _load_rows(k_ptr + kv_start * stride_kt + head * stride_kh, cols, stride_kt, col_ok, HEAD_DIM, D_PAD, True)
+        v = _load_rows(v_ptr + kv_start * stride_vt + head * stride_vh, cols, stride_vt, col_ok, VALUE_DIM, DV_PAD,
+                       True)
+        q_base = q_ptr + q_start * stride_qt + head * stride_qh
+        do_base = do_ptr + q_start * stride_dot + head * stride_doh
+        lse_base = lse_ptr + head * stride_lh + q_start
+        delta_base = delta_ptr + head * stride_lh + q_start
+        shift = kv_len - q_len
+        inv_len = 1.0 / tl.maximum(kv_len, 1).to(tl.float32)
+        lo, unmasked = _seeing_queries(n0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
+
+        dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols, lo,
+                              unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M,
+                              True, SILU)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols,
+                              unmasked, q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
+                              BLOCK_M, False, SILU)
+        _store_rows(dk_ptr + kv_start * stride_dkt + head * stride_dkh, (dk * scale).to(dk_ptr.dtype.element_ty),
+                    cols, stride_dkt, col_ok, HEAD_DIM, D_PAD)
+        _store_rows(dv_ptr + kv_start * stride_dvt + head * stride_dvh, dv.to(dv_ptr.dtype.element_ty), cols,
+                    stride_dvt, col_ok, VALUE_DIM, DV_PAD)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side
+
+
+class _Problem:
+    """What forward and backward share: offsets on the device, dims, and the tile tables."""
+
+    def __init__(self, q, k, v, q_offsets, kv_offsets, causal: bool, silu: bool, scale: float):
+        self.q_offsets = q_offsets.to(device=q.device, dtype=torch.int64).contiguous()
+        self.kv_offsets = self.q_offsets if kv_offsets is q_offsets else kv_offsets.to(
+            device=q.device, dtype=torch.int64).contiguous()
+        self.q_lengths = self.q_offsets.diff()
+        self.kv_lengths = self.kv_offsets.diff()
+        self.num_seqs = self.q_lengths.numel()
+        self.total_q, self.total_kv = q.shape[0], k.shape[0]
+        self.num_heads, self.head_dim, self.value_dim = q.shape[1], q.shape[2], v.shape[2]
+        self.causal, self.silu, self.scale = causal, silu, scale
+        # Autotuning is keyed on the mean sequence length (bucketed): the maximum would need the
+        # offsets read back to the host on every call.
+        mean_length = max(self.total_q, self.total_kv) // max(self.num_seqs, 1)
+        self.length_bucket = triton.next_power_of_2(max(mean_length, 16))
+        self.empty = self.num_seqs == 0 or self.total_q == 0
+        self._query_tiles = self._key_tiles = None
+
+    def constexprs(self) -> dict:
+        return dict(HEAD_DIM=self.head_dim, VALUE_DIM=self.value_dim, D_PAD=_pad(self.head_dim),
+                    DV_PAD=_pad(self.value_dim), CAUSAL=self.causal, SILU=self.silu)
+
+    def query_tiles(self) -> TileTable:
+        if self._query_tiles is None:
+            sizes = sorted(set(_tile_sizes(_FWD_CONFIGS, "BLOCK_M")) | set(_tile_sizes(_DQ_CONFIGS, "BLOCK_M")))
+            self._query_tiles = TileTable(self.q_lengths, self.kv_lengths, self.total_q, sizes, self.causal, True)
+        return self._query_tiles
+
+    def key_tiles(self) -> TileTable:
+        if self._key_tiles is None:
+            sizes = _tile_sizes(_DKDV_CONFIGS, "BLOCK_N")
+            self._key_tiles = TileTable(self.kv_lengths, self.q_lengths, self.total_kv, sizes, self.causal, False)
+        return self._key_tiles
+
+
+def _pad(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))  # tl.dot needs power-of-two sides of at least 16
+
+
+def _tile_sizes(configs: list[triton.Config], name: str) -> list[int]:
+    return sorted({c.kwargs[name] for c in configs})
+
+
+def _forward(p: _Problem, q, k, v):
+    out = q.new_zeros(p.total_q, p.num_heads, p.value_dim, dtype=v.dtype)
+    lse = None if p.silu else torch.empty(p.num_heads, p.total_q, dtype=torch.float32, device=q.device)
+    if p.empty:
+        return out, lse
+    table = p.query_tiles()
+    lse_arg = out if lse is None else lse  # never read when SILU
+    _forward_kernel[_persistent_grid(table, "BLOCK_M", p.num_heads, q.device)](
+        q, k, v, out, lse_arg, p.q_offsets, p.kv_offsets, table.tiles, table.index,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        p.total_q, p.num_heads, p.scale, p.length_bucket, **p.constexprs(),
+    )
+    return out, lse
+
+
+def _backward(p: _Problem, q, k, v, out, lse, d_out):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if p.empty:
+        return dq, dk, dv
+    d_out = d_out.contiguous()
+    if p.silu:
+        lse = delta = d_out  # never read when SILU
+    else:
+        delta = (d_out.float() * out.float()).sum(-1).t().contiguous()  # [H, total_q]: rowsum(dO * O)
+    queries = p.query_tiles()
+    _dq_kernel[_persistent_grid(queries, "BLOCK_M", p.num_heads, q.device)](
+        q, k, v, d_out, lse, delta, dq, p.q_offsets, p.kv_offsets, queries.tiles, queries.index,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
+        d_out.stride(1), dq.stride(0), dq.stride(1), p.total_q, p.num_heads, p.scale, p.length_bucket,
+        **p.constexprs(),
+    )
+    keys = p.key_tiles()
+    _dkdv_kernel[_persistent_grid(keys, "BLOCK_N", p.num_heads, q.device)](
+        q, k, v, d_out, lse, delta, dk, dv, p.q_offsets, p.kv_offsets, keys.tiles, keys.index,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
+        d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), p.total_q, p.num_heads, p.scale,
+        p.length_bucket, **p.constexprs(),
+    )
+    return dq, dk, dv
+
+
+class JaggedAttentionFunction(torch.autograd.Function):
+    """Forward saves q, k, v, the output and (softmax) the base-2 logsumexp; backward recomputes scores."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_offsets, kv_offsets, causal, activation, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        problem = _Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale)
+        out, lse = _forward(problem, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.problem, q, k, v, out, lse, d_out)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def triton_jagged_attention(q, k, v, q_offsets, kv_offsets, causal, activation, scale):
+    """See kernels.jagged_attention.jagged_attention for the contract."""
+    return JaggedAttentionFunction.apply(q, k, v, q_offsets, kv_offsets, causal, activation, scale)
+
+
+def supports(q: torch.Tensor) -> bool:
+    """CUDA tensors of the supported dtypes; CPU tensors too when running under the Triton interpreter."""
+    return (q.is_cuda or INTERPRETING) and q.dtype in SUPPORTED_DTYPES

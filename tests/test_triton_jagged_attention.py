@@ -1,0 +1,148 @@
+"""Triton jagged attention against the PyTorch reference: outputs and dq, dk, dv on random jagged batches.
+
+One test body, two places it runs: on CPU under the Triton interpreter in fp32 with small shapes (the
+interpreter must be switched on before Triton is imported, so the default run starts those cases in a
+subprocess), and on a GPU in bf16 with larger shapes (marked gpu).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.jagged_attention import available_backends, jagged_attention
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class Case:
+    q_lengths: tuple[int, ...]
+    kv_lengths: tuple[int, ...] | None  # None: self attention
+    causal: bool
+    activation: str
+    heads: int = 2
+    head_dim: int = 8
+    value_dim: int | None = None  # None: same as head_dim
+
+
+def _cases(mixes: dict[str, tuple], cross: tuple, heads: int, head_dim: int, cross_dims: tuple[int, int]):
+    cases = []
+    for name, lengths in mixes.items():
+        for causal in (False, True):
+            for activation in ("softmax", "silu"):
+                case = Case(lengths, None, causal, activation, heads, head_dim)
+                cases.append(pytest.param(case, id=f"self-{name}-{'causal' if causal else 'full'}-{activation}"))
+    q_lengths, kv_lengths = cross
+    for causal in (False, True):
+        for activation in ("softmax", "silu"):
+            case = Case(q_lengths, kv_lengths, causal, activation, heads, *cross_dims)
+            cases.append(pytest.param(case, id=f"cross-{'causal' if causal else 'full'}-{activation}"))
+    return cases
+
+
+def _long_tail(seed: int, count: int, typical: int, longest: int) -> tuple[int, ...]:
+    """Mostly short sequences, some empty, one of `longest` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, typical, (count,), generator=g)
+    lengths[torch.randint(0, count, (1,), generator=g)] = longest
+    return tuple(lengths.tolist())
+
+
+# Interpreter tiles are 16 and 32 rows: lengths cross several blocks and stop mid-block.
+CPU_CASES = _cases(
+    {"mixed": (0, 1, 5, 17, 33, 2, 70, 0, 9), "long_tail": _long_tail(0, 8, 6, 90)},
+    cross=((2, 1, 4, 3, 2, 1), (0, 1, 7, 40, 3, 50)),
+    heads=2, head_dim=8, cross_dims=(12, 20),
+) + [
+    pytest.param(Case((0, 0, 0), None, False, "softmax"), id="self-all-empty"),
+    pytest.param(Case((1,), None, True, "softmax"), id="self-single-token"),
+]
+
+GPU_CASES = _cases(
+    {"mixed": (0, 1, 5, 17, 130, 2, 700, 0, 93, 257), "long_tail": _long_tail(1, 64, 60, 3000)},
+    cross=((1, 4, 2, 3) * 8, _long_tail(2, 32, 300, 2000)),
+    heads=4, head_dim=64, cross_dims=(64, 96),
+) + [
+    pytest.param(Case(_long_tail(3, 16, 200, 1500), None, True, "softmax", 2, 128), id="self-long_tail-d128"),
+]
+
+
+def check_against_reference(case: Case, device: str, dtype: torch.dtype, tolerance: float) -> None:
+    """Kernel in `dtype` against the reference in higher precision on the same inputs: ‖got − want‖ / ‖want‖."""
+    torch.manual_seed(0)
+    q_offsets = _offsets(case.q_lengths, device)
+    kv_offsets = q_offsets if case.kv_lengths is None else _offsets(case.kv_lengths, device)
+    H, D = case.heads, case.head_dim
+    Dv = case.value_dim or D
+    q = torch.randn(int(q_offsets[-1]), H, D, device=device)
+    k = torch.randn(int(kv_offsets[-1]), H, D, device=device)
+    v = torch.randn(int(kv_offsets[-1]), H, Dv, device=device)
+    d_out = torch.randn(q.shape[0], H, Dv, device=device)
+    precise = torch.float64 if device == "cpu" else torch.float32
+
+    def run(backend, compute_dtype):
+        inputs = [x.to(compute_dtype).requires_grad_() for x in (q, k, v)]
+        out = jagged_attention(*inputs, q_offsets, kv_offsets, causal=case.causal, activation=case.activation,
+                               backend=backend)
+        grads = torch.autograd.grad(out, inputs, d_out.to(compute_dtype), allow_unused=True)
+        return [out, *grads]
+
+    got = run("triton", dtype)
+    want = run("pytorch", precise)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        b = torch.zeros_like(a) if b is None else b  # the reference gives no gradient to an empty batch
+        assert a.dtype == dtype and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)}"
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        # Relative to the reference's norm, with a floor for gradients that are zero in exact arithmetic.
+        error = (a.detach().to(precise) - b).norm() / (b.norm() + math.sqrt(b.numel()) + 1e-12)
+        assert error < tolerance, f"{name}: relative error {error:.2e} over {tolerance:.0e}"
+    if case.kv_lengths is not None:  # queries whose history is empty attend to nothing
+        no_history = torch.repeat_interleave(torch.tensor(case.kv_lengths) == 0, torch.tensor(case.q_lengths))
+        assert torch.all(got[0][no_history.to(device)] == 0)
+
+
+def _offsets(lengths, device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], device=device)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+@pytest.mark.parametrize("case", CPU_CASES if INTERPRETING else [])
+def test_kernel_matches_reference_on_cpu_interpreter(case):
+    check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_kernel_matches_reference_on_gpu(case):
+    check_against_reference(case, "cuda", torch.bfloat16, tolerance=2e-2)
+
+
+@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
+def test_interpreter_cases():
+    """The CPU cases in a fresh interpreter: TRITON_INTERPRET must be set before Triton is imported."""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__).relative_to(root)), "-q", "-p", "no:cacheprovider",
+         "-k", "on_cpu_interpreter"],
+        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert f"{len(CPU_CASES)} passed" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter lets the kernel take CPU tensors")
+def test_kernel_is_registered_and_leaves_cpu_tensors_to_the_reference():
+    assert "triton" in available_backends()
+    q = torch.randn(5, 1, 8)
+    offsets = torch.tensor([0, 2, 5])
+    with pytest.raises(ValueError, match="backend 'triton' cannot run"):
+        jagged_attention(q, q, q, offsets, backend="triton")
