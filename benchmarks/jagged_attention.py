@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -191,7 +192,9 @@ def main() -> None:
     settings = {"tokens": args.tokens, "dtype": "bfloat16", "heads_times_dim": 1024, "quick": args.quick,
                 "flop_convention": "forward 4*P*H*D (P = visible real pairs, causal exact), backward 2.5x forward",
                 "torch": torch.__version__, "triton": __import__("triton").__version__,
-                "gpu": torch.cuda.get_device_name()}
+                "gpu": torch.cuda.get_device_name(),
+                # The commit the caller says this tree is (the machine that runs it may hold no checkout).
+                "source_commit": os.environ.get("SOURCE_COMMIT", "")}
     save("jagged_attention", settings, results)
     print_summary(results)
 

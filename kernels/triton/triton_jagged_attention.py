@@ -28,6 +28,9 @@ LOG2E = 1.4426950408889634
 NEG_LARGE = -1.0e30
 # The logsumexp stored for a query that sees no key: every recomputed probability of it is 0.
 EMPTY_ROW_LSE = 1.0e30
+# Persistent programs launched per multiprocessor: those that do not fit resident wait for a slot, and
+# as each walks an equal share of the heaviest-first item list, more programs only even out the tail.
+PROGRAMS_PER_SM = 4
 
 
 def _configs(shapes: list[tuple[int, int, int, int]], tile_name: str, inner_name: str) -> list[triton.Config]:
@@ -121,7 +124,7 @@ def _persistent_grid(table: TileTable, block_name: str, num_heads: int, device: 
 
     def grid(meta):
         items = table.capacity[meta[block_name]] * num_heads
-        programs = 4 if INTERPRETING else _num_sms(device.index or 0) * max(1, 16 // meta["num_warps"])
+        programs = 4 if INTERPRETING else _num_sms(device.index or 0) * PROGRAMS_PER_SM
         return (max(1, min(items, programs)),)
 
     return grid
