@@ -168,6 +168,14 @@ class RunTracker:
             batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
             self.client.log_batch(self.run_id, metrics=batch)
 
+    def log_metrics_by_step(self, rows: Mapping[int, Mapping[str, float]]) -> None:
+        """Metrics of many steps in a few batched calls (MLflow takes up to 1000 per call)."""
+        if self.enabled:
+            now = _now_ms()
+            batch = [Metric(k, float(v), now, int(s)) for s, metrics in rows.items() for k, v in metrics.items()]
+            for start in range(0, len(batch), 1000):
+                self.client.log_batch(self.run_id, metrics=batch[start : start + 1000])
+
     def log_metric(self, key: str, value: float, step: int | None = None) -> None:
         self.log_metrics({key: value}, step=step)
 

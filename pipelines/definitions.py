@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from assets.gem_foundation_model import gem_foundation_model
 from assets.raw_event_logs import raw_event_logs
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs
@@ -9,7 +10,7 @@ from assets.shuffled_batches import shuffled_batches
 from pipelines.jobs import prepare_data_job, prepare_data_schedule
 
 defs = dg.Definitions(
-    assets=[raw_event_logs, sequence_logs, shuffled_batches],
+    assets=[raw_event_logs, sequence_logs, shuffled_batches, gem_foundation_model],
     jobs=[prepare_data_job],
     schedules=[prepare_data_schedule],
     resources={"lake": LakeResource(), "mlflow": MLflowResource()},

@@ -18,7 +18,7 @@ def batch(logs):
 
 
 def test_batch_dtypes(batch):
-    for name in ("example_index", "timestamp", "item_id", "surface", "history_offsets", "history_item_id",
+    for name in ("example_index", "timestamp", "user_id", "item_id", "surface", "history_offsets", "history_item_id",
                  "history_surface", "history_event_type", "history_action"):
         assert getattr(batch, name).dtype == torch.int64, name
     assert batch.sparse_features["user_segment"].dtype == torch.int64
@@ -49,6 +49,11 @@ def test_features_follow_their_example(logs, batch):
     assert batch.sparse_features["user_segment"][row] == 7 % 5
     assert batch.dense_features[row, 0] == pytest.approx(1.7)
     assert logs.surfaces[int(batch.surface[row])] == "feed"
+
+
+def test_user_id_follows_its_example(logs, batch):
+    users = logs.user_ids[logs.column("user_row")]
+    assert batch.user_id.tolist() == users.tolist()
 
 
 def test_null_label_is_zero_and_masked(logs, batch):

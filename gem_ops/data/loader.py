@@ -19,6 +19,7 @@ class SequenceBatch:
 
     example_index: torch.Tensor  # [B] row in examples
     timestamp: torch.Tensor  # [B] request time, ms since epoch
+    user_id: torch.Tensor  # [B]
     item_id: torch.Tensor  # [B] candidate item
     surface: torch.Tensor  # [B] domain id
     sparse_features: dict[str, torch.Tensor]  # name -> [B] ids
@@ -112,6 +113,7 @@ class SequenceLogs:
         return SequenceBatch(
             example_index=torch.from_numpy(idx),
             timestamp=torch.from_numpy(ex["timestamp"][idx]),
+            user_id=torch.from_numpy(self.user_ids[ex["user_row"][idx]].astype(np.int64)),
             item_id=torch.from_numpy(ex["item_id"][idx]),
             surface=torch.from_numpy(ex["surface"][idx].astype(np.int64)),
             sparse_features={name: torch.from_numpy(ex[name][idx]) for name in self.sparse_features},

@@ -1,0 +1,166 @@
+"""Typed model configs and the named presets (GEM, domain foundation model, vertical model).
+
+A preset is scaled from the config alone: `depth` multiplies the number of InterFormer blocks (and the
+tower depth), `width` the embedding and hidden widths, e.g. `model_config("gem", width=2.0)`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from typing import Any, Literal
+
+Activation = Literal["softmax", "silu"]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What the data offers the model; read from a sequence_logs manifest (see from_logs)."""
+
+    surfaces: tuple[str, ...]
+    event_types: tuple[str, ...]
+    objectives: tuple[str, ...]
+    sparse_features: tuple[str, ...]
+    dense_features: tuple[str, ...]
+
+    @classmethod
+    def from_logs(cls, logs: Any) -> FeatureSpec:
+        return cls(*(tuple(getattr(logs, name)) for name in
+                     ("surfaces", "event_types", "objectives", "sparse_features", "dense_features")))
+
+    @property
+    def n_actions(self) -> int:
+        """Values of the per-event action bitmask (one bit per objective)."""
+        return 1 << len(self.objectives)
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    dim: int = 64  # pooled (non-sequence) embeddings: one interaction token each
+    sequence_dim: int = 64  # sequence tokens; the candidate item shares the history items' table
+    item_buckets: int = 131_072  # item ids are hashed into this many rows
+    user_buckets: int = 65_536
+    sparse_buckets: int = 4_096  # each other sparse id feature
+    age_buckets: int = 40  # log2 buckets of the time between an event and the request
+
+
+@dataclass(frozen=True)
+class WukongConfig:
+    """One Wukong layer per InterFormer block: FM block (n_fm outputs) beside a Linear Compress Block (n_lcb)."""
+
+    n_fm: int = 8
+    n_lcb: int = 8
+    fm_rank: int = 16  # k of the optimized FM: X·(Xᵀ·Y) with Y of shape [n, k]
+    mlp_hidden: int = 256
+
+
+@dataclass(frozen=True)
+class SequenceConfig:
+    """The pyramid: block b keeps the most recent level_tokens(b) history tokens after its layer."""
+
+    max_history_len: int = 1024  # histories are cut to their most recent events first
+    first_level_tokens: int = 256
+    shrink: int = 4  # each level keeps 1/shrink of the previous one's tokens
+    min_level_tokens: int = 8
+    heads: int = 2
+    ffn_mult: int = 2
+    activation: Activation = "softmax"
+    summary_tokens: int = 2  # non-sequence summary tokens prepended to each sequence (read back as CLS)
+    branches: tuple[str, ...] = ("all", "engaged")
+    """Parallel sequences: "all" events, "engaged" (events with a positive label), or "event_type:<name>"."""
+
+    def level_tokens(self, block: int) -> int:
+        return max(self.min_level_tokens, self.first_level_tokens // self.shrink**block)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    wukong: WukongConfig = field(default_factory=WukongConfig)
+    sequence: SequenceConfig = field(default_factory=SequenceConfig)
+    blocks: int = 3  # InterFormer blocks: each one sequence layer per branch + one Wukong layer
+    trunk_hidden: int = 256
+    tower_hidden: int = 64
+    tower_layers: int = 1
+    use_sequence: bool = True  # False: the non-sequence model alone (a baseline)
+    dropout: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        return _from_dict(cls, data)
+
+    def scaled(self, depth: float = 1.0, width: float = 1.0) -> ModelConfig:
+        """The same architecture, deeper (more blocks, tower layers) and/or wider (dims, hidden sizes)."""
+        if depth <= 0 or width <= 0:
+            raise ValueError(f"depth and width must be > 0, got depth={depth}, width={width}")
+        w = lambda n, multiple=8: max(multiple, int(round(n * width / multiple)) * multiple)  # noqa: E731
+        heads = max(1, int(round(self.sequence.heads * math.sqrt(width))))
+        return replace(
+            self,
+            blocks=max(1, round(self.blocks * depth)),
+            tower_layers=max(1, round(self.tower_layers * depth)),
+            trunk_hidden=w(self.trunk_hidden),
+            tower_hidden=w(self.tower_hidden),
+            embedding=replace(self.embedding, dim=w(self.embedding.dim),
+                              sequence_dim=w(self.embedding.sequence_dim, 8 * heads)),
+            wukong=replace(self.wukong, mlp_hidden=w(self.wukong.mlp_hidden)),
+            sequence=replace(self.sequence, heads=heads),
+        )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The foundation model: long histories, several branches, deep interleaving.
+    "gem": ModelConfig(),
+    # A domain foundation model: medium size, trained on one domain's data.
+    "domain_fm": ModelConfig(
+        embedding=EmbeddingConfig(dim=48, sequence_dim=48, item_buckets=65_536, user_buckets=32_768),
+        wukong=WukongConfig(n_fm=6, n_lcb=6, fm_rank=12, mlp_hidden=192),
+        sequence=SequenceConfig(max_history_len=512, first_level_tokens=128, branches=("all",)),
+        blocks=2, trunk_hidden=192, tower_hidden=48,
+    ),
+    # A vertical (production) model: small, short history.
+    "vertical": ModelConfig(
+        embedding=EmbeddingConfig(dim=32, sequence_dim=32, item_buckets=32_768, user_buckets=16_384, sparse_buckets=1_024),
+        wukong=WukongConfig(n_fm=4, n_lcb=4, fm_rank=8, mlp_hidden=128),
+        sequence=SequenceConfig(max_history_len=64, first_level_tokens=32, heads=1, summary_tokens=1, branches=("all",)),
+        blocks=1, trunk_hidden=128, tower_hidden=32,
+    ),
+}
+
+
+def model_config(preset: str = "gem", depth: float = 1.0, width: float = 1.0, **overrides: Any) -> ModelConfig:
+    """A named preset, scaled, with top-level or dotted overrides ("sequence.max_history_len": 64)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; presets: {sorted(PRESETS)}")
+    config = PRESETS[preset].scaled(depth, width) if (depth, width) != (1.0, 1.0) else PRESETS[preset]
+    data = config.to_dict()
+    for key, value in overrides.items():
+        node, *path = key.replace("__", ".").split(".")
+        target = data
+        for part in [node, *path][:-1]:
+            if part not in target or not isinstance(target[part], dict):
+                raise ValueError(f"unknown model setting {key!r}")
+            target = target[part]
+        if ([node, *path][-1]) not in target:
+            raise ValueError(f"unknown model setting {key!r}")
+        target[[node, *path][-1]] = value
+    return ModelConfig.from_dict(data)
+
+
+def _from_dict(cls: type, data: dict[str, Any]):
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(data) - set(known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} settings: {sorted(unknown)}")
+    values = {}
+    for name, value in data.items():
+        default = known[name].default_factory() if callable(known[name].default_factory) else known[name].default
+        if is_dataclass(default) and isinstance(value, dict):
+            value = _from_dict(type(default), value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[name] = value
+    return cls(**values)

@@ -1,0 +1,58 @@
+"""TorchRec embedding tables: pooled non-sequence ids (EmbeddingBagCollection) and sequence tokens
+(EmbeddingCollection), the candidate item sharing the history items' table."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from gem_ops.model import features as F
+from gem_ops.model.config import FeatureSpec, ModelConfig
+from gem_ops.model.features import ModelInput
+
+ITEM_TABLE = "item"
+
+
+def pooled_tables(spec: FeatureSpec, config: ModelConfig) -> list[EmbeddingBagConfig]:
+    emb = config.embedding
+    rows = {F.USER_ID: emb.user_buckets, F.SURFACE: len(spec.surfaces)}
+    rows.update({name: emb.sparse_buckets for name in spec.sparse_features})
+    return [
+        EmbeddingBagConfig(name=key, embedding_dim=emb.dim, num_embeddings=rows[key], feature_names=[key],
+                           pooling=PoolingType.SUM)
+        for key in F.pooled_keys(spec)
+    ]
+
+
+def sequence_tables(spec: FeatureSpec, config: ModelConfig) -> list[EmbeddingConfig]:
+    emb = config.embedding
+    tables = {
+        ITEM_TABLE: (emb.item_buckets, [F.CANDIDATE_ITEM, F.HISTORY_ITEM]),
+        F.HISTORY_SURFACE: (len(spec.surfaces), [F.HISTORY_SURFACE]),
+        F.HISTORY_EVENT_TYPE: (len(spec.event_types), [F.HISTORY_EVENT_TYPE]),
+        F.HISTORY_ACTION: (spec.n_actions, [F.HISTORY_ACTION]),
+        F.HISTORY_AGE: (emb.age_buckets, [F.HISTORY_AGE]),
+    }
+    return [EmbeddingConfig(name=name, embedding_dim=emb.sequence_dim, num_embeddings=rows, feature_names=keys)
+            for name, (rows, keys) in tables.items()]
+
+
+class GEMEmbeddings(nn.Module):
+    """Looks up every id: returns pooled tokens [B, n_pooled, d], the candidate [B, ds], history tokens [N, ds]."""
+
+    def __init__(self, spec: FeatureSpec, config: ModelConfig, device: torch.device | None = None):
+        super().__init__()
+        self.pooled = EmbeddingBagCollection(tables=pooled_tables(spec, config), device=device)
+        self.sequence = EmbeddingCollection(tables=sequence_tables(spec, config), device=device)
+        self.n_pooled = len(F.pooled_keys(spec))
+        self.dim = config.embedding.dim
+        self.history_norm = nn.LayerNorm(config.embedding.sequence_dim, device=device)
+
+    def forward(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pooled = self.pooled(x.pooled).values().view(x.size, self.n_pooled, self.dim)
+        seq = self.sequence(x.sequence)
+        candidate = seq[F.CANDIDATE_ITEM].values()
+        history = sum(seq[key].values() for key in F.SEQUENCE_KEYS[1:])  # item + context of each event
+        return pooled, candidate, self.history_norm(history)

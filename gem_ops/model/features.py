@@ -1,0 +1,98 @@
+"""A loader batch as model input: TorchRec KeyedJaggedTensors for ids, tensors for the rest.
+
+Ids of any range are hashed into their tables' rows; times between an event and its request become
+log2 buckets. The candidate item and the history items are two features of one table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gem_ops.data.loader import SequenceBatch
+from gem_ops.model.config import FeatureSpec, ModelConfig
+
+USER_ID = "user_id"
+SURFACE = "surface"
+CANDIDATE_ITEM = "candidate_item"
+HISTORY_ITEM = "history_item"
+HISTORY_SURFACE = "history_surface"
+HISTORY_EVENT_TYPE = "history_event_type"
+HISTORY_ACTION = "history_action"
+HISTORY_AGE = "history_age"
+SEQUENCE_KEYS = (CANDIDATE_ITEM, HISTORY_ITEM, HISTORY_SURFACE, HISTORY_EVENT_TYPE, HISTORY_ACTION, HISTORY_AGE)
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: a multiplicative hash spreading id patterns
+
+
+def hash_ids(ids: torch.Tensor, buckets: int) -> torch.Tensor:
+    h = ids.long() * _GOLDEN
+    return (h ^ (h >> 31)).remainder(buckets)
+
+
+def age_bucket(age_seconds: torch.Tensor, buckets: int) -> torch.Tensor:
+    return torch.log2(1.0 + age_seconds.clamp(min=0)).long().clamp(max=buckets - 1)
+
+
+def pooled_keys(spec: FeatureSpec) -> tuple[str, ...]:
+    return (USER_ID, *spec.sparse_features, SURFACE)
+
+
+@dataclass
+class ModelInput:
+    pooled: KeyedJaggedTensor  # one id per example for each of pooled_keys(spec)
+    sequence: KeyedJaggedTensor  # SEQUENCE_KEYS: the candidate (1 per example) and the jagged history
+    dense: torch.Tensor  # [B, n_dense], signed log1p
+    surface: torch.Tensor  # [B] domain id
+    history_offsets: torch.Tensor  # [B + 1]
+    history_action: torch.Tensor  # [N] raw bitmask, for branch selection
+    history_event_type: torch.Tensor  # [N]
+    labels: torch.Tensor  # [B, T]
+    label_mask: torch.Tensor  # [B, T]
+
+    @property
+    def size(self) -> int:
+        return int(self.surface.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInput:
+        return ModelInput(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+
+
+def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) -> ModelInput:
+    emb = config.embedding
+    B = batch.size
+    pooled_ids = [hash_ids(batch.user_id, emb.user_buckets)]
+    pooled_ids += [hash_ids(batch.sparse_features[name], emb.sparse_buckets) for name in spec.sparse_features]
+    pooled_ids.append(batch.surface.long())
+    pooled = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(pooled_keys(spec)),
+        values=torch.cat(pooled_ids),
+        lengths=torch.ones(B * len(pooled_ids), dtype=torch.int32),
+    )
+    lengths = batch.history_lengths.to(torch.int32)
+    history = [
+        hash_ids(batch.history_item_id, emb.item_buckets),
+        batch.history_surface,
+        batch.history_event_type,
+        batch.history_action.clamp(0, spec.n_actions - 1),
+        age_bucket(batch.history_age_seconds, emb.age_buckets),
+    ]
+    sequence = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(SEQUENCE_KEYS),
+        values=torch.cat([hash_ids(batch.item_id, emb.item_buckets), *history]),
+        lengths=torch.cat([torch.ones(B, dtype=torch.int32), *[lengths] * len(history)]),
+    )
+    dense = batch.dense_features
+    return ModelInput(
+        pooled=pooled,
+        sequence=sequence,
+        dense=torch.sign(dense) * torch.log1p(dense.abs()),
+        surface=batch.surface.long(),
+        history_offsets=batch.history_offsets,
+        history_action=batch.history_action,
+        history_event_type=batch.history_event_type,
+        labels=batch.labels,
+        label_mask=batch.label_mask,
+    )

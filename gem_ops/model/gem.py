@@ -1,0 +1,117 @@
+"""The GEM model: InterFormer blocks that interleave a Wukong interaction arm with a pyramid of
+jagged sequence layers (one branch per sequence), then per-domain per-task towers.
+
+Block b, for each sequence branch:
+  1. the interaction tokens X_b are summarised into K tokens prepended to the branch's history;
+  2. a jagged transformer layer runs over [summary tokens, history];
+  3. the K summary positions come back out as the branch's CLS tokens; the history keeps its most
+     recent level_tokens(b) tokens (the pyramid);
+  4. two query tokens (the candidate item and the mean of X_b) attend over the history (cross
+     attention, query width dim, key/value width sequence_dim).
+Then a Wukong layer maps [X_b, CLS tokens, cross-attention outputs] to X_{b+1}.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gem_ops.model import jagged
+from gem_ops.model.config import FeatureSpec, ModelConfig
+from gem_ops.model.embeddings import GEMEmbeddings
+from gem_ops.model.features import ModelInput
+from gem_ops.model.heads import DomainTaskTowers, masked_bce_loss
+from gem_ops.model.sequence import JaggedCrossAttention, JaggedTransformerLayer
+from gem_ops.model.wukong import WukongLayer
+
+CROSS_QUERIES = 2  # the candidate item and the mean interaction token
+
+
+class SequenceBranch(nn.Module):
+    """One sequence's layers across all blocks."""
+
+    def __init__(self, name: str, spec: FeatureSpec, config: ModelConfig, n_tokens: list[int]):
+        super().__init__()
+        seq, d, ds = config.sequence, config.embedding.dim, config.embedding.sequence_dim
+        self.name, self.k = name, seq.summary_tokens
+        self.levels = [seq.level_tokens(b) for b in range(config.blocks)]
+        self._event_type = spec.event_types.index(name.split(":", 1)[1]) if name.startswith("event_type:") else None
+        if name not in ("all", "engaged") and self._event_type is None:
+            raise ValueError(f"unknown sequence branch {name!r}: use 'all', 'engaged' or 'event_type:<name>'")
+        self.summarize = nn.ModuleList(nn.Linear(n * d, self.k * ds) for n in n_tokens)
+        self.layers = nn.ModuleList(
+            JaggedTransformerLayer(ds, seq.heads, seq.ffn_mult, seq.activation, config.dropout) for _ in n_tokens
+        )
+        self.cls_out = nn.ModuleList(nn.Linear(ds, d) for _ in n_tokens)
+        self.cross = nn.ModuleList(JaggedCrossAttention(d, ds, seq.heads, d, seq.activation) for _ in n_tokens)
+
+    def select(self, history: torch.Tensor, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.name == "all":
+            return history, x.history_offsets
+        keep = x.history_action != 0 if self.name == "engaged" else x.history_event_type == self._event_type
+        return jagged.select(history, x.history_offsets, keep)
+
+    def forward(self, block: int, tokens: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor,
+                offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens [B, n, d] -> (summaries [B, K + 2, d], history after this level, its offsets)."""
+        B = tokens.shape[0]
+        prefix = self.summarize[block](tokens.flatten(1)).view(B, self.k, -1)
+        values, with_prefix = jagged.prepend(prefix, history, offsets)
+        values = self.layers[block](values, with_prefix)
+        cls, history, offsets = jagged.split_prefix(values, with_prefix, self.k)
+        history, offsets = jagged.keep_last(history, offsets, self.levels[block])
+        queries = torch.stack([candidate, tokens.mean(1)], dim=1)
+        attended = self.cross[block](queries, history, offsets)
+        return torch.cat([self.cls_out[block](cls), attended], dim=1), history, offsets
+
+
+class GEMModel(nn.Module):
+    def __init__(self, spec: FeatureSpec, config: ModelConfig, device: torch.device | None = None):
+        super().__init__()
+        self.spec, self.config = spec, config
+        d, ds = config.embedding.dim, config.embedding.sequence_dim
+        self.embeddings = GEMEmbeddings(spec, config, device=device)
+        self.candidate_proj = nn.Linear(ds, d)
+        self.dense_proj = nn.Linear(len(spec.dense_features), d) if spec.dense_features else None
+        n = self.embeddings.n_pooled + 1 + (1 if spec.dense_features else 0)
+        wk = config.wukong
+        n_out = wk.n_fm + wk.n_lcb
+        branches = config.sequence.branches if config.use_sequence else ()
+        per_block_extra = len(branches) * (config.sequence.summary_tokens + CROSS_QUERIES)
+        n_tokens = [n] + [n_out] * (config.blocks - 1)
+        self.branches = nn.ModuleList(SequenceBranch(name, spec, config, n_tokens) for name in branches)
+        self.interaction = nn.ModuleList(
+            WukongLayer(n_in + per_block_extra, wk.n_fm, wk.n_lcb, d, wk.fm_rank, wk.mlp_hidden) for n_in in n_tokens
+        )
+        self.trunk = nn.Sequential(nn.Linear(n_out * d, config.trunk_hidden), nn.GELU(), nn.LayerNorm(config.trunk_hidden))
+        self.towers = DomainTaskTowers(config.trunk_hidden, len(spec.surfaces), len(spec.objectives),
+                                       config.tower_hidden, config.tower_layers)
+        if device is not None:
+            self.to(device)
+
+    def encode(self, x: ModelInput) -> torch.Tensor:
+        """The shared trunk's representation [B, trunk_hidden] (what knowledge transfer reuses)."""
+        pooled, candidate, history = self.embeddings(x)
+        candidate = self.candidate_proj(candidate)
+        tokens = [pooled, candidate.unsqueeze(1)]
+        if self.dense_proj is not None:
+            tokens.append(self.dense_proj(x.dense).unsqueeze(1))
+        tokens = torch.cat(tokens, dim=1)
+        states = [branch.select(history, x) for branch in self.branches]
+        for block, interaction in enumerate(self.interaction):
+            extra = []
+            for i, branch in enumerate(self.branches):
+                summary, *states[i] = branch(block, tokens, candidate, *states[i])
+                extra.append(summary)
+            tokens = interaction(torch.cat([tokens, *extra], dim=1))
+        return self.trunk(tokens.flatten(1))
+
+    def forward(self, x: ModelInput) -> torch.Tensor:
+        """Logits [B, tasks], each example through its own domain's towers."""
+        return self.towers(self.encode(x), x.surface)
+
+    def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(training loss, per-task losses, logits)."""
+        logits = self(x)
+        total, per_task = masked_bce_loss(logits, x.labels, x.label_mask)
+        return total, per_task, logits

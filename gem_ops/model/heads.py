@@ -1,0 +1,42 @@
+"""Per-domain per-task towers on a shared trunk, and the label-masked loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DomainTaskTowers(nn.Module):
+    """One small MLP per (domain, task), run for all towers at once as batched matmuls;
+    each example keeps its own domain's row: cross-domain knowledge lives in the trunk."""
+
+    def __init__(self, in_dim: int, domains: int, tasks: int, hidden: int, layers: int):
+        super().__init__()
+        self.domains, self.tasks = domains, tasks
+        towers = domains * tasks
+        dims = [in_dim] + [hidden] * layers + [1]
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(towers, a, b) / a**0.5) for a, b in zip(dims[:-1], dims[1:])
+        )
+        self.biases = nn.ParameterList(nn.Parameter(torch.zeros(towers, b)) for b in dims[1:])
+
+    def forward(self, trunk: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+        """trunk [B, in_dim], domain [B] -> logits [B, tasks]."""
+        h = trunk.unsqueeze(1).expand(-1, self.domains * self.tasks, -1)  # [B, towers, in]
+        last = len(self.weights) - 1
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            h = torch.einsum("bmi,mio->bmo", h, w) + b
+            if i < last:
+                h = F.gelu(h)
+        logits = h.view(-1, self.domains, self.tasks)
+        return logits[torch.arange(logits.shape[0], device=domain.device), domain]
+
+
+def masked_bce_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over tasks of each task's mean log loss over its labelled examples; also the per-task losses.
+
+    A task with no label in the batch adds nothing (its mean is taken over max(1, count))."""
+    per_example = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none") * mask
+    per_task = per_example.sum(0) / mask.sum(0).clamp(min=1)
+    return per_task.sum(), per_task.detach()

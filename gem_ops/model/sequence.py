@@ -1,0 +1,53 @@
+"""Sequence-arm layers on jagged tokens (values + offsets), attention through kernels.jagged_attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.jagged_attention import jagged_attention
+
+
+class JaggedTransformerLayer(nn.Module):
+    """Pre-norm self attention over each sequence's tokens, then a feed-forward network."""
+
+    def __init__(self, dim: int, heads: int, ffn_mult: int, activation: str, dropout: float = 0.0):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"sequence_dim {dim} must be a multiple of heads {heads}")
+        self.heads, self.activation = heads, activation
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # x [N, dim]
+        q, k, v = self.qkv(self.norm1(x)).view(x.shape[0], 3, self.heads, -1).unbind(1)
+        attended = jagged_attention(q, k, v, offsets, activation=self.activation)
+        x = x + self.dropout(self.proj(attended.reshape(x.shape[0], -1)))
+        return x + self.dropout(self.ffn(self.norm2(x)))
+
+
+class JaggedCrossAttention(nn.Module):
+    """Each sample's query tokens (width query_dim) attend over its jagged history (width kv_dim)."""
+
+    def __init__(self, query_dim: int, kv_dim: int, heads: int, out_dim: int, activation: str):
+        super().__init__()
+        if kv_dim % heads:
+            raise ValueError(f"sequence_dim {kv_dim} must be a multiple of heads {heads}")
+        self.heads, self.activation = heads, activation
+        self.q = nn.Linear(query_dim, kv_dim)
+        self.kv = nn.Linear(kv_dim, 2 * kv_dim)
+        self.norm = nn.LayerNorm(kv_dim)
+        self.out = nn.Linear(kv_dim, out_dim)
+
+    def forward(self, query: torch.Tensor, history: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """query [B, Q, query_dim], history [N, kv_dim] -> [B, Q, out_dim]."""
+        B, Q = query.shape[:2]
+        q = self.q(query).view(B * Q, self.heads, -1)
+        k, v = self.kv(self.norm(history)).view(history.shape[0], 2, self.heads, -1).unbind(1)
+        q_offsets = torch.arange(0, B * Q + 1, Q, device=offsets.device)
+        attended = jagged_attention(q, k, v, q_offsets, offsets, activation=self.activation)
+        return self.out(attended.reshape(B, Q, -1))

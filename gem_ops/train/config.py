@@ -1,0 +1,37 @@
+"""Training settings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 1  # passes over the plan's steps (each pass in its own seeded order)
+    max_steps: int | None = None  # stop early after this many steps in all
+    lr_dense: float = 1e-3  # AdamW on dense parameters
+    lr_sparse: float = 0.05  # row-wise Adagrad on embedding tables
+    weight_decay: float = 0.01  # dense parameters only
+    warmup_steps: int = 20  # linear warm-up of the dense learning rate
+    clip_grad_norm: float = 1.0  # dense parameters; 0 disables
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    eval_every: int = 0  # steps between evaluations; 0: only at the end
+    eval_max_examples: int = 20_000  # a fixed subset of the eval split, for speed
+    eval_batch_size: int = 512
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
+    keep_checkpoints: int = 2
+    log_every: int = 10  # steps between metric flushes to MLflow
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("epochs", "eval_max_examples", "eval_batch_size", "keep_checkpoints", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"TrainConfig.precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,173 @@
+"""The trained model as an MLflow pyfunc: a request table in, one probability per task out.
+
+Input: one row per request with user_id, item_id, surface, the sparse and dense feature columns, and
+the history as list columns (history_item_id, history_surface, history_event_type, history_action,
+history_age_seconds), most recent event last. Output: p_<objective> for every objective.
+The package holds the weights, the feature spec and the model config, and the project's code, so
+`mlflow.pyfunc.load_model("models:/gem@champion")` works from any checkout-free environment with the
+pinned dependencies.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+import torch
+from mlflow.models import infer_signature
+from mlflow.tracking import MlflowClient
+
+from gem_ops.data.loader import SequenceBatch
+from gem_ops.model.config import FeatureSpec
+from gem_ops.model.features import model_input
+from gem_ops.model.gem import GEMModel
+from gem_ops.tracking import PROJECT_ROOT
+
+MODEL_STATE = "model_state"
+HISTORY_COLUMNS = ("history_item_id", "history_surface", "history_event_type", "history_action", "history_age_seconds")
+
+
+def batch_to_frame(batch: SequenceBatch, spec: FeatureSpec) -> pd.DataFrame:
+    """A loader batch as the pyfunc's request table (categories as their names)."""
+    offsets = batch.history_offsets.numpy()
+    surfaces, event_types = np.array(spec.surfaces), np.array(spec.event_types)
+
+    def split(values: np.ndarray) -> list[list[Any]]:
+        return [values[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+
+    frame = {
+        "user_id": batch.user_id.numpy(),
+        "item_id": batch.item_id.numpy(),
+        "surface": surfaces[batch.surface.numpy()],
+        **{name: batch.sparse_features[name].numpy() for name in spec.sparse_features},
+        **{name: batch.dense_features[:, i].numpy() for i, name in enumerate(spec.dense_features)},
+        "history_item_id": split(batch.history_item_id.numpy()),
+        "history_surface": split(surfaces[batch.history_surface.numpy()]),
+        "history_event_type": split(event_types[batch.history_event_type.numpy()]),
+        "history_action": split(batch.history_action.numpy()),
+        "history_age_seconds": split(batch.history_age_seconds.numpy()),
+    }
+    return pd.DataFrame(frame)
+
+
+def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec) -> SequenceBatch:
+    """The request table back to a batch; unknown surface or event-type names are an error naming the column."""
+    missing = [c for c in ("user_id", "item_id", "surface", *spec.sparse_features, *spec.dense_features, *HISTORY_COLUMNS)
+               if c not in frame.columns]
+    if missing:
+        raise ValueError(f"request table lacks column(s) {missing}")
+    lengths = np.array([len(h) for h in frame["history_item_id"]], dtype=np.int64)
+    offsets = np.zeros(len(frame) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+
+    def flat(column: str, dtype) -> np.ndarray:
+        values = [v for row in frame[column] for v in row]
+        if len(values) != offsets[-1]:
+            raise ValueError(f"request column '{column}': list lengths differ from history_item_id's")
+        return np.asarray(values, dtype=dtype)
+
+    def codes(column: str, vocabulary: tuple[str, ...], values) -> np.ndarray:
+        index = {name: i for i, name in enumerate(vocabulary)}
+        unknown = sorted({v for v in values if v not in index})
+        if unknown:
+            raise ValueError(f"request column '{column}': unknown value(s) {unknown[:5]}; known: {list(vocabulary)}")
+        return np.array([index[v] for v in values], dtype=np.int64)
+
+    n, t = len(frame), len(spec.objectives)
+    dense = np.stack([frame[c].to_numpy(np.float32) for c in spec.dense_features], 1) if spec.dense_features else np.zeros((n, 0), np.float32)
+    def t_(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(array))  # pandas may hand out read-only views
+    return SequenceBatch(
+        example_index=torch.arange(n),
+        timestamp=torch.zeros(n, dtype=torch.int64),
+        user_id=t_(frame["user_id"].to_numpy(np.int64)),
+        item_id=t_(frame["item_id"].to_numpy(np.int64)),
+        surface=t_(codes("surface", spec.surfaces, frame["surface"])),
+        sparse_features={c: t_(frame[c].to_numpy(np.int64)) for c in spec.sparse_features},
+        dense_features=t_(dense),
+        labels=torch.zeros(n, t),
+        label_mask=torch.zeros(n, t, dtype=torch.bool),
+        history_offsets=t_(offsets),
+        history_item_id=t_(flat("history_item_id", np.int64)),
+        history_surface=t_(codes("history_surface", spec.surfaces, [v for r in frame["history_surface"] for v in r])),
+        history_event_type=t_(codes("history_event_type", spec.event_types,
+                                    [v for r in frame["history_event_type"] for v in r])),
+        history_action=t_(flat("history_action", np.int64)),
+        history_age_seconds=t_(flat("history_age_seconds", np.float32)),
+    )
+
+
+class GEMPyfunc(mlflow.pyfunc.PythonModel):
+    def load_context(self, context) -> None:
+        from gem_ops.train.loop import model_from_state
+
+        state = torch.load(context.artifacts[MODEL_STATE], map_location="cpu", weights_only=False)
+        self.model = model_from_state(state).eval()
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        return predict_frame(self.model, model_input)
+
+
+@torch.no_grad()
+def predict_frame(model: GEMModel, frame: pd.DataFrame) -> pd.DataFrame:
+    batch = frame_to_batch(frame, model.spec)
+    limit = model.config.sequence.max_history_len
+    if batch.size and int(batch.history_lengths.max()) > limit:
+        batch = _cut_histories(batch, limit)
+    probabilities = torch.sigmoid(model(model_input(batch, model.spec, model.config)).float())
+    return pd.DataFrame({f"p_{t}": probabilities[:, i].numpy() for i, t in enumerate(model.spec.objectives)})
+
+
+def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example: pd.DataFrame,
+              registered_name: str | None = None, artifact_path: str = "model") -> str | None:
+    """Saves the pyfunc into the run's artifacts and, given a name, registers a new version; returns it."""
+    from gem_ops.train.loop import model_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        state_path = Path(tmp) / "model_state.pt"
+        torch.save(model_state(model), state_path)
+        package = Path(tmp) / artifact_path
+        mlflow.pyfunc.save_model(
+            package,
+            python_model=GEMPyfunc(),
+            artifacts={MODEL_STATE: str(state_path)},
+            code_paths=[str(PROJECT_ROOT / "gem_ops"), str(PROJECT_ROOT / "kernels")],
+            input_example=input_example,
+            # Inferred here, from a real prediction, so a model that cannot predict fails loudly now.
+            signature=infer_signature(input_example, predict_frame(model, input_example)),
+            pip_requirements=_requirements(),
+        )
+        client.log_artifacts(run_id, os.fspath(package), artifact_path)
+    if registered_name is None:
+        return None
+    try:
+        client.create_registered_model(registered_name)
+    except mlflow.exceptions.MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    run = client.get_run(run_id)
+    source = f"{run.info.artifact_uri}/{artifact_path}"
+    version = client.create_model_version(registered_name, source, run_id=run_id)
+    return version.version
+
+
+def _requirements() -> list[str]:
+    lines = [line.split("#")[0].strip() for name in ("requirements.txt", "requirements-nodeps.txt")
+             for line in (PROJECT_ROOT / name).read_text().splitlines()]
+    wanted = ("torch", "numpy", "polars", "pyarrow", "fbgemm-gpu-cpu", "tensordict", "torchmetrics", "mlflow", "torchrec")
+    return [line for line in lines if line and line.split("=")[0].strip() in wanted]
+
+
+def _cut_histories(batch: SequenceBatch, limit: int) -> SequenceBatch:
+    """Each request's most recent `limit` history events, as training saw them."""
+    from gem_ops.model.jagged import positions_from_end, select
+
+    rows = torch.arange(batch.history_item_id.numel())
+    rows, offsets = select(rows, batch.history_offsets, positions_from_end(batch.history_offsets, rows.numel()) < limit)
+    values = {f: getattr(batch, f)[rows] for f in HISTORY_COLUMNS}
+    return SequenceBatch(**{**batch.__dict__, **values, "history_offsets": offsets})

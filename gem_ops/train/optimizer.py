@@ -1,0 +1,53 @@
+"""Row-wise Adagrad for embedding tables, AdamW for dense parameters, as one TorchRec CombinedOptimizer
+(keyed by parameter name, so checkpoints and sharded runs address the same state)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec.optim import CombinedOptimizer, KeyedOptimizerWrapper, RowWiseAdagrad
+
+from gem_ops.train.config import TrainConfig
+
+
+def is_embedding_table(name: str) -> bool:
+    return ".embedding_bags." in name or ".embeddings." in name
+
+
+def split_parameters(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
+    """(embedding tables, dense parameters) by name; frozen parameters are left out."""
+    sparse, dense = {}, {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (sparse if is_embedding_table(name) else dense)[name] = param
+    return sparse, dense
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> CombinedOptimizer:
+    sparse, dense = split_parameters(model)
+    no_decay = {name for name, p in dense.items() if p.dim() < 2 or "norm" in name}
+
+    def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        ids = {id(p) for name, p in dense.items() if name in no_decay}
+        return torch.optim.AdamW(
+            [{"params": [p for p in params if id(p) not in ids], "weight_decay": config.weight_decay},
+             {"params": [p for p in params if id(p) in ids], "weight_decay": 0.0}],
+            lr=config.lr_dense,
+        )
+
+    optimizers = []
+    if sparse:
+        optimizers.append(("sparse", KeyedOptimizerWrapper(sparse, lambda ps: RowWiseAdagrad(ps, lr=config.lr_sparse))))
+    if dense:
+        optimizers.append(("dense", KeyedOptimizerWrapper(dense, adamw)))
+    return CombinedOptimizer(optimizers)
+
+
+def set_dense_lr(optimizer: CombinedOptimizer, config: TrainConfig, step: int) -> float:
+    """Linear warm-up, then constant."""
+    lr = config.lr_dense * min(1.0, (step + 1) / max(1, config.warmup_steps))
+    for name, opt in optimizer.optimizers:
+        if name == "dense":
+            for group in opt.param_groups:
+                group["lr"] = lr
+    return lr
