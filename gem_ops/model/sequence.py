@@ -15,7 +15,7 @@ class JaggedTransformerLayer(nn.Module):
         super().__init__()
         if dim % heads:
             raise ValueError(f"sequence_dim {dim} must be a multiple of heads {heads}")
-        self.heads, self.activation = heads, activation
+        self.heads, self.head_dim, self.activation = heads, dim // heads, activation
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -24,9 +24,9 @@ class JaggedTransformerLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # x [N, dim]
-        q, k, v = self.qkv(self.norm1(x)).view(x.shape[0], 3, self.heads, -1).unbind(1)
+        q, k, v = self.qkv(self.norm1(x)).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
         attended = jagged_attention(q, k, v, offsets, activation=self.activation)
-        x = x + self.dropout(self.proj(attended.reshape(x.shape[0], -1)))
+        x = x + self.dropout(self.proj(attended.reshape(x.shape[0], self.heads * self.head_dim)))
         return x + self.dropout(self.ffn(self.norm2(x)))
 
 
@@ -37,7 +37,7 @@ class JaggedCrossAttention(nn.Module):
         super().__init__()
         if kv_dim % heads:
             raise ValueError(f"sequence_dim {kv_dim} must be a multiple of heads {heads}")
-        self.heads, self.activation = heads, activation
+        self.heads, self.head_dim, self.activation = heads, kv_dim // heads, activation
         self.q = nn.Linear(query_dim, kv_dim)
         self.kv = nn.Linear(kv_dim, 2 * kv_dim)
         self.norm = nn.LayerNorm(kv_dim)
@@ -46,8 +46,8 @@ class JaggedCrossAttention(nn.Module):
     def forward(self, query: torch.Tensor, history: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """query [B, Q, query_dim], history [N, kv_dim] -> [B, Q, out_dim]."""
         B, Q = query.shape[:2]
-        q = self.q(query).view(B * Q, self.heads, -1)
-        k, v = self.kv(self.norm(history)).view(history.shape[0], 2, self.heads, -1).unbind(1)
+        q = self.q(query).view(B * Q, self.heads, self.head_dim)
+        k, v = self.kv(self.norm(history)).view(history.shape[0], 2, self.heads, self.head_dim).unbind(1)
         q_offsets = torch.arange(0, B * Q + 1, Q, device=offsets.device)
         attended = jagged_attention(q, k, v, q_offsets, offsets, activation=self.activation)
-        return self.out(attended.reshape(B, Q, -1))
+        return self.out(attended.reshape(B, Q, self.heads * self.head_dim))

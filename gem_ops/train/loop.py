@@ -131,6 +131,7 @@ def train(
     if latest is not None:
         ckpt = load_checkpoint(latest)
         model.load_state_dict(ckpt.state["model"])
+        optimizer.init_state()  # TorchRec's keyed optimizers load only into initialised state
         optimizer.load_state_dict(ckpt.state["optimizer"])
         start, losses, resumed_from = ckpt.step, list(ckpt.state["losses"]), ckpt.step
         log.info("resumed from %s at step %d", latest, start)

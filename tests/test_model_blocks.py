@@ -1,0 +1,159 @@
+"""GEM blocks one by one: shapes, gradients to every parameter, jagged inputs with empty and length-1
+histories, and independence between the examples of a batch."""
+
+import pytest
+import torch
+
+from gem_ops.model import jagged
+from gem_ops.model.config import ModelConfig, model_config
+from gem_ops.model.embeddings import ITEM_TABLE
+from gem_ops.model.features import CANDIDATE_ITEM, HISTORY_ITEM, model_input
+from gem_ops.model.gem import GEMModel
+from gem_ops.model.heads import DomainTaskTowers, masked_bce_loss
+from gem_ops.model.sequence import JaggedCrossAttention, JaggedTransformerLayer
+from gem_ops.model.wukong import FactorizationMachineBlock, WukongLayer
+from tests.model_inputs import SPEC, random_batch, take
+
+LENGTHS = [0, 1, 5, 0, 12, 3, 1, 30]
+SMALL = model_config("vertical", width=0.5, blocks=2, **{"sequence.branches": ("all", "engaged", "event_type:organic_view"),
+                                                       "sequence.first_level_tokens": 8, "sequence.min_level_tokens": 2})
+
+
+def test_fm_block_uses_the_optimized_form_of_all_pairwise_interactions():
+    torch.manual_seed(0)
+    fmb = FactorizationMachineBlock(n_in=5, n_out=3, dim=4, rank=2, hidden=8)
+    x = torch.randn(6, 5, 4)
+    optimized = torch.bmm(x, torch.matmul(x.transpose(1, 2), fmb.y))
+    pairwise = torch.bmm(torch.bmm(x, x.transpose(1, 2)), fmb.y.expand(6, -1, -1))  # (X·Xᵀ)·Y
+    torch.testing.assert_close(optimized, pairwise)
+    assert fmb(x).shape == (6, 3, 4)
+
+
+def test_wukong_layer_shapes_and_gradients():
+    torch.manual_seed(0)
+    layer = WukongLayer(n_in=7, n_fm=3, n_lcb=2, dim=8, rank=4, hidden=16)
+    out = layer(torch.randn(4, 7, 8))
+    assert out.shape == (4, 5, 8)
+    out.pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+def test_jagged_transformer_layer_keeps_sequences_apart():
+    torch.manual_seed(0)
+    layer = JaggedTransformerLayer(dim=8, heads=2, ffn_mult=2, activation="softmax")
+    offsets = torch.tensor([0, 0, 1, 4, 9])
+    x = torch.randn(9, 8)
+    together = layer(x, offsets)
+    alone = torch.cat([layer(x[a:b], torch.tensor([0, b - a])) for a, b in zip(offsets[:-1], offsets[1:])])
+    torch.testing.assert_close(together, alone)
+
+
+def test_cross_attention_with_different_widths_and_empty_histories():
+    torch.manual_seed(0)
+    cross = JaggedCrossAttention(query_dim=12, kv_dim=8, heads=2, out_dim=6, activation="silu")
+    offsets = torch.tensor([0, 0, 1, 7])
+    out = cross(torch.randn(3, 2, 12), torch.randn(7, 8), offsets)
+    assert out.shape == (3, 2, 6)
+    torch.testing.assert_close(out[0], cross.out.bias.expand(2, -1))  # nothing to attend to: zeros in
+    out.sum().backward()
+    assert all(p.grad is not None for p in cross.parameters())
+
+
+def test_jagged_helpers_round_trip():
+    values = torch.arange(10.0).view(10, 1)
+    offsets = torch.tensor([0, 0, 1, 4, 10])
+    prefix = -torch.ones(4, 2, 1)
+    joined, joined_offsets = jagged.prepend(prefix, values, offsets)
+    assert joined_offsets.tolist() == [0, 2, 5, 10, 18]
+    back_prefix, back, back_offsets = jagged.split_prefix(joined, joined_offsets, 2)
+    assert torch.equal(back, values) and torch.equal(back_offsets, offsets) and torch.equal(back_prefix, prefix)
+    last, last_offsets = jagged.keep_last(values, offsets, 2)
+    assert last.flatten().tolist() == [0, 2, 3, 8, 9] and last_offsets.tolist() == [0, 0, 1, 3, 5]
+    assert jagged.segment_mean(values, offsets).flatten().tolist() == [0.0, 0.0, 2.0, 6.5]
+
+
+def test_towers_route_each_example_to_its_domain():
+    torch.manual_seed(0)
+    towers = DomainTaskTowers(in_dim=6, domains=3, tasks=2, hidden=4, layers=1)
+    trunk, domain = torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0])
+    before = towers(trunk, domain)
+    with torch.no_grad():  # change domain 2's towers only
+        for w in towers.weights:
+            w.view(3, 2, *w.shape[1:])[2] += 1.0
+    after = towers(trunk, domain)
+    changed = (before - after).abs().sum(1) > 0
+    assert changed.tolist() == [False, False, True, False, False]
+
+
+def test_masked_loss_ignores_unlabelled_tasks():
+    logits = torch.zeros(4, 2, requires_grad=True)
+    labels = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    mask = torch.tensor([[True, False], [True, False], [True, False], [True, False]])
+    total, per_task = masked_bce_loss(logits, labels, mask)
+    assert per_task[1] == 0 and per_task[0] == pytest.approx(torch.log(torch.tensor(2.0)).item())
+    total.backward()
+    assert torch.all(logits.grad[:, 1] == 0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GEMModel(SPEC, SMALL)
+
+
+def test_model_output_and_gradients_reach_every_parameter(model):
+    x = model_input(random_batch(LENGTHS), SPEC, SMALL)
+    model.zero_grad()
+    loss, per_task, logits = model.loss(x)
+    assert logits.shape == (len(LENGTHS), len(SPEC.objectives)) and per_task.shape == (2,)
+    loss.backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert missing == []
+    dead = [name for name, p in model.named_parameters() if p.grad.abs().sum() == 0]
+    assert dead == []
+
+
+def test_examples_do_not_leak_into_each_other(model):
+    model.eval()
+    batch = random_batch(LENGTHS, seed=1)
+    together = model(model_input(batch, SPEC, SMALL))
+    for rows in ([0], [1, 4], [7, 3]):  # an empty, a length-1 and a long history among them
+        alone = model(model_input(take(batch, rows), SPEC, SMALL))
+        torch.testing.assert_close(alone, together[rows], rtol=1e-4, atol=1e-5)
+    model.train()
+
+
+def test_candidate_and_history_items_share_one_table(model):
+    tables = model.embeddings.sequence.embedding_configs()
+    item = [t for t in tables if t.name == ITEM_TABLE]
+    assert len(item) == 1 and item[0].feature_names == [CANDIDATE_ITEM, HISTORY_ITEM]
+    assert sum(HISTORY_ITEM in t.feature_names for t in tables) == 1
+
+
+def test_without_sequence_arm_is_a_baseline_with_no_sequence_parameters():
+    config = model_config("vertical", use_sequence=False)
+    baseline = GEMModel(SPEC, config)
+    assert len(baseline.branches) == 0
+    logits = baseline(model_input(random_batch(LENGTHS), SPEC, config))
+    assert logits.shape == (len(LENGTHS), 2)
+
+
+def test_presets_scale_from_the_config_alone():
+    base = model_config("gem")
+    scaled = model_config("gem", depth=2.0, width=2.0)
+    assert scaled.blocks == 2 * base.blocks
+    assert scaled.embedding.dim == 2 * base.embedding.dim and scaled.trunk_hidden == 2 * base.trunk_hidden
+    assert scaled.embedding.sequence_dim % scaled.sequence.heads == 0
+    small, large = GEMModel(SPEC, model_config("vertical")), GEMModel(SPEC, model_config("vertical", width=2.0))
+    count = lambda m: sum(p.numel() for n, p in m.named_parameters() if "embedding" not in n)  # noqa: E731
+    assert count(large) > 2 * count(small)
+    assert ModelConfig.from_dict(scaled.to_dict()) == scaled
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        model_config("huge")
+    with pytest.raises(ValueError, match="unknown model setting 'sequence.nope'"):
+        model_config("gem", **{"sequence.nope": 1})
+    with pytest.raises(ValueError, match="unknown sequence branch 'clicks'"):
+        GEMModel(SPEC, model_config("vertical", **{"sequence.branches": ("clicks",)}))

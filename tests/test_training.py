@@ -1,0 +1,62 @@
+"""The training loop: resume after an interruption gives the uninterrupted run, checkpoints are pruned
+and survive, evaluation runs periodically, warm start loads weights, bad losses stop the run."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from gem_ops.data.synthetic import SyntheticConfig
+from gem_ops.model.config import model_config
+from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
+from gem_ops.train.config import TrainConfig
+from gem_ops.train.loop import train
+from tests.training_data import LEARNABLE, learnable_data
+
+TINY = model_config("vertical", width=0.5, **{"sequence.max_history_len": 16})
+CONFIG = TrainConfig(max_steps=6, eval_max_examples=128, log_every=2, warmup_steps=2)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    small = dataclasses.replace(LEARNABLE, n_users=400)
+    return learnable_data(tmp_path_factory.mktemp("training"), small, days=4, eval_days=1, max_history_len=32, sub_batch_size=16)
+
+
+def test_resumed_run_matches_the_uninterrupted_run(data, tmp_path):
+    logs = data.open()
+    whole_model, whole = train(logs, data.plans[1], TINY, CONFIG, checkpoint_dir=tmp_path / "whole")
+    interrupted = dataclasses.replace(CONFIG, max_steps=3)
+    train(logs, data.plans[1], TINY, interrupted, checkpoint_dir=tmp_path / "resumed")  # "killed" after step 3
+    resumed_model, resumed = train(logs, data.plans[1], TINY, CONFIG, checkpoint_dir=tmp_path / "resumed")
+    assert resumed.resumed_from == 3 and resumed.steps == whole.steps == 6
+    assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
+    for (name, a), (_, b) in zip(whole_model.state_dict().items(), resumed_model.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+def test_periodic_eval_and_pruned_checkpoints(data, tmp_path):
+    config = dataclasses.replace(CONFIG, eval_every=2, checkpoint_every=2, keep_checkpoints=2)
+    _, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)
+    assert result.eval_steps == [2, 4, 6]
+    assert checkpoint_steps(tmp_path) == [4, 6]
+    state = load_checkpoint(tmp_path).state
+    assert state["step"] == 6 and len(state["losses"]) == 6
+    optimizer_state = state["optimizer"]["state"]
+    table = optimizer_state["sparse.embeddings.sequence.embeddings.item.weight"]
+    assert table["sum"].shape == (TINY.embedding.item_buckets, 1)  # row-wise Adagrad: one accumulator per row
+    assert {"exp_avg", "exp_avg_sq"} <= set(optimizer_state["dense.trunk.0.weight"])
+
+
+def test_warm_start_loads_the_earlier_weights(data, tmp_path):
+    first, _ = train(data.open(), data.plans[1], TINY, dataclasses.replace(CONFIG, max_steps=2), checkpoint_dir=tmp_path / "a")
+    config = dataclasses.replace(CONFIG, max_steps=1, lr_dense=0.0, lr_sparse=0.0)
+    second, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path / "b", warm_start=tmp_path / "a")
+    assert result.resumed_from is None and result.steps == 1
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+def test_diverging_loss_stops_with_a_clear_error(data, tmp_path):
+    with pytest.raises(FloatingPointError, match="lower lr_dense"):
+        train(data.open(), data.plans[1], TINY, dataclasses.replace(CONFIG, lr_dense=1e30, warmup_steps=1, clip_grad_norm=0))
