@@ -20,6 +20,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -43,12 +44,20 @@ if INTERPRETING:
     _FWD_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_M", "BLOCK_N")
     _DQ_CONFIGS = _configs([(32, 16, 4, 1)], "BLOCK_M", "BLOCK_N")
     _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M")
-else:
+else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
     _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N")
     _DQ_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2)], "BLOCK_M", "BLOCK_N")
     _DKDV_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)], "BLOCK_N", "BLOCK_M")
 
+if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
+    _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
+
 _AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU"]
+
+
+def _short_bench(kernel_call, quantiles):
+    # Each config runs for tens of ms, not the default 100: enough to rank them, cheaper per new key.
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
 # Constants the kernels read (globals inside @triton.jit must be constexpr).
@@ -244,7 +253,7 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench)
 @triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
@@ -317,7 +326,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench)
 @triton.jit
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
@@ -398,7 +407,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench)
 @triton.jit
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
