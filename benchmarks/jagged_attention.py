@@ -166,12 +166,50 @@ def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
 
 
+def overhead(tokens: int) -> None:
+    """Where a call's time goes: tile-table building vs the kernels alone (tables built beforehand)."""
+    from kernels.triton import triton_jagged_attention as kernel
+
+    results = []
+    for mix, max_len, dim, causal in [("uniform", 512, 128, True), ("long_tail", 2048, 128, True),
+                                      ("uniform", 8192, 128, False)]:
+        lengths = long_tail_lengths(tokens, max_len, seed=max_len) if mix == "long_tail" else \
+            uniform_lengths(tokens, max_len)
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+        heads = 1024 // dim
+        q, k, v = (torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        d_out = torch.randn_like(q)
+        scale = 1 / math.sqrt(dim)
+
+        def problem():
+            return kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)
+
+        built = problem()
+        built.query_tiles(), built.key_tiles()
+        out, lse = kernel._forward(built, q, k, v)
+        row = {
+            "mix": mix, "max_len": max_len, "head_dim": dim, "causal": causal,
+            "call_fwd_ms": timed(lambda: jagged_attention(q, k, v, offsets, causal=causal, backend="triton")),
+            "tables_fwd_ms": timed(lambda: problem().query_tiles()),
+            "tables_bwd_ms": timed(lambda: problem().key_tiles()),
+            "kernel_fwd_ms": timed(lambda: kernel._forward(built, q, k, v)),
+            "kernels_bwd_ms": timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out)),
+        }
+        print(row, flush=True)
+        results.append(row)
+    save("jagged_attention_overhead", {"tokens": tokens, "source_commit": os.environ.get("SOURCE_COMMIT", "")},
+         results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--quick", action="store_true", help="two cases, to check before a full run")
     parser.add_argument("--with-reference", action="store_true", help="also time the PyTorch reference")
+    parser.add_argument("--overhead", action="store_true", help="split call time into tile tables and kernels")
     args = parser.parse_args()
+    if args.overhead:
+        return overhead(args.tokens)
 
     cases = []  # (mix, max_len, head_dim, causal)
     for mix in ("long_tail", "uniform"):
