@@ -31,8 +31,8 @@ def padded_dense_attention(q, k, v, q_offsets, kv_offsets, causal, activation, s
         mask &= j[None] <= i[None] + (lk - lq)[:, None, None]
     mask = mask[:, None]  # [B, 1, Lq, Lk]
     if activation == "softmax":
-        has_key = mask.any(-1, keepdim=True)
-        out = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=mask | ~has_key, scale=scale) * has_key
+        scores = (pq @ pk.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, -1).nan_to_num(0.0) @ pv  # a row with no key attends to nothing
     else:
         weights = F.silu(pq @ pk.transpose(-1, -2) * scale) * mask / lk.clamp(min=1)[:, None, None, None]
         out = weights @ pv

@@ -11,7 +11,7 @@ from gem_ops.data.sequence_logs import SequenceLogsConfig
 from gem_ops.data.synthetic import SurfaceSpec, SyntheticConfig
 
 LEARNABLE = SyntheticConfig(
-    n_users=3000, n_items=2000, n_ads=500, n_advertisers=50, events_per_user_per_day=2.0, ad_share=0.6,
+    n_users=3000, n_items=2000, n_ads=3000, n_advertisers=50, events_per_user_per_day=2.0, ad_share=0.6,
     surfaces=(SurfaceSpec("feed", 0.45, 0.12, 0.4), SurfaceSpec("reels", 0.25, 0.08, 0.35),
               SurfaceSpec("stories", 0.15, 0.06, None), SurfaceSpec("search", 0.15, 0.2, 0.4)),
     interest_ctr_lift=5.0, segment_category_sigma=1.0, ad_quality_sigma=0.8, age_surface_sigma=0.6,

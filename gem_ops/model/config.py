@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal
 
 Activation = Literal["softmax", "silu"]
+Architecture = Literal["gem", "logistic_regression"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class SequenceConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    architecture: Architecture = "gem"  # logistic_regression: the baseline on the same ids
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     wukong: WukongConfig = field(default_factory=WukongConfig)
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
@@ -112,8 +114,9 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # The foundation model: long histories, several branches, deep interleaving.
-    "gem": ModelConfig(),
+    # The foundation model: long histories, several branches, deep interleaving; the interaction arm is
+    # wider than the sequence arm, so the candidate's cross attention maps between two widths.
+    "gem": ModelConfig(embedding=EmbeddingConfig(dim=96, sequence_dim=64)),
     # A domain foundation model: medium size, trained on one domain's data.
     "domain_fm": ModelConfig(
         embedding=EmbeddingConfig(dim=48, sequence_dim=48, item_buckets=65_536, user_buckets=32_768),
@@ -128,6 +131,9 @@ PRESETS: dict[str, ModelConfig] = {
         sequence=SequenceConfig(max_history_len=64, first_level_tokens=32, heads=1, summary_tokens=1, branches=("all",)),
         blocks=1, trunk_hidden=128, tower_hidden=32,
     ),
+    # Baseline: logistic regression on the same hashed ids (no history, so histories are not loaded).
+    "logistic_regression": ModelConfig(architecture="logistic_regression", use_sequence=False,
+                                       sequence=SequenceConfig(max_history_len=1)),
 }
 
 

@@ -18,6 +18,7 @@ import torch
 
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.metrics.quality import flat_metrics, quality_report
+from gem_ops.model import build_model
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.features import model_input
 from gem_ops.model.gem import GEMModel
@@ -55,9 +56,9 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
 
-def build_model(spec: FeatureSpec, config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> GEMModel:
+def seeded_model(spec: FeatureSpec, config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> GEMModel:
     torch.manual_seed(seed)
-    return GEMModel(spec, config, device=torch.device(device))
+    return build_model(spec, config, device)
 
 
 def model_state(model: GEMModel) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def model_state(model: GEMModel) -> dict[str, Any]:
 
 def model_from_state(state: dict[str, Any], device: torch.device | str = "cpu") -> GEMModel:
     spec = FeatureSpec(**{k: tuple(v) for k, v in state["spec"].items()})
-    model = GEMModel(spec, ModelConfig.from_dict(state["model_config"]), device=torch.device(device))
+    model = build_model(spec, ModelConfig.from_dict(state["model_config"]), device)
     model.load_state_dict(state["model"])
     return model
 
@@ -121,7 +122,7 @@ def train(
     device = torch.device(device)
     tracker = tracker or RunTracker.disabled()
     spec = FeatureSpec.from_logs(logs)
-    model = build_model(spec, model_config, device, config.seed)
+    model = seeded_model(spec, model_config, device, config.seed)
     optimizer = build_optimizer(model, config)
     schedule = PlanSchedule(plan_path, rank, config.epochs, config.seed)
     total = min(schedule.total_steps, config.max_steps or schedule.total_steps)

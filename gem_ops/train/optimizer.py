@@ -10,16 +10,15 @@ from torchrec.optim import CombinedOptimizer, KeyedOptimizerWrapper, RowWiseAdag
 from gem_ops.train.config import TrainConfig
 
 
-def is_embedding_table(name: str) -> bool:
-    return ".embedding_bags." in name or ".embeddings." in name
-
-
 def split_parameters(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
-    """(embedding tables, dense parameters) by name; frozen parameters are left out."""
+    """(embedding tables, dense parameters) by name; frozen parameters are left out.
+
+    TorchRec's unsharded collections hold their tables as nn.EmbeddingBag / nn.Embedding modules."""
+    tables = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for p in m.parameters()}
     sparse, dense = {}, {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (sparse if is_embedding_table(name) else dense)[name] = param
+            (sparse if id(param) in tables else dense)[name] = param
     return sparse, dense
 
 

@@ -40,12 +40,13 @@ def pt_jagged_attention(
         per_sequence = q.shape[1] * max_q * max(max_kv, 1)
         chunk = max(1, MAX_SCORE_ELEMENTS // per_sequence)
         for start in range(0, members.numel(), chunk):
-            seqs = members[start : start + chunk].to(q.device)
-            rows, row_valid = _padded_index(q_offsets[seqs], q_lengths[seqs].to(q.device), max_q)
-            cols, col_valid = _padded_index(kv_offsets[seqs], kv_lengths[seqs].to(q.device), max_kv)
+            seqs = members[start : start + chunk]  # on the CPU, like the lengths it indexes
+            seq_kv_lengths = kv_lengths[seqs].to(q.device)
+            on_device = seqs.to(q.device)
+            rows, row_valid = _padded_index(q_offsets[on_device], q_lengths[seqs].to(q.device), max_q)
+            cols, col_valid = _padded_index(kv_offsets[on_device], seq_kv_lengths, max_kv)
             attended = _dense_attention(
-                q[rows], k[cols], v[cols], row_valid, col_valid, kv_lengths[seqs].to(q.device),
-                causal, activation, scale,
+                q[rows], k[cols], v[cols], row_valid, col_valid, seq_kv_lengths, causal, activation, scale,
             )
             out = out.index_put((rows[row_valid],), attended[row_valid])
     return out
@@ -66,19 +67,21 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int):
 def _dense_attention(q, k, v, row_valid, col_valid, kv_lengths, causal, activation, scale):
     """q [b, Lq, H, D], k [b, Lk, H, D], v [b, Lk, H, Dv] -> [b, Lq, H, Dv] on padded tensors."""
     compute = torch.promote_types(q.dtype, torch.float32)  # low-precision inputs accumulate in fp32
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(compute), k.to(compute)) * scale
-    allowed = col_valid[:, None, None, :] & row_valid[:, None, :, None]
+    q, k, v = (t.to(compute).transpose(1, 2) for t in (q, k, v))  # [b, H, L, D]
+    allowed = col_valid[:, None, :] & row_valid[:, :, None]  # [b, Lq, Lk]
     if causal:
-        q_lengths = row_valid.sum(1)
         # Aligned to the end: query i of a sequence sees keys j <= i + (Lk - Lq).
-        shift = (kv_lengths - q_lengths)[:, None, None]
-        qi = torch.arange(q.shape[1], device=q.device)[None, :, None]
-        kj = torch.arange(k.shape[1], device=q.device)[None, None, :]
-        allowed = allowed & (kj <= qi + shift)[:, None]
+        shift = (kv_lengths - row_valid.sum(1))[:, None, None]
+        qi = torch.arange(q.shape[2], device=q.device)[None, :, None]
+        kj = torch.arange(k.shape[2], device=q.device)[None, None, :]
+        allowed = allowed & (kj <= qi + shift)
     if activation == "softmax":
-        # Rows with no visible key get finite scores and zero weights, so no NaN reaches the gradients.
-        scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-        weights = torch.softmax(scores, dim=-1) * allowed
+        # A row with no visible key would be NaN: let it see everything, then zero its output.
+        has_key = allowed.any(-1, keepdim=True)
+        mask = (allowed | ~has_key)[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale) * has_key[:, None]
     else:
-        weights = F.silu(scores).masked_fill(~allowed, 0.0) / kv_lengths.clamp(min=1)[:, None, None, None]
-    return torch.einsum("bhqk,bkhd->bqhd", weights, v.to(compute)).to(v.dtype)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        weights = F.silu(scores) * (allowed / kv_lengths.clamp(min=1)[:, None, None])[:, None]
+        out = torch.matmul(weights, v)
+    return out.transpose(1, 2).to(v.dtype)
