@@ -6,7 +6,12 @@ FLOPs are counted on real tokens only: a sequence with Lq queries and Lk keys ha
 Every method is charged the same real-token FLOPs whatever it computes on padding or masked blocks.
 
 Methods, all bf16, self attention over one jagged batch of `--tokens` tokens:
-  triton      kernels.triton (values + offsets)
+  triton      kernels.triton (values + offsets), tile lists built inside the timed step (cache cleared
+              first; the forward builds them once and the backward reuses them), as a model step with a
+              new batch must; the counterpart of 'flex+mask'
+  triton_cached
+              the same with the lists built beforehand (the cache kept), as every layer after the first
+              in a step sees them; the counterpart of 'flex'
   flex        torch.compile'd flex_attention over the concatenated batch, document mask (plus causal);
               'flex' reuses a block mask built beforehand, 'flex+mask' builds it inside the timed call,
               as training must when batches change every step
@@ -32,7 +37,7 @@ import torch.nn.functional as F
 from benchmarks.common import save
 from kernels.jagged_attention import jagged_attention
 
-METHODS = ("triton", "flex", "flex+mask", "sdpa_padded")
+METHODS = ("triton", "triton_cached", "flex", "flex+mask", "sdpa_padded")
 REFERENCE = "reference"  # opt-in (--with-reference): the oracle, slow at long lengths
 
 
@@ -66,12 +71,13 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
     q, k, v = (torch.randn(int(offsets[-1]), heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     runners = {
-        "triton": _jagged(offsets, causal, "triton"),
+        "triton": _jagged(offsets, causal, "triton", fresh_lists=True),
+        "triton_cached": _jagged(offsets, causal, "triton"),
         "reference": _jagged(offsets, causal, "pytorch"),
         "sdpa_padded": _padded_sdpa(offsets, causal),
         **_flex(lengths, offsets, causal),
     }
-    row = {"triton": {"rel_error_vs_flex": _disagreement(runners, q, k, v)}}
+    row = {"triton": _disagreement(runners, q, k, v)}
     for method in methods:
         prepare, call = runners[method]
         inputs = [x.requires_grad_() for x in prepare(q, k, v)]  # layout changes are not timed
@@ -88,20 +94,33 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
     return row
 
 
-def _disagreement(runners, q, k, v) -> float:
-    """‖triton − flex‖ / ‖flex‖ on this batch's forward: a check of the tuned kernel at benchmark sizes."""
-    with torch.no_grad():
-        ours = runners["triton"][1](q, k, v).float()
-        prepare, call = runners["flex"]
-        theirs = call(*prepare(q, k, v))[0].transpose(0, 1).float()
-    return float((ours - theirs).norm() / theirs.norm())
+def _disagreement(runners, q, k, v) -> dict:
+    """‖triton − flex‖ / ‖flex‖ of the output and dq, dk, dv: a check of the tuned kernels at benchmark sizes."""
+    d_out = torch.randn_like(q)
+    ours_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ours = runners["triton"][1](*ours_in)
+    ours = [ours, *torch.autograd.grad(ours, ours_in, d_out)]
+    prepare, call = runners["flex"]
+    theirs_in = [x.requires_grad_() for x in prepare(q, k, v)]
+    theirs = call(*theirs_in)
+    theirs = [theirs, *torch.autograd.grad(theirs, theirs_in, d_out.transpose(0, 1)[None])]
+    errors = {}
+    for name, a, b in zip(("rel_error_vs_flex", "dq_rel_error_vs_flex", "dk_rel_error_vs_flex",
+                           "dv_rel_error_vs_flex"), ours, theirs):
+        b = b[0].transpose(0, 1).float()
+        errors[name] = float((a.detach().float() - b.detach()).norm() / b.detach().norm())
+    return errors
 
 
-def _jagged(offsets, causal, backend):
+def _jagged(offsets, causal, backend, fresh_lists=False):
+    from kernels.triton.triton_jagged_attention import clear_tile_cache
+
     def prepare(q, k, v):
         return [x.detach().clone() for x in (q, k, v)]
 
     def call(q, k, v):
+        if fresh_lists:
+            clear_tile_cache()
         return jagged_attention(q, k, v, offsets, causal=causal, backend=backend)
 
     return prepare, call
@@ -167,7 +186,8 @@ def tflops(flops: float, ms: float) -> float:
 
 
 def overhead(tokens: int) -> None:
-    """Where a call's time goes: tile-table building vs the kernels alone (tables built beforehand)."""
+    """Where a call's time goes: one tile-list build vs the kernels alone (lists built beforehand), and the
+    backward with dq added atomically by the dk/dv kernel vs a separate dq kernel."""
     from kernels.triton import triton_jagged_attention as kernel
 
     results = []
@@ -185,16 +205,18 @@ def overhead(tokens: int) -> None:
             return kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)
 
         built = problem()
-        built.query_tiles(), built.key_tiles()
         out, lse = kernel._forward(built, q, k, v)
         row = {
             "mix": mix, "max_len": max_len, "head_dim": dim, "causal": causal,
-            "call_fwd_ms": timed(lambda: jagged_attention(q, k, v, offsets, causal=causal, backend="triton")),
-            "tables_fwd_ms": timed(lambda: problem().query_tiles()),
-            "tables_bwd_ms": timed(lambda: problem().key_tiles()),
+            "tables_ms": timed(lambda: kernel._Tiles(offsets, offsets, q.device, tokens, tokens, kernel._parts(),
+                                                     causal)),
             "kernel_fwd_ms": timed(lambda: kernel._forward(built, q, k, v)),
             "kernels_bwd_ms": timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out)),
         }
+        kernel.ATOMIC_DQ = False
+        separate = problem()  # its lists include the dq kernel's block sizes
+        row["kernels_bwd_separate_dq_ms"] = timed(lambda: kernel._backward(separate, q, k, v, out, lse, d_out))
+        kernel.ATOMIC_DQ = True
         print(row, flush=True)
         results.append(row)
     save("jagged_attention_overhead", {"tokens": tokens, "source_commit": os.environ.get("SOURCE_COMMIT", "")},
@@ -211,13 +233,10 @@ def main() -> None:
     if args.overhead:
         return overhead(args.tokens)
 
-    cases = []  # (mix, max_len, head_dim, causal)
-    for mix in ("long_tail", "uniform"):
-        for max_len in (512, 2048, 8192):
-            for dim in (64, 128):
-                cases.append((mix, max_len, dim, True))
-                if mix == "uniform" and max_len == 8192:  # the dense-throughput target
-                    cases.append((mix, max_len, dim, False))
+    # (mix, max_len, head_dim, causal); the cases of the two targets first, as results are saved as they come.
+    cases = [("long_tail", max_len, dim, True) for dim in (128, 64) for max_len in (512, 2048, 8192)]
+    cases += [("uniform", 8192, dim, causal) for dim in (128, 64) for causal in (False, True)]
+    cases += [("uniform", max_len, dim, True) for max_len in (512, 2048) for dim in (128, 64)]
     if args.quick:
         cases = [("long_tail", 2048, 128, True), ("uniform", 8192, 128, False)]
 
@@ -237,7 +256,7 @@ def main() -> None:
                 "sequences": len(lengths), "tokens": sum(lengths), "visible_pairs": pairs, "method": method,
                 "fwd_ms": t["fwd_ms"], "fwd_tflops": tflops(forward_flops, t["fwd_ms"]),
                 "fwd_bwd_ms": t["fwd_bwd_ms"], "fwd_bwd_tflops": tflops(3.5 * forward_flops, t["fwd_bwd_ms"]),
-                **({"rel_error_vs_flex": t["rel_error_vs_flex"]} if "rel_error_vs_flex" in t else {}),
+                **{name: value for name, value in t.items() if name.endswith("rel_error_vs_flex")},
             })
         print_rows(results[-len(row):])
         save("jagged_attention", settings | {"complete": False}, results)  # kept if a later case dies
@@ -270,13 +289,14 @@ def print_summary(results: list[dict]) -> None:
         by_case.setdefault((r["mix"], r["max_len"], r["head_dim"], r["causal"]), {})[r["method"]] = r
     print("\nTFLOP/s on real tokens, forward / forward+backward")
     methods = [m for m in (*METHODS, REFERENCE) if any(m in row for row in by_case.values())]
-    print(f"{'case':<30}" + "".join(f"{m:>18}" for m in methods) + f"{'vs flex+mask':>14}")
+    print(f"{'case':<30}" + "".join(f"{m:>18}" for m in methods) + f"{'vs flex+mask (built, cached)':>22}")
     for (mix, max_len, dim, causal), row in by_case.items():
         cells = "".join(
             f"{row[m]['fwd_tflops']:>8.0f} /{row[m]['fwd_bwd_tflops']:>6.0f}  " if m in row else f"{'':>18}"
             for m in methods)
-        ratio = row["flex+mask"]["fwd_bwd_ms"] / row["triton"]["fwd_bwd_ms"] if "flex+mask" in row else math.nan
-        print(f"{mix:>9} L<={max_len:<5} D={dim:<3} {'causal' if causal else 'full':<7}{cells}{ratio:>10.2f}x")
+        ratios = "".join(f"{row['flex+mask']['fwd_bwd_ms'] / row[m]['fwd_bwd_ms']:>10.2f}x" if "flex+mask" in row
+                         else f"{'':>11}" for m in ("triton", "triton_cached"))
+        print(f"{mix:>9} L<={max_len:<5} D={dim:<3} {'causal' if causal else 'full':<7}{cells}{ratios}")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,52 @@ def test_kernel_matches_reference_on_cpu_interpreter(case):
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
+# The deterministic backward (a separate dq kernel) on a few of the CPU cases.
+SEPARATE_DQ_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
+                                                      "cross-causal-softmax")]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+@pytest.mark.parametrize("case", SEPARATE_DQ_CASES if INTERPRETING else [])
+def test_separate_dq_kernel_matches_reference_on_cpu_interpreter(case, monkeypatch):
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "ATOMIC_DQ", False)
+    check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_tile_cache_is_never_stale_on_cpu_interpreter():
+    """Cached tile lists serve the same unmodified offsets tensor only: not one edited in place, nor another."""
+    from kernels.triton import triton_jagged_attention as kernel
+
+    kernel.clear_tile_cache()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(40, 2, 8) for _ in range(3))
+
+    def check(offsets):
+        for causal in (False, True):
+            got = jagged_attention(q, k, v, offsets, causal=causal, backend="triton")
+            want = jagged_attention(q, k, v, offsets.clone(), causal=causal, backend="pytorch")
+            assert (got - want).abs().max() < 1e-5
+
+    def cached(offsets):
+        return kernel.tile_cache.get(offsets, offsets, q.device, 40, 40, kernel._parts(), True)
+
+    offsets = torch.tensor([0, 3, 35, 40])
+    check(offsets)
+    first = cached(offsets)
+    assert cached(offsets) is first  # the layers of one step share one build
+    offsets[1:3] = torch.tensor([30, 33])  # same tensor, same shape, edited in place
+    check(offsets)
+    assert cached(offsets) is not first
+    other = torch.tensor([0, 17, 18, 40])  # another tensor of the same shape
+    check(other)
+    assert cached(other) is not cached(offsets)
+    del offsets, other
+    check(torch.tensor([0, 1, 2, 40]))  # a new tensor, perhaps where a freed one lived
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", GPU_CASES)
@@ -139,7 +185,7 @@ def test_interpreter_cases():
         cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert f"{len(CPU_CASES)} passed" in result.stdout, result.stdout[-2000:]
+    assert f"{len(CPU_CASES) + len(SEPARATE_DQ_CASES) + 1} passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter lets the kernel take CPU tensors")

@@ -1,12 +1,14 @@
 """Triton jagged flash attention: forward and backward on values + offsets, never padded.
 
 Work is a list of tiles (sequence, first row) built with torch ops on the device from the offsets,
-heaviest first, so no length is read back to the host. Each kernel is persistent: a fixed grid of
-programs walks that list round-robin over (tile, head) items, so short sequences cost neither launches
-nor empty programs. The forward keeps an online softmax in fp32 and saves the base-2 logsumexp; the
-backward recomputes the scores in two kernels without atomics: one per key block (dk, dv), one per
-query block (dq). Key blocks that causality rules out are never visited, and blocks that need no
-mask skip the masking arithmetic.
+heaviest first, so no length is read back to the host. The lists of both directions and every block
+size are built in one batched pass and cached per offsets tensor, so the layers of a model step and
+the backward share one build. Each kernel is persistent: a fixed grid of programs walks that list
+round-robin over (tile, head) items, so short sequences cost neither launches nor empty programs. The
+forward keeps an online softmax in fp32 and saves the base-2 logsumexp; the backward recomputes the
+scores once per key block, writes dk and dv, and adds dq atomically in fp32 (or, with
+JAGGED_ATTENTION_ATOMIC_DQ=0, leaves dq to a second kernel per query block). Key blocks that causality
+rules out are never visited, and blocks that need no mask skip the masking arithmetic.
 
 Contract: kernels.jagged_attention.jagged_attention. Launches need CUDA or TRITON_INTERPRET=1 set
 before this module is imported.
@@ -14,6 +16,7 @@ before this module is imported.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -47,12 +50,17 @@ if INTERPRETING:
 else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
     _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N")
     _DQ_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2)], "BLOCK_M", "BLOCK_N")
-    _DKDV_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)], "BLOCK_N", "BLOCK_M")
+    _DKDV_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 2)], "BLOCK_N", "BLOCK_M")
 
 if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
     _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
 
 _AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU"]
+
+# The dk/dv kernel also adds dS^T K into an fp32 dq with atomics (FlashAttention-2's split: fewer
+# matmuls, sums in a run-dependent order); JAGGED_ATTENTION_ATOMIC_DQ=0 runs the separate dq kernel
+# instead, which recomputes S and dP but is deterministic.
+ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ", "1") != "0"
 
 
 def _short_bench(kernel_call, quantiles):
@@ -74,53 +82,105 @@ _EMPTY_ROW_LSE = tl.constexpr(EMPTY_ROW_LSE)
 
 
 class TileTable:
-    """Tiles (sequence, first row) for each block size the configs use, packed in one int32 tensor.
+    """Tiles (sequence, first row) of both directions and every block size, packed in one int32 tensor.
 
-    `index` [9, 2] holds (first tile, tile count) of block size b at row b // 16: each kernel reads
-    the row of its own autotuned block size. Counts stay on the device; capacities (upper bounds,
-    sum(ceil(L / b)) <= total / b + B) come from shapes, so building needs no device-to-host copy.
+    `tiles` [parts, width, 2]: one row of `width` slots per (direction, block size), heaviest tile first,
+    unused slots last. `index` [2, 9, 2] holds (first tile, tile count) of direction d (0: query blocks,
+    1: key blocks) and block size b at [d, b // 16]: each kernel reads the row of its own autotuned block
+    size. Counts stay on the device; capacities (upper bounds, sum(ceil(L / b)) <= total / b + B) come
+    from shapes, so building needs no device-to-host copy. All parts are built in one batched pass of
+    about twenty torch ops.
     """
 
-    def __init__(self, own_lengths, other_lengths, own_total: int, sizes: list[int], causal: bool, queries_major: bool):
-        device = own_lengths.device
-        self.capacity: dict[int, int] = {}
-        self.index = torch.zeros(9, 2, dtype=torch.int32, device=device)
-        parts, first = [], 0
-        for size in sizes:
-            capacity = own_total // size + own_lengths.numel()
-            seq, start, count = _block_tiles(own_lengths, other_lengths, size, capacity, causal, queries_major)
-            parts.append(torch.stack([seq, start], 1))
-            self.index[size // 16, 0] = first
-            self.index[size // 16, 1:] = count
-            self.capacity[size] = capacity
-            first += capacity
-        self.tiles = torch.cat(parts).to(torch.int32).contiguous()
+    def __init__(self, q_lengths, kv_lengths, total_q: int, total_kv: int, parts: tuple, causal: bool):
+        device, num_seqs = q_lengths.device, q_lengths.numel()
+        sizes, queries_major, rows = _part_constants(parts, device)
+        self.capacity = {part: (total_q if part[0] == 0 else total_kv) // part[1] + num_seqs for part in parts}
+        width = max(self.capacity.values())
+        own = torch.where(queries_major, q_lengths, kv_lengths)  # [parts, B]
+        other = torch.where(queries_major, kv_lengths, q_lengths)
+        blocks = (own + sizes - 1) // sizes
+        ends = blocks.cumsum(1)
+        slot = torch.arange(width, device=device).repeat(len(parts), 1)
+        seq = torch.searchsorted(ends, slot, right=True).clamp_(max=num_seqs - 1)
+        start = (slot - ends.gather(1, seq) + blocks.gather(1, seq)) * sizes
+        count = ends[:, -1:]
+        work = _tile_work(own.gather(1, seq), other.gather(1, seq), start, sizes, causal, queries_major)
+        order = torch.where(slot < count, work, -1).argsort(1, descending=True)
+        self.tiles = torch.stack([seq.gather(1, order), start.gather(1, order)], -1).to(torch.int32)
+        first = torch.arange(len(parts), device=device)[:, None] * width
+        self.index = torch.zeros(18, 2, dtype=torch.int32, device=device).index_copy_(
+            0, rows, torch.cat([first, count], 1).to(torch.int32)).view(2, 9, 2)
 
 
-def _block_tiles(own_lengths, other_lengths, block, capacity, causal, queries_major):
-    """Every block of `block` rows of every sequence, heaviest first; slots past the count come last."""
-    num_seqs = own_lengths.numel()
-    blocks = (own_lengths + block - 1) // block
-    ends = torch.cumsum(blocks, 0)
-    slot = torch.arange(capacity, device=own_lengths.device)
-    seq = torch.searchsorted(ends, slot, right=True).clamp(max=num_seqs - 1)
-    start = (slot - (ends[seq] - blocks[seq])) * block
-    count = ends[-1:]
-    work = _tile_work(own_lengths[seq], other_lengths[seq], start, block, causal, queries_major)
-    work = torch.where(slot < count, work, -1)
-    order = torch.argsort(work, descending=True)
-    return seq[order], start[order], count
+@functools.lru_cache(maxsize=None)
+def _part_constants(parts: tuple, device: torch.device):
+    """Per-part block size, direction and index row, copied to the device once per device."""
+    sizes = torch.tensor([[size] for _, size in parts], device=device)
+    queries_major = torch.tensor([[direction == 0] for direction, _ in parts], device=device)
+    rows = torch.tensor([9 * direction + size // 16 for direction, size in parts], device=device)
+    return sizes, queries_major, rows
 
 
 def _tile_work(own_len, other_len, start, block, causal, queries_major):
     """Rows of the other side a tile visits: heavy tiles first keep the round-robin even."""
     if not causal:
-        return other_len.clone()
-    if queries_major:  # query rows [start, last) see keys < last + (Lk - Lq)
-        last = torch.minimum(own_len, start + block)
-        return (last + other_len - own_len).clamp(min=0).minimum(other_len)
+        return other_len
+    # query rows [start, last) see keys < last + (Lk - Lq)
+    last = torch.minimum(own_len, start + block)
+    queries = (last + other_len - own_len).clamp(min=0).minimum(other_len)
     # key rows from `start` are seen by query rows >= start - (Lk - Lq)
-    return (other_len - (start - (own_len - other_len)).clamp(min=0)).clamp(min=0)
+    keys = (other_len - (start - (own_len - other_len)).clamp(min=0)).clamp(min=0)
+    return torch.where(queries_major, queries, keys)
+
+
+class _Tiles:
+    """Device offsets, lengths and tile table of one (q_offsets, kv_offsets) pair."""
+
+    def __init__(self, q_offsets, kv_offsets, device, total_q: int, total_kv: int, parts: tuple, causal: bool):
+        self.q_offsets = q_offsets.to(device=device, dtype=torch.int64).contiguous()
+        self.kv_offsets = self.q_offsets if kv_offsets is q_offsets else kv_offsets.to(
+            device=device, dtype=torch.int64).contiguous()
+        self.q_lengths = self.q_offsets.diff()
+        self.kv_lengths = self.kv_offsets.diff()
+        empty = self.q_lengths.numel() == 0 or total_q == 0
+        self.table = None if empty else TileTable(self.q_lengths, self.kv_lengths, total_q, total_kv, parts, causal)
+
+
+class TileCache:
+    """Tile tables per offsets tensor, so that the layers of a model step and the backward share one build.
+
+    An entry holds its offsets tensors, so their memory cannot be reused by another tensor while it is
+    cached; it is valid while the caller passes those same tensor objects, unmodified (same `_version`
+    and storage). Inference tensors carry no version counter and are never cached. Least recently used
+    entries go first.
+    """
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, q_offsets, kv_offsets, device, total_q, total_kv, parts, causal) -> _Tiles:
+        if q_offsets.is_inference() or kv_offsets.is_inference():
+            return _Tiles(q_offsets, kv_offsets, device, total_q, total_kv, parts, causal)
+        key = (id(q_offsets), id(kv_offsets), str(device), total_q, total_kv, parts, causal)
+        stamp = tuple((x._version, x.data_ptr(), x.shape, x.device, x.dtype) for x in (q_offsets, kv_offsets))
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is q_offsets and entry[1] is kv_offsets and entry[2] == stamp:
+            self._entries.move_to_end(key)
+            return entry[3]
+        tiles = _Tiles(q_offsets, kv_offsets, device, total_q, total_kv, parts, causal)
+        self._entries[key] = (q_offsets, kv_offsets, stamp, tiles)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return tiles
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+tile_cache = TileCache()
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,11 +188,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _persistent_grid(table: TileTable, block_name: str, num_heads: int, device: torch.device):
+def _persistent_grid(table: TileTable, direction: int, block_name: str, num_heads: int, device: torch.device):
     """Enough programs to fill the GPU, never more than there can be (tile, head) items."""
 
     def grid(meta):
-        items = table.capacity[meta[block_name]] * num_heads
+        items = table.capacity[(direction, meta[block_name])] * num_heads
         programs = 4 if INTERPRETING else _num_sms(device.index or 0) * PROGRAMS_PER_SM
         return (max(1, min(items, programs)),)
 
@@ -371,9 +431,10 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols, lo, hi, q_len,
-                 shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                 DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr):
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt,
+                 cols, lo, hi, q_len, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                 D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                 SILU: tl.constexpr, ADD_DQ: tl.constexpr):
     # Rows past q_len load zeros and an empty-row logsumexp, so they add nothing without a mask.
     for m0 in range(lo, hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -403,18 +464,26 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
             p_t = tl.exp2(s_t - lse[None, :])
             dv = tl.dot(p_t.to(do.dtype), do, dv)
             ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        ds_t = ds_t.to(q.dtype)
+        dk = tl.dot(ds_t, q, dk)
+        if ADD_DQ:
+            # dS^T K of this key block, added to the query rows' fp32 sums: five matmuls per block pair
+            # instead of seven with a separate dq pass that recomputes S and dP.
+            dq = tl.dot(tl.trans(ds_t), k) * scale
+            dcols = tl.arange(0, D_PAD)
+            tl.atomic_add(dq_base + rows[:, None] * stride_dqt + dcols[None, :], dq,
+                          mask=row_ok[:, None] & (dcols[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench)
+@triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ"], do_bench=_short_bench, reset_to_zero=["dq_ptr"])
 @triton.jit
 def _dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
     tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh, num_heads, scale, length_bucket,
-    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh, num_heads, scale,
+    length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, SILU: tl.constexpr, ADD_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16) + 1) * num_heads
@@ -428,6 +497,7 @@ def _dkdv_kernel(
                        True)
         q_base = q_ptr + q_start * stride_qt + head * stride_qh
         do_base = do_ptr + q_start * stride_dot + head * stride_doh
+        dq_base = dq_ptr + q_start * stride_dqt + head * stride_dqh
         lse_base = lse_ptr + head * stride_lh + q_start
         delta_base = delta_ptr + head * stride_lh + q_start
         shift = kv_len - q_len
@@ -436,12 +506,12 @@ def _dkdv_kernel(
 
         dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols, lo,
-                              unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M,
-                              True, SILU)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, cols,
-                              unmasked, q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
-                              BLOCK_M, False, SILU)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot,
+                              stride_dqt, cols, lo, unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
+                              D_PAD, DV_PAD, BLOCK_M, True, SILU, ADD_DQ)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot,
+                              stride_dqt, cols, unmasked, q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
+                              D_PAD, DV_PAD, BLOCK_M, False, SILU, ADD_DQ)
         _store_rows(dk_ptr + kv_start * stride_dkt + head * stride_dkh, (dk * scale).to(dk_ptr.dtype.element_ty),
                     cols, stride_dkt, col_ok, HEAD_DIM, D_PAD)
         _store_rows(dv_ptr + kv_start * stride_dvt + head * stride_dvh, dv.to(dv_ptr.dtype.element_ty), cols,
@@ -453,40 +523,37 @@ def _dkdv_kernel(
 
 
 class _Problem:
-    """What forward and backward share: offsets on the device, dims, and the tile tables."""
+    """What forward and backward share: offsets on the device, dims, and the (cached) tile table."""
 
     def __init__(self, q, k, v, q_offsets, kv_offsets, causal: bool, silu: bool, scale: float):
-        self.q_offsets = q_offsets.to(device=q.device, dtype=torch.int64).contiguous()
-        self.kv_offsets = self.q_offsets if kv_offsets is q_offsets else kv_offsets.to(
-            device=q.device, dtype=torch.int64).contiguous()
-        self.q_lengths = self.q_offsets.diff()
-        self.kv_lengths = self.kv_offsets.diff()
-        self.num_seqs = self.q_lengths.numel()
         self.total_q, self.total_kv = q.shape[0], k.shape[0]
+        tiles = tile_cache.get(q_offsets, kv_offsets, q.device, self.total_q, self.total_kv, _parts(), causal)
+        self.q_offsets, self.kv_offsets, self.table = tiles.q_offsets, tiles.kv_offsets, tiles.table
+        self.num_seqs = self.q_offsets.numel() - 1
         self.num_heads, self.head_dim, self.value_dim = q.shape[1], q.shape[2], v.shape[2]
         self.causal, self.silu, self.scale = causal, silu, scale
         # Autotuning is keyed on the mean sequence length (bucketed): the maximum would need the
         # offsets read back to the host on every call.
         mean_length = max(self.total_q, self.total_kv) // max(self.num_seqs, 1)
         self.length_bucket = triton.next_power_of_2(max(mean_length, 16))
-        self.empty = self.num_seqs == 0 or self.total_q == 0
-        self._query_tiles = self._key_tiles = None
+        self.empty = self.table is None
 
     def constexprs(self) -> dict:
         return dict(HEAD_DIM=self.head_dim, VALUE_DIM=self.value_dim, D_PAD=_pad(self.head_dim),
                     DV_PAD=_pad(self.value_dim), CAUSAL=self.causal, SILU=self.silu)
 
-    def query_tiles(self) -> TileTable:
-        if self._query_tiles is None:
-            sizes = sorted(set(_tile_sizes(_FWD_CONFIGS, "BLOCK_M")) | set(_tile_sizes(_DQ_CONFIGS, "BLOCK_M")))
-            self._query_tiles = TileTable(self.q_lengths, self.kv_lengths, self.total_q, sizes, self.causal, True)
-        return self._query_tiles
 
-    def key_tiles(self) -> TileTable:
-        if self._key_tiles is None:
-            sizes = _tile_sizes(_DKDV_CONFIGS, "BLOCK_N")
-            self._key_tiles = TileTable(self.kv_lengths, self.q_lengths, self.total_kv, sizes, self.causal, False)
-        return self._key_tiles
+def _parts() -> tuple:
+    """(direction, block size) of every table the kernels may read: 0 query blocks, 1 key blocks."""
+    query_sizes = set(_tile_sizes(_FWD_CONFIGS, "BLOCK_M"))
+    if not ATOMIC_DQ:
+        query_sizes |= set(_tile_sizes(_DQ_CONFIGS, "BLOCK_M"))
+    return tuple((0, s) for s in sorted(query_sizes)) + tuple((1, s) for s in _tile_sizes(_DKDV_CONFIGS, "BLOCK_N"))
+
+
+def clear_tile_cache() -> None:
+    """Forget every cached tile table (the next call builds its own, as a fresh batch would)."""
+    tile_cache.clear()
 
 
 def _pad(dim: int) -> int:
@@ -502,10 +569,10 @@ def _forward(p: _Problem, q, k, v):
     lse = None if p.silu else torch.empty(p.num_heads, p.total_q, dtype=torch.float32, device=q.device)
     if p.empty:
         return out, lse
-    table = p.query_tiles()
+    table = p.table
     lse_arg = out if lse is None else lse  # never read when SILU
-    _forward_kernel[_persistent_grid(table, "BLOCK_M", p.num_heads, q.device)](
-        q, k, v, out, lse_arg, p.q_offsets, p.kv_offsets, table.tiles, table.index,
+    _forward_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
+        q, k, v, out, lse_arg, p.q_offsets, p.kv_offsets, table.tiles, table.index[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         p.total_q, p.num_heads, p.scale, p.length_bucket, **p.constexprs(),
     )
@@ -513,29 +580,33 @@ def _forward(p: _Problem, q, k, v):
 
 
 def _backward(p: _Problem, q, k, v, out, lse, d_out):
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    atomic = ATOMIC_DQ
+    # dq is summed over key blocks in fp32 when the dk/dv kernel adds into it atomically.
+    dq = torch.zeros_like(q, dtype=torch.float32) if atomic else torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     if p.empty:
-        return dq, dk, dv
+        return dq.to(q.dtype), dk, dv
     d_out = d_out.contiguous()
     if p.silu:
         lse = delta = d_out  # never read when SILU
     else:
         delta = (d_out.float() * out.float()).sum(-1).t().contiguous()  # [H, total_q]: rowsum(dO * O)
-    queries = p.query_tiles()
-    _dq_kernel[_persistent_grid(queries, "BLOCK_M", p.num_heads, q.device)](
-        q, k, v, d_out, lse, delta, dq, p.q_offsets, p.kv_offsets, queries.tiles, queries.index,
+    table = p.table
+    # dk/dv first: autotuning it zeroes dq (reset_to_zero), which the separate dq kernel then writes.
+    _dkdv_kernel[_persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device)](
+        q, k, v, d_out, lse, delta, dk, dv, dq, p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
-        d_out.stride(1), dq.stride(0), dq.stride(1), p.total_q, p.num_heads, p.scale, p.length_bucket,
-        **p.constexprs(),
+        d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
+        p.total_q, p.num_heads, p.scale, p.length_bucket, ADD_DQ=atomic, **p.constexprs(),
     )
-    keys = p.key_tiles()
-    _dkdv_kernel[_persistent_grid(keys, "BLOCK_N", p.num_heads, q.device)](
-        q, k, v, d_out, lse, delta, dk, dv, p.q_offsets, p.kv_offsets, keys.tiles, keys.index,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
-        d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), p.total_q, p.num_heads, p.scale,
-        p.length_bucket, **p.constexprs(),
-    )
-    return dq, dk, dv
+    if not atomic:
+        _dq_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
+            q, k, v, d_out, lse, delta, dq, p.q_offsets, p.kv_offsets, table.tiles, table.index[0],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
+            d_out.stride(1), dq.stride(0), dq.stride(1), p.total_q, p.num_heads, p.scale, p.length_bucket,
+            **p.constexprs(),
+        )
+    return dq.to(q.dtype), dk, dv
 
 
 class JaggedAttentionFunction(torch.autograd.Function):
