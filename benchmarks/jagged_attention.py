@@ -187,7 +187,7 @@ def tflops(flops: float, ms: float) -> float:
 
 def overhead(tokens: int) -> None:
     """Where a call's time goes: one tile-list build vs the kernels alone (lists built beforehand), and the
-    backward with dq added atomically by the dk/dv kernel vs a separate dq kernel."""
+    backward with dq added atomically by the dk/dv kernel (kernels_bwd_ms) vs a separate dq kernel."""
     from kernels.triton import triton_jagged_attention as kernel
 
     results = []
@@ -204,6 +204,8 @@ def overhead(tokens: int) -> None:
         def problem():
             return kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)
 
+        default = kernel.ATOMIC_DQ
+        kernel.ATOMIC_DQ = True
         built = problem()
         out, lse = kernel._forward(built, q, k, v)
         row = {
@@ -216,7 +218,7 @@ def overhead(tokens: int) -> None:
         kernel.ATOMIC_DQ = False
         separate = problem()  # its lists include the dq kernel's block sizes
         row["kernels_bwd_separate_dq_ms"] = timed(lambda: kernel._backward(separate, q, k, v, out, lse, d_out))
-        kernel.ATOMIC_DQ = True
+        kernel.ATOMIC_DQ = default
         print(row, flush=True)
         results.append(row)
     save("jagged_attention_overhead", {"tokens": tokens, "source_commit": os.environ.get("SOURCE_COMMIT", "")},

@@ -122,17 +122,17 @@ def test_kernel_matches_reference_on_cpu_interpreter(case):
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
-# The deterministic backward (a separate dq kernel) on a few of the CPU cases.
-SEPARATE_DQ_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
+# The backward that adds dq atomically from the dk/dv kernel, on a few of the CPU cases.
+ATOMIC_DQ_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
                                                       "cross-causal-softmax")]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("case", SEPARATE_DQ_CASES if INTERPRETING else [])
-def test_separate_dq_kernel_matches_reference_on_cpu_interpreter(case, monkeypatch):
+@pytest.mark.parametrize("case", ATOMIC_DQ_CASES if INTERPRETING else [])
+def test_atomic_dq_matches_reference_on_cpu_interpreter(case, monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
 
-    monkeypatch.setattr(kernel, "ATOMIC_DQ", False)
+    monkeypatch.setattr(kernel, "ATOMIC_DQ", True)
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
@@ -185,7 +185,7 @@ def test_interpreter_cases():
         cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert f"{len(CPU_CASES) + len(SEPARATE_DQ_CASES) + 1} passed" in result.stdout, result.stdout[-2000:]
+    assert f"{len(CPU_CASES) + len(ATOMIC_DQ_CASES) + 1} passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter lets the kernel take CPU tensors")
