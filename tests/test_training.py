@@ -6,12 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from gem_ops.data.synthetic import SyntheticConfig
 from gem_ops.model.config import model_config
 from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.loop import train
-from tests.training_data import LEARNABLE, learnable_data
+from gem_ops.data.synthetic import STRONG_SIGNAL
+from tests.training_data import learnable_data
 
 TINY = model_config("vertical", width=0.5, **{"sequence.max_history_len": 16})
 CONFIG = TrainConfig(max_steps=6, eval_max_examples=128, log_every=2, warmup_steps=2)
@@ -19,7 +19,7 @@ CONFIG = TrainConfig(max_steps=6, eval_max_examples=128, log_every=2, warmup_ste
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    small = dataclasses.replace(LEARNABLE, n_users=400)
+    small = dataclasses.replace(STRONG_SIGNAL, n_users=400)
     return learnable_data(tmp_path_factory.mktemp("training"), small, days=4, eval_days=1, max_history_len=32, sub_batch_size=16)
 
 

@@ -166,6 +166,17 @@ class SyntheticConfig:
         return self.n_items
 
 
+STRONG_SIGNAL = SyntheticConfig(
+    n_users=3000, n_items=2000, n_ads=3000, n_advertisers=50, events_per_user_per_day=2.0, ad_share=0.6,
+    surfaces=(SurfaceSpec("feed", 0.45, 0.12, 0.4), SurfaceSpec("reels", 0.25, 0.08, 0.35),
+              SurfaceSpec("stories", 0.15, 0.06, None), SurfaceSpec("search", 0.15, 0.2, 0.4)),
+    interest_ctr_lift=5.0, segment_category_sigma=1.0, ad_quality_sigma=0.8, age_surface_sigma=0.6,
+    retarget_share=0.3, retarget_ctr_lift=6.0,
+)
+"""A small population with dense labels and strong planted effects (retargeting included), learnable in
+about a minute on a CPU: for learning tests and quick demonstrations."""
+
+
 def generate_day(config: SyntheticConfig, day: date) -> pl.DataFrame:
     """One day's events for the whole population, in canonical dtypes, sorted by timestamp."""
     day_index = _day_index(config, day)

@@ -34,6 +34,7 @@ def sequence_tables(spec: FeatureSpec, config: ModelConfig) -> list[EmbeddingCon
         F.HISTORY_EVENT_TYPE: (len(spec.event_types), [F.HISTORY_EVENT_TYPE]),
         F.HISTORY_ACTION: (spec.n_actions, [F.HISTORY_ACTION]),
         F.HISTORY_AGE: (emb.age_buckets, [F.HISTORY_AGE]),
+        F.HISTORY_MATCH: (2, [F.HISTORY_MATCH]),
     }
     return [EmbeddingConfig(name=name, embedding_dim=emb.sequence_dim, num_embeddings=rows, feature_names=keys)
             for name, (rows, keys) in tables.items()]

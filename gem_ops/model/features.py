@@ -22,7 +22,9 @@ HISTORY_SURFACE = "history_surface"
 HISTORY_EVENT_TYPE = "history_event_type"
 HISTORY_ACTION = "history_action"
 HISTORY_AGE = "history_age"
-SEQUENCE_KEYS = (CANDIDATE_ITEM, HISTORY_ITEM, HISTORY_SURFACE, HISTORY_EVENT_TYPE, HISTORY_ACTION, HISTORY_AGE)
+HISTORY_MATCH = "history_match"  # 1 where the history event's item is the candidate item
+SEQUENCE_KEYS = (CANDIDATE_ITEM, HISTORY_ITEM, HISTORY_SURFACE, HISTORY_EVENT_TYPE, HISTORY_ACTION, HISTORY_AGE,
+                 HISTORY_MATCH)
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: a multiplicative hash spreading id patterns
 
@@ -72,12 +74,16 @@ def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) ->
         lengths=torch.ones(B * len(pooled_ids), dtype=torch.int32),
     )
     lengths = batch.history_lengths.to(torch.int32)
+    candidate_per_event = torch.repeat_interleave(batch.item_id, batch.history_lengths, output_size=batch.history_item_id.numel())
     history = [
         hash_ids(batch.history_item_id, emb.item_buckets),
         batch.history_surface,
         batch.history_event_type,
         batch.history_action.clamp(0, spec.n_actions - 1),
         age_bucket(batch.history_age_seconds, emb.age_buckets),
+        # Target-aware: which past events were on this very item, however far back (a key the
+        # candidate's attention can find in one step, where matching learnt embeddings takes many).
+        (batch.history_item_id == candidate_per_event).long(),
     ]
     sequence = KeyedJaggedTensor.from_lengths_sync(
         keys=list(SEQUENCE_KEYS),

@@ -4,10 +4,10 @@ jagged sequence layers (one branch per sequence), then per-domain per-task tower
 Block b, for each sequence branch:
   1. the interaction tokens X_b are summarised into K tokens prepended to the branch's history;
   2. a jagged transformer layer runs over [summary tokens, history];
-  3. the K summary positions come back out as the branch's CLS tokens; the history keeps its most
-     recent level_tokens(b) tokens (the pyramid);
+  3. the K summary positions come back out as the branch's CLS tokens;
   4. two query tokens (the candidate item and the mean of X_b) attend over the history (cross
-     attention, query width dim, key/value width sequence_dim).
+     attention, query width dim, key/value width sequence_dim);
+  5. the history keeps its most recent level_tokens(b) tokens for the next block (the pyramid).
 Then a Wukong layer maps [X_b, CLS tokens, cross-attention outputs] to X_{b+1}.
 """
 
@@ -59,9 +59,10 @@ class SequenceBranch(nn.Module):
         values, with_prefix = jagged.prepend(prefix, history, offsets)
         values = self.layers[block](values, with_prefix)
         cls, history, offsets = jagged.split_prefix(values, with_prefix, self.k)
-        history, offsets = jagged.keep_last(history, offsets, self.levels[block])
+        # The candidate reads the whole level before the pyramid cuts it: a match far back still counts.
         queries = torch.stack([candidate, tokens.mean(1)], dim=1)
         attended = self.cross[block](queries, history, offsets)
+        history, offsets = jagged.keep_last(history, offsets, self.levels[block])
         return torch.cat([self.cls_out[block](cls), attended], dim=1), history, offsets
 
 
