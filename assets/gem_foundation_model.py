@@ -14,6 +14,8 @@ from gem_ops.model.config import model_config
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.run import previous_checkpoint, run_training
 
+PROGRESS_EVERY = 25  # steps between progress lines in the run's log
+
 
 class GEMTrainingConfig(dg.Config):
     preset: str = Field("gem", description="Model preset: gem, domain_fm or vertical.")
@@ -54,11 +56,15 @@ def gem_foundation_model(
     model = model_config(config.preset, config.depth, config.width, **overrides)
     logs = SequenceLogs(sequence_logs_path(lake, day))
     warm = previous_checkpoint(runs_dir(lake), day) if config.warm_start else None
+
+    def progress(step: int, loss: float) -> None:
+        if (step + 1) % PROGRESS_EVERY == 0:
+            context.log.info(f"step {step + 1}: loss {loss:.4f}")
     with mlflow.asset_run(context) as run:
         outcome = run_training(
             logs, plan_path(lake, day, 1), model, config.train_config(),
             checkpoint_dir=runs_dir(lake) / day / "checkpoints", warm_start=warm, tracker=run,
-            registered_name=config.registered_model_name,
+            registered_name=config.registered_model_name, on_step=progress,
         )
         run_id = run.run_id
     result = outcome.result

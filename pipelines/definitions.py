@@ -7,11 +7,11 @@ from assets.raw_event_logs import raw_event_logs
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs
 from assets.shuffled_batches import shuffled_batches
-from pipelines.jobs import prepare_data_job, prepare_data_schedule
+from pipelines.jobs import gem_pipeline_job, gem_pipeline_schedule, prepare_data_job
 
 defs = dg.Definitions(
     assets=[raw_event_logs, sequence_logs, shuffled_batches, gem_foundation_model],
-    jobs=[prepare_data_job],
-    schedules=[prepare_data_schedule],
+    jobs=[prepare_data_job, gem_pipeline_job],
+    schedules=[gem_pipeline_schedule],
     resources={"lake": LakeResource(), "mlflow": MLflowResource()},
 )

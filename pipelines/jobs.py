@@ -11,4 +11,12 @@ prepare_data_job = dg.define_asset_job(
     description="One day's raw events, then sequence_logs and shuffled_batches over the look-back window.",
 )
 
-prepare_data_schedule = dg.build_schedule_from_partitioned_job(prepare_data_job, hour_of_day=1)
+gem_pipeline_job = dg.define_asset_job(
+    "gem_pipeline",
+    selection=dg.AssetSelection.groups("data", "training"),
+    partitions_def=daily_partitions,
+    description="The day's data, then GEM retrained on it, warm-started from the previous day's checkpoint.",
+)
+
+# Daily retraining on the newest partition (off until turned on in the UI).
+gem_pipeline_schedule = dg.build_schedule_from_partitioned_job(gem_pipeline_job, hour_of_day=1)

@@ -1,7 +1,11 @@
 """Runs the pipeline end to end on the embedded defaults, recorded in the Dagster instance at
-DAGSTER_HOME (so every run shows in `dagster dev`) and in the project's MLflow store.
+DAGSTER_HOME (so every run shows in `dagster dev`) and in the project's MLflow store: raw_event_logs
+for each day of the window, then the `gem_pipeline` job (data and GEM training) for the last day.
 
     python -m pipelines.run_local [--end 2026-11-14] [--days 14] [--config run_config.yaml]
+
+Unless the run config says otherwise, GEM trains for LOCAL_TRAINING's short budget, so that the whole
+path runs in minutes on a laptop CPU; set epochs / max_steps in the config for a full training.
 """
 
 import argparse
@@ -16,6 +20,7 @@ from assets.partitions import LOOKBACK_DAYS
 from pipelines.definitions import defs
 
 DEFAULT_END = "2026-11-14"
+LOCAL_TRAINING = {"max_steps": 150, "eval_max_examples": 20_000, "model_overrides": {"sequence.max_history_len": "256"}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,8 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     run_config = yaml.safe_load(args.config.read_text()) if args.config else {}
     # Step events at INFO on the console; every event still lands in the instance for the UI.
     run_config.setdefault("loggers", {"console": {"config": {"log_level": "INFO"}}})
+    run_config.setdefault("ops", {}).setdefault("gem_foundation_model", {"config": LOCAL_TRAINING})
     end = date.fromisoformat(args.end)
-    job = defs.get_job_def("prepare_data")
+    job = defs.get_job_def("gem_pipeline")
     with dg.DagsterInstance.get() as instance:
         for offset in range(args.days - 1, -1, -1):
             day = (end - timedelta(days=offset)).isoformat()

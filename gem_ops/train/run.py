@@ -4,6 +4,7 @@ Shared by the Dagster asset and the command line."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,10 +53,11 @@ def run_training(
     tracker: RunTracker | None = None,
     registered_name: str | None = None,
     device: torch.device | str = "cpu",
+    on_step: Callable[[int, float], None] | None = None,
 ) -> TrainingOutcome:
     tracker = tracker or RunTracker.disabled()
     model, result = train(logs, plan_path, model_config, train_config, checkpoint_dir=checkpoint_dir,
-                          warm_start=warm_start, tracker=tracker, device=device)
+                          warm_start=warm_start, tracker=tracker, device=device, on_step=on_step)
     tracker.log_figure(loss_curves(result.losses, result.eval_steps, result.eval_reports), "loss_curves.png")
     tracker.log_dict(result.final_report, "eval_metrics.json")
     version = None
