@@ -131,8 +131,10 @@ def train(
     latest = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
     if latest is not None:
         ckpt = load_checkpoint(latest)
+        # TorchRec's keyed optimizers load only into initialised state; the dummy step that initialises
+        # it moves the weights (weight decay), so the weights are loaded after it.
+        optimizer.init_state()
         model.load_state_dict(ckpt.state["model"])
-        optimizer.init_state()  # TorchRec's keyed optimizers load only into initialised state
         optimizer.load_state_dict(ckpt.state["optimizer"])
         start, losses, resumed_from = ckpt.step, list(ckpt.state["losses"]), ckpt.step
         log.info("resumed from %s at step %d", latest, start)

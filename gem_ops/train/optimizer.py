@@ -22,23 +22,31 @@ def split_parameters(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[st
     return sparse, dense
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> CombinedOptimizer:
-    sparse, dense = split_parameters(model)
-    no_decay = {name for name, p in dense.items() if p.dim() < 2 or "norm" in name}
+def dense_optimizer(dense: dict[str, nn.Parameter], config: TrainConfig) -> KeyedOptimizerWrapper:
+    """AdamW; no weight decay on biases and norms."""
+    no_decay = {id(p) for name, p in dense.items() if p.dim() < 2 or "norm" in name}
 
     def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        ids = {id(p) for name, p in dense.items() if name in no_decay}
         return torch.optim.AdamW(
-            [{"params": [p for p in params if id(p) not in ids], "weight_decay": config.weight_decay},
-             {"params": [p for p in params if id(p) in ids], "weight_decay": 0.0}],
+            [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": config.weight_decay},
+             {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}],
             lr=config.lr_dense,
         )
 
+    return KeyedOptimizerWrapper(dense, adamw)
+
+
+def table_optimizer(tables: dict[str, nn.Parameter], config: TrainConfig, **adagrad: float) -> KeyedOptimizerWrapper:
+    return KeyedOptimizerWrapper(tables, lambda ps: RowWiseAdagrad(ps, lr=config.lr_sparse, **adagrad))
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig, **adagrad: float) -> CombinedOptimizer:
+    sparse, dense = split_parameters(model)
     optimizers = []
     if sparse:
-        optimizers.append(("sparse", KeyedOptimizerWrapper(sparse, lambda ps: RowWiseAdagrad(ps, lr=config.lr_sparse))))
+        optimizers.append(("sparse", table_optimizer(sparse, config, **adagrad)))
     if dense:
-        optimizers.append(("dense", KeyedOptimizerWrapper(dense, adamw)))
+        optimizers.append(("dense", dense_optimizer(dense, config)))
     return CombinedOptimizer(optimizers)
 
 

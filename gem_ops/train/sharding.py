@@ -1,0 +1,262 @@
+"""How a GEM model is spread over the ranks of a job.
+
+Embedding tables: TorchRec DistributedModelParallel (table-wise, row-wise, or the planner's choice)
+with the row-wise Adagrad update fused into the backward pass; where TorchRec's sharded kernels are
+missing (CUDA without fbgemm's CUDA build) the unsharded TorchRec modules are sharded by FSDP2 like
+dense layers, with an ordinary row-wise Adagrad. Dense layers: FSDP2, one unit per layer, on a 1-D
+mesh, or a 2-D (replicate x shard) mesh across nodes (HSDP).
+
+Gradients come out averaged over ranks on both paths (FSDP2 reduce-scatters a mean; TorchRec divides
+embedding gradients by the world size), so a rank's loss must be scaled to world_size x its share of
+the global loss (see distributed.py) for the result to equal one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.types import ShardedModule
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.optim import CombinedOptimizer, RowWiseAdagrad
+
+from gem_ops.train.config import TrainConfig
+from gem_ops.train.optimizer import build_optimizer, dense_optimizer, split_parameters
+
+log = logging.getLogger(__name__)
+
+EmbeddingSharding = Literal["table_wise", "row_wise", "auto", "fsdp"]
+EMBEDDING_SHARDINGS = ("table_wise", "row_wise", "auto", "fsdp")
+TABLE_MODULES = (EmbeddingBagCollection, EmbeddingCollection)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+ROWWISE_ADAGRAD_EPS = 1e-8  # fbgemm's default; the unfused optimizer takes the same on the FSDP path
+
+
+@dataclass
+class ShardedModel:
+    module: nn.Module  # the model itself, its tables and layers replaced by sharded ones
+    optimizer: CombinedOptimizer  # "sparse" (tables) + "dense", keyed by parameter name
+    embedding_sharding: str  # what was used: table_wise, row_wise, auto (planner) or fsdp
+    fsdp_units: list[nn.Module]  # modules under fully_shard, in model order
+    dense_parameters: list[nn.Parameter]  # what gradient clipping covers
+    mesh: DeviceMesh
+    dmp: DistributedModelParallel | None = None
+
+
+def dmp_usable(device: torch.device) -> bool:
+    """Whether TorchRec's sharded embedding kernels exist for this device: fbgemm's CPU build has no
+    CUDA kernels, and every DistributedModelParallel sharding fails there (KJT permute, TBE)."""
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers the fbgemm ops)
+    except ImportError:
+        return False
+    key = "CUDA" if device.type == "cuda" else "CPU"
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+               for op in ("fbgemm::permute_2D_sparse_data", "fbgemm::asynchronous_complete_cumsum"))
+
+
+def resolve_embedding_sharding(requested: str, device: torch.device) -> str:
+    if requested not in EMBEDDING_SHARDINGS:
+        raise ValueError(f"embedding sharding {requested!r} is not one of {EMBEDDING_SHARDINGS}")
+    if requested != "fsdp" and not dmp_usable(device):
+        log.warning("TorchRec sharded kernels are missing for %s (fbgemm without its %s build): embedding "
+                    "tables fall back to FSDP2 instead of %s sharding", device, device.type, requested)
+        return "fsdp"
+    return requested
+
+
+def device_mesh(device_type: str, world_size: int, local_world_size: int) -> DeviceMesh:
+    """1-D (shard) on one node; (replicate, shard) across nodes: parameters sharded within a node and
+    replicated across nodes (HSDP), so the per-step all-gathers stay on the fast intra-node links."""
+    if local_world_size < 1 or world_size % local_world_size:
+        raise ValueError(f"WORLD_SIZE {world_size} is not a multiple of LOCAL_WORLD_SIZE {local_world_size}")
+    nodes = world_size // local_world_size
+    if nodes == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (nodes, local_world_size), mesh_dim_names=("replicate", "shard"))
+
+
+def fsdp_units(module: nn.Module, tables_sharded_elsewhere: bool) -> list[nn.Module]:
+    """The modules to fully_shard, one unit per layer: each maximal submodule that holds no
+    TorchRec-sharded table, descending through containers and through modules whose parameters all
+    sit in containers (a per-block dispatcher such as a sequence branch runs each block's layers at a
+    different time; one unit per block keeps each unit's forward to one call per step)."""
+    units: list[nn.Module] = []
+
+    def is_table(m: nn.Module) -> bool:
+        return isinstance(m, (*TABLE_MODULES, ShardedModule))
+
+    def holds_tables(m: nn.Module) -> bool:
+        return tables_sharded_elsewhere and any(is_table(s) for s in m.modules())
+
+    def dispatches_blocks(m: nn.Module) -> bool:
+        children = list(m.children())
+        return bool(children) and all(isinstance(c, CONTAINERS) for c in children) \
+            and not any(True for _ in m.parameters(recurse=False))
+
+    def visit(m: nn.Module, is_root: bool) -> None:
+        own = [name for name, _ in m.named_parameters(recurse=False)]
+        if tables_sharded_elsewhere and is_table(m):
+            return
+        if not is_root and not holds_tables(m) and not isinstance(m, CONTAINERS) and not dispatches_blocks(m):
+            if any(True for _ in m.parameters()):
+                units.append(m)
+            return
+        if own:
+            raise ValueError(f"{type(m).__name__} holds parameters {own} beside its sub-layers; "
+                             "move them into a sub-module so FSDP2 can shard them")
+        for child in m.children():
+            visit(child, False)
+
+    visit(module, True)
+    return units
+
+
+def shard_dense(units: list[nn.Module], mesh: DeviceMesh) -> None:
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+
+
+class FullyShardDense(DataParallelWrapper):
+    """DMP's data-parallel step: FSDP2 on the dense layers instead of DDP on the whole model."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self.units: list[nn.Module] = []
+
+    def wrap(self, dmp: DistributedModelParallel, env, device: torch.device) -> None:
+        self.units = fsdp_units(dmp._dmp_wrapped_module, tables_sharded_elsewhere=True)
+        shard_dense(self.units, self.mesh)
+
+
+def table_sizes(model: nn.Module) -> dict[str, dict[str, int]]:
+    """{module path: {table name: rows x dim}} for every TorchRec collection in the model."""
+    sizes = {}
+    for path, m in model.named_modules():
+        if isinstance(m, EmbeddingBagCollection):
+            sizes[path] = {t.name: t.num_embeddings * t.embedding_dim for t in m.embedding_bag_configs()}
+        elif isinstance(m, EmbeddingCollection):
+            sizes[path] = {t.name: t.num_embeddings * t.embedding_dim for t in m.embedding_configs()}
+    return sizes
+
+
+def table_wise_ranks(sizes: dict[str, dict[str, int]], world_size: int) -> dict[tuple[str, str], int]:
+    """Largest table first onto the least loaded rank (by rows x dim)."""
+    load = [0] * world_size
+    placement = {}
+    for key, size in sorted(((k, s) for m, ts in sizes.items() for k, s in ((((m, t)), s) for t, s in ts.items())),
+                            key=lambda item: -item[1]):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        placement[key] = rank
+        load[rank] += size
+    return placement
+
+
+def sharding_plan(model: nn.Module, kind: str, world_size: int, local_world_size: int, device_type: str, sharders):
+    """A hand-made table-wise or row-wise plan (TorchRec's planner offers no row-wise on CPU), or the planner's."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    if kind == "auto":
+        topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=device_type)
+        return EmbeddingShardingPlanner(topology=topology).collective_plan(model, sharders, dist.group.WORLD)
+    sizes = table_sizes(model)
+    ranks = table_wise_ranks(sizes, world_size)
+    plan = {}
+    for path, tables in sizes.items():
+        module = model.get_submodule(path)
+        per_table = {t: (table_wise(rank=ranks[(path, t)]) if kind == "table_wise" else row_wise()) for t in tables}
+        plan[path] = construct_module_sharding_plan(module, per_table, local_size=local_world_size,
+                                                    world_size=world_size, device_type=device_type)
+    return ShardingPlan(plan)
+
+
+def table_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {f"{path}.{name}": p for path, m in model.named_modules() if isinstance(m, TABLE_MODULES)
+            for name, p in m.named_parameters()}
+
+
+def copy_tables_into_shards(sharded: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Each rank copies its slice of the full (identically seeded) tables into its local shards, so a
+    sharded run starts from the same weights as one process."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    state = sharded.state_dict()
+    for key, source in full.items():
+        target = state[key]
+        if not isinstance(target, ShardedTensor):
+            raise TypeError(f"{key}: expected a TorchRec-sharded table, got {type(target).__name__}")
+        for shard in target.local_shards():
+            (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            shard.tensor.copy_(source[r : r + h, c : c + w])
+
+
+def shard_model(model: nn.Module, config: TrainConfig, embedding_sharding: str, mesh: DeviceMesh,
+                device: torch.device, local_world_size: int) -> ShardedModel:
+    """The model, with its (seeded) weights, spread over the job's ranks; the optimizer built to match."""
+    kind = resolve_embedding_sharding(embedding_sharding, device)
+    world_size = dist.get_world_size()
+    if kind == "fsdp":
+        units = fsdp_units(model, tables_sharded_elsewhere=False)
+        shard_dense(units, mesh)
+        optimizer = build_optimizer(model, config, eps=ROWWISE_ADAGRAD_EPS)
+        dense = list(split_parameters(model)[1].values())
+        return ShardedModel(model, optimizer, kind, units, dense, mesh)
+
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingEnv
+
+    tables = table_parameters(model)
+    full_tables = {name: p.detach().clone() for name, p in tables.items()}
+    # The table update runs inside the backward pass (fbgemm's fused TBE): no table gradient is kept.
+    _apply_optimizer_in_backward(RowWiseAdagrad, tables.values(), {"lr": config.lr_sparse, "eps": ROWWISE_ADAGRAD_EPS})
+    sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+    plan = sharding_plan(model, kind, world_size, local_world_size, device.type, sharders)
+    wrapper = FullyShardDense(mesh)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
+                                   plan=plan, sharders=sharders, data_parallel_wrapper=wrapper)
+    copy_tables_into_shards(dmp.module, full_tables)
+    in_units = {id(p) for unit in wrapper.units for p in unit.parameters()}
+    dense = {name: p for name, p in dmp.module.named_parameters() if id(p) in in_units and p.requires_grad}
+    optimizer = CombinedOptimizer([("sparse", dmp.fused_optimizer), ("dense", dense_optimizer(dense, config))])
+    return ShardedModel(dmp.module, optimizer, kind, wrapper.units, list(dense.values()), mesh, dmp)
+
+
+def describe_plan(sharded: ShardedModel) -> dict[str, str]:
+    """Table -> how it is sharded, for logs and run metadata."""
+    if sharded.dmp is None:
+        return {name: "fsdp" for name in table_parameters(sharded.module)}
+    out = {}
+    for path, module_plan in sharded.dmp.plan.plan.items():
+        for table, ps in module_plan.items():
+            out[f"{path}.{table}"] = f"{ps.sharding_type} ranks={ps.ranks}"
+    return out
+
+
+def gather_full_state(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Collective: the model's full (unsharded) state dict on rank 0, on CPU; None on other ranks."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    rank = dist.get_rank()
+    full = {}
+    for key, value in module.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            out = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
+            value.gather(dst=0, out=out)
+            value = out
+        elif isinstance(value, DTensor):
+            value = value.full_tensor()
+        if rank == 0:
+            full[key] = value.detach().cpu().clone()
+    return full if rank == 0 else None

@@ -1,0 +1,103 @@
+"""The per-step cost imbalance a job actually sees across its ranks.
+
+Every rank times the forward compute of its layers (from each FSDP unit's pre-forward hook, after its
+parameters are gathered, to its post-forward hook, so time spent waiting in collectives is left out:
+a rank that waits for a slower one would otherwise look as slow as it) and counts its tokens; one small
+all_gather per step gives every rank all ranks' figures. The run's imbalance is the sum over steps of
+the slowest rank's figure over the sum of the mean rank's (1.0: perfect balance), the measure the
+shuffled_batches asset predicts from history lengths.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MEASURES = ("compute_seconds", "tokens", "attention_cost")
+
+
+class ForwardComputeTimer:
+    """Seconds spent inside the forward of the given modules since the last `take()`; CUDA events on GPU."""
+
+    def __init__(self, modules: Sequence[nn.Module], device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._open: dict[int, object] = {}
+        self._spans: list[tuple[object, object]] = []
+        self._handles = []
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(self._start))
+            self._handles.append(module.register_forward_hook(self._stop))
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _start(self, module, args):
+        self._open[id(module)] = self._now()
+
+    def _stop(self, module, args, output):
+        start = self._open.pop(id(module), None)
+        if start is not None:
+            self._spans.append((start, self._now()))
+
+    def take(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            seconds = sum(a.elapsed_time(b) for a, b in self._spans) / 1000.0
+        else:
+            seconds = sum(b - a for a, b in self._spans)
+        self._spans.clear()
+        return float(seconds)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def gather_rows(values: Sequence[float], device: torch.device) -> np.ndarray:
+    """[world_size, len(values)]: every rank's values, on every rank (one all_gather)."""
+    local = torch.tensor(list(values), dtype=torch.float64, device=device)
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, local)
+    return torch.stack(rows).cpu().numpy()
+
+
+@dataclass
+class BalanceLog:
+    """Per step, each measure's max and mean over ranks."""
+
+    steps: list[int] = field(default_factory=list)
+    max: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MEASURES})
+    mean: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MEASURES})
+
+    def add(self, step: int, per_rank: np.ndarray) -> dict[str, float]:
+        """per_rank [world_size, len(MEASURES)] -> this step's max/mean per measure."""
+        self.steps.append(step)
+        ratios = {}
+        for i, measure in enumerate(MEASURES):
+            hi, mean = float(per_rank[:, i].max()), float(per_rank[:, i].mean())
+            self.max[measure].append(hi)
+            self.mean[measure].append(mean)
+            ratios[measure] = hi / mean if mean > 0 else 1.0
+        return ratios
+
+    def observed(self) -> dict[str, float]:
+        """The run's sum of per-step max / sum of per-step mean, per measure."""
+        return {m: (sum(self.max[m]) / sum(self.mean[m]) if sum(self.mean[m]) > 0 else float("nan")) for m in MEASURES}
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "max": self.max, "mean": self.mean}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BalanceLog:
+        return cls(list(data["steps"]), {m: list(v) for m, v in data["max"].items()},
+                   {m: list(v) for m, v in data["mean"].items()})
