@@ -68,6 +68,7 @@ class DistributedTrainResult(TrainResult):
             "steps": self.steps, "samples": self.samples, "samples_per_second": self.samples_per_second,
             "final_train_loss": self.losses[-1] if self.losses else math.nan,
             "world_size": self.world_size, "embedding_sharding": self.embedding_sharding,
+            "sharding_plan": self.sharding_plan,
             "imbalance_observed": self.imbalance.get("compute_seconds", math.nan),
             **{f"imbalance_observed.{m}": v for m, v in self.imbalance.items()},
             "eval": self.final_report,

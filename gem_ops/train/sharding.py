@@ -36,6 +36,7 @@ EmbeddingSharding = Literal["table_wise", "row_wise", "auto", "fsdp"]
 EMBEDDING_SHARDINGS = ("table_wise", "row_wise", "auto", "fsdp")
 TABLE_MODULES = (EmbeddingBagCollection, EmbeddingCollection)
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+FUSED = "fused"  # fbgemm's TBE kernel with the optimizer step inside the backward
 ROWWISE_ADAGRAD_EPS = 1e-8  # fbgemm's default; the unfused optimizer takes the same on the FSDP path
 
 
@@ -136,47 +137,102 @@ class FullyShardDense(DataParallelWrapper):
         shard_dense(self.units, self.mesh)
 
 
-def table_sizes(model: nn.Module) -> dict[str, dict[str, int]]:
-    """{module path: {table name: rows x dim}} for every TorchRec collection in the model."""
-    sizes = {}
+@dataclass(frozen=True)
+class TableGroup:
+    """The tables of one TorchRec collection: rows x dim by name, in the collection's order."""
+
+    pooled: bool  # an EmbeddingBagCollection: its output concatenates the tables in order
+    sizes: dict[str, int]
+
+
+def table_groups(model: nn.Module) -> dict[str, TableGroup]:
+    groups = {}
     for path, m in model.named_modules():
         if isinstance(m, EmbeddingBagCollection):
-            sizes[path] = {t.name: t.num_embeddings * t.embedding_dim for t in m.embedding_bag_configs()}
+            groups[path] = TableGroup(True, {t.name: t.num_embeddings * t.embedding_dim for t in m.embedding_bag_configs()})
         elif isinstance(m, EmbeddingCollection):
-            sizes[path] = {t.name: t.num_embeddings * t.embedding_dim for t in m.embedding_configs()}
-    return sizes
+            groups[path] = TableGroup(False, {t.name: t.num_embeddings * t.embedding_dim for t in m.embedding_configs()})
+    return groups
 
 
-def table_wise_ranks(sizes: dict[str, dict[str, int]], world_size: int) -> dict[tuple[str, str], int]:
-    """Largest table first onto the least loaded rank (by rows x dim)."""
+def table_wise_ranks(groups: dict[str, TableGroup], world_size: int) -> dict[tuple[str, str], int]:
+    """Ranks for table-wise sharding, balancing rows x dim. Unpooled tables (their output is keyed by
+    feature) go largest first onto the least loaded rank. A sharded EmbeddingBagCollection concatenates
+    its output rank by rank while the model reads it in table order, so pooled tables take ranks in
+    table order: contiguous runs, each rank filled to about its share of the total."""
     load = [0] * world_size
     placement = {}
-    for key, size in sorted(((k, s) for m, ts in sizes.items() for k, s in ((((m, t)), s) for t, s in ts.items())),
-                            key=lambda item: -item[1]):
+    unpooled = sorted(((path, t, n) for path, g in groups.items() if not g.pooled for t, n in g.sizes.items()),
+                      key=lambda item: -item[2])
+    for path, table, n in unpooled:
         rank = min(range(world_size), key=lambda r: (load[r], r))
-        placement[key] = rank
-        load[rank] += size
+        placement[(path, table)] = rank
+        load[rank] += n
+    for path, group in groups.items():
+        if not group.pooled:
+            continue
+        target = (sum(load) + sum(group.sizes.values())) / world_size
+        rank = 0
+        for table, n in group.sizes.items():
+            if rank < world_size - 1 and load[rank] > 0 and load[rank] + n > target:
+                rank += 1
+            placement[(path, table)] = rank
+            load[rank] += n
     return placement
 
 
-def sharding_plan(model: nn.Module, kind: str, world_size: int, local_world_size: int, device_type: str, sharders):
-    """A hand-made table-wise or row-wise plan (TorchRec's planner offers no row-wise on CPU), or the planner's."""
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingPlan
+def keeps_pooled_order(module_plan, group: TableGroup) -> bool:
+    """Whether a sharded EmbeddingBagCollection's output keeps the table order: one sharding type and
+    one kernel for all its tables (TorchRec groups its output by both), and for table-wise, ranks that
+    never go down along the tables."""
+    shardings = [module_plan[t] for t in group.sizes]
+    if len({(ps.sharding_type, ps.compute_kernel) for ps in shardings}) != 1:
+        return False
+    ranks = [ps.ranks[0] for ps in shardings]
+    return shardings[0].sharding_type != "table_wise" or ranks == sorted(ranks)
 
-    if kind == "auto":
-        topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=device_type)
-        return EmbeddingShardingPlanner(topology=topology).collective_plan(model, sharders, dist.group.WORLD)
-    sizes = table_sizes(model)
-    ranks = table_wise_ranks(sizes, world_size)
-    plan = {}
-    for path, tables in sizes.items():
-        module = model.get_submodule(path)
-        per_table = {t: (table_wise(rank=ranks[(path, t)]) if kind == "table_wise" else row_wise()) for t in tables}
-        plan[path] = construct_module_sharding_plan(module, per_table, local_size=local_world_size,
-                                                    world_size=world_size, device_type=device_type)
-    return ShardingPlan(plan)
+
+def sharding_plan(model: nn.Module, kind: str, world_size: int, local_world_size: int, device_type: str, sharders):
+    """A hand-made table-wise or row-wise plan (TorchRec's planner offers no row-wise on CPU), or the
+    planner's, its pooled tables re-placed table-wise in order where it would scramble their order."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan, ShardingType
+
+    groups = table_groups(model)
+    ranks = table_wise_ranks(groups, world_size)
+
+    def hand_made(path: str, how: str):
+        per_table = {t: (table_wise(rank=ranks[(path, t)], compute_kernel=FUSED) if how == "table_wise"
+                         else row_wise(compute_kernel=FUSED)) for t in groups[path].sizes}
+        return construct_module_sharding_plan(model.get_submodule(path), per_table, local_size=local_world_size,
+                                              world_size=world_size, device_type=device_type)
+
+    if kind != "auto":
+        return ShardingPlan({path: hand_made(path, kind) for path in groups})
+    # Data-parallel tables would need DDP's gradient all-reduce, which the FSDP2 wrapper does not give.
+    allowed = [t.value for t in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE,
+                                 ShardingType.TABLE_ROW_WISE)]
+    constraints = {t: ParameterConstraints(sharding_types=allowed) for g in groups.values() for t in g.sizes}
+    topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=device_type)
+    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+        model, sharders, dist.group.WORLD)
+    for path, group in groups.items():
+        if group.pooled and not keeps_pooled_order(plan.plan[path], group):
+            log.info("planner's placement of %s would reorder its pooled output: placed table-wise in order", path)
+            plan.plan[path] = hand_made(path, "table_wise")
+    return plan
+
+
+def check_pooled_order(module: nn.Module) -> None:
+    """A sharded EmbeddingBagCollection must return its tables' embeddings in the unsharded order."""
+    for path, m in module.named_modules():
+        names = getattr(m, "_embedding_names", None)
+        if isinstance(m, ShardedModule) and hasattr(m, "_embedding_bag_configs") and names is not None:
+            expected = [f for config in m._embedding_bag_configs for f in config.feature_names]
+            if list(names) != expected:
+                raise RuntimeError(f"{path}: the sharding plan reorders the pooled embeddings ({list(names)} instead "
+                                   f"of {expected}); use --embedding-sharding table_wise or row_wise")
 
 
 def table_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -225,6 +281,7 @@ def shard_model(model: nn.Module, config: TrainConfig, embedding_sharding: str, 
     wrapper = FullyShardDense(mesh)
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
                                    plan=plan, sharders=sharders, data_parallel_wrapper=wrapper)
+    check_pooled_order(dmp.module)
     copy_tables_into_shards(dmp.module, full_tables)
     in_units = {id(p) for unit in wrapper.units for p in unit.parameters()}
     dense = {name: p for name, p in dmp.module.named_parameters() if id(p) in in_units and p.requires_grad}
@@ -239,7 +296,7 @@ def describe_plan(sharded: ShardedModel) -> dict[str, str]:
     out = {}
     for path, module_plan in sharded.dmp.plan.plan.items():
         for table, ps in module_plan.items():
-            out[f"{path}.{table}"] = f"{ps.sharding_type} ranks={ps.ranks}"
+            out[f"{path}.{table}"] = f"{ps.sharding_type} {ps.compute_kernel} ranks={ps.ranks}"
     return out
 
 
