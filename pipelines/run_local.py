@@ -20,7 +20,8 @@ from assets.partitions import LOOKBACK_DAYS
 from pipelines.definitions import defs
 
 DEFAULT_END = "2026-11-14"
-LOCAL_TRAINING = {"max_steps": 150, "eval_max_examples": 20_000, "model_overrides": {"sequence.max_history_len": "256"}}
+LOCAL_TRAINING = {"max_steps": 100, "width": 0.5, "eval_max_examples": 20_000,
+                  "model_overrides": {"sequence.max_history_len": "128"}}
 
 
 def main(argv: list[str] | None = None) -> None:
