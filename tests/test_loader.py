@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.event_log_builders import build, example_by_item, hand_events, history_items
+from tests.event_log_builders import HAND_EVENTS, build, example_by_item, hand_events, history_items
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,9 @@ def test_features_follow_their_example(logs, batch):
 
 
 def test_user_id_follows_its_example(logs, batch):
-    users = logs.user_ids[logs.column("user_row")]
-    assert batch.user_id.tolist() == users.tolist()
+    owner = {item: user for user, _, _, item, *_ in HAND_EVENTS}
+    for item in (12, 17, 21, 34):
+        assert batch.user_id[example_by_item(logs, item)] == owner[item]
 
 
 def test_null_label_is_zero_and_masked(logs, batch):
