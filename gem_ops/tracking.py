@@ -18,10 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunStatus, RunTag
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
+try:
+    from mlflow.entities import Metric, Param, RunStatus, RunTag
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
+except ImportError:  # a training worker on a machine without MLflow: it can only log nothing
+    MlflowClient = MlflowException = None
+    MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID = "mlflow.source.git.commit", "mlflow.parentRunId"
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TRACKING_DIR = PROJECT_ROOT / "mlflow"
@@ -154,6 +158,8 @@ class RunTracker:
         """For worker processes (e.g. under torchrun) handed the run id that an asset opened."""
         if run_id is None or not is_logging_rank():
             return cls.disabled()
+        if MlflowClient is None:
+            raise RuntimeError(f"MLflow run {run_id} was given but mlflow is not installed here")
         return cls(tracking_client(tracking_uri), run_id)
 
     def log_params(self, params: Mapping[str, Any]) -> None:

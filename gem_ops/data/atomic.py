@@ -9,7 +9,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import polars as pl
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import polars as pl
 
 
 @contextlib.contextmanager

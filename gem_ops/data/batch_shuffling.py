@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import polars as pl
+import pyarrow.parquet as pq
 
 from gem_ops.data.atomic import write_parquet_atomic
 
@@ -61,7 +61,9 @@ class BatchPlan:
     def rank_examples(self, rank: int) -> np.ndarray:
         return self.examples[:, rank]
 
-    def to_frame(self) -> pl.DataFrame:
+    def to_frame(self):
+        import polars as pl  # only writers need it; training reads plans with pyarrow alone
+
         steps, world, per_rank = self.examples.shape
         return pl.DataFrame(
             {
@@ -146,10 +148,12 @@ def write_plan(plan: BatchPlan, destination: str | os.PathLike) -> Path:
 
 def read_rank_plan(path: str | os.PathLike, rank: int) -> np.ndarray:
     """One rank's [steps, rank_batch_size] example indices, read with a predicate on `rank` alone."""
-    frame = pl.scan_parquet(path).filter(pl.col("rank") == rank).sort("step").select("examples").collect()
-    if frame.height == 0:
+    table = pq.read_table(path, columns=["step", "examples"], filters=[("rank", "=", rank)])
+    if table.num_rows == 0:
         raise ValueError(f"{path}: no rows for rank {rank}; the plan was made for a smaller world size")
-    return frame["examples"].to_numpy()
+    order = np.argsort(table.column("step").to_numpy(), kind="stable")
+    examples = table.column("examples").combine_chunks()
+    return examples.flatten().to_numpy().reshape(table.num_rows, -1)[order]
 
 
 def _ids_and_costs(history_lengths, example_ids, cost: CostModel):

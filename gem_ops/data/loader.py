@@ -7,10 +7,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
-import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 
-from gem_ops.data.sequence_logs import EXAMPLES, TIMELINE_FIELDS, TIMELINES, read_manifest
+from gem_ops.data.sequence_layout import EXAMPLES, TIMELINE_FIELDS, TIMELINES, read_manifest
 
 
 @dataclass
@@ -64,18 +66,21 @@ class SequenceLogs:
         self.max_history_len: int = manifest["config"]["max_history_len"]
         self._labels: list[str] = manifest["labels"]
 
-        timelines = pl.read_parquet(sorted((self.path / TIMELINES).glob("*.parquet")))
-        lengths = timelines[TIMELINE_FIELDS[0]].list.len().to_numpy()
+        timelines = _read_tables(self.path / TIMELINES)
+        first = timelines.column(TIMELINE_FIELDS[0]).combine_chunks()
+        lengths = pc.list_value_length(first).to_numpy(zero_copy_only=False)
         self.timeline_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=self.timeline_offsets[1:])
-        self.user_ids = timelines["user_id"].to_numpy()
-        self._timeline = {name: timelines[name].explode().to_numpy() for name in TIMELINE_FIELDS}
+        self.user_ids = timelines.column("user_id").to_numpy()
+        self._timeline = {name: _flat_values(timelines.column(name)) for name in TIMELINE_FIELDS}
 
-        examples = pl.read_parquet(sorted((self.path / EXAMPLES).glob("*.parquet")))
-        self._examples = {name: examples[name].to_numpy() for name in examples.columns if name not in self._labels}
-        self._label_values = np.stack([examples[c].fill_null(0).to_numpy() for c in self._labels], 1).astype(np.float32)
-        self._label_mask = np.stack([examples[c].is_not_null().to_numpy() for c in self._labels], 1)
-        self.n_examples = examples.height
+        examples = _read_tables(self.path / EXAMPLES)
+        self._examples = {name: _column(examples, name) for name in examples.column_names if name not in self._labels}
+        self._label_values = np.stack(
+            [_column(examples, c, fill_null=0) for c in self._labels], 1).astype(np.float32)
+        self._label_mask = np.stack([pc.is_valid(examples.column(c)).to_numpy(zero_copy_only=False)
+                                     for c in self._labels], 1)
+        self.n_examples = examples.num_rows
 
     def __len__(self) -> int:
         return self.n_examples
@@ -131,3 +136,22 @@ class SequenceLogs:
             history_action=torch.from_numpy(t["action"][positions].astype(np.int64)),
             history_age_seconds=torch.from_numpy(((request_ts - t["timestamp"][positions]) / 1000.0).astype(np.float32)),
         )
+
+
+def _read_tables(folder: Path) -> pa.Table:
+    files = sorted(folder.glob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no Parquet files in {folder}: not a sequence_logs folder")
+    return pa.concat_tables(pq.read_table(f) for f in files)
+
+
+def _flat_values(column: pa.ChunkedArray) -> np.ndarray:
+    """The values of a list column, all rows back to back (the rows' slices are the offsets)."""
+    return column.combine_chunks().flatten().to_numpy(zero_copy_only=False)
+
+
+def _column(table: pa.Table, name: str, fill_null=None) -> np.ndarray:
+    column = table.column(name)
+    if fill_null is not None:
+        column = pc.fill_null(column, fill_null)
+    return column.to_numpy()

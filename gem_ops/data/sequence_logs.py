@@ -33,12 +33,9 @@ import pyarrow.parquet as pq
 
 from gem_ops.data.atomic import atomic_path
 from gem_ops.data.heap import reusable_heap
+from gem_ops.data.sequence_layout import EXAMPLES, MANIFEST, TIMELINE_FIELDS, TIMELINES, read_manifest  # noqa: F401
 from gem_ops.data.schema import CATEGORY_COLUMNS, SORTED_BY_KEY, USER_TIME_ORDER, EventLogColumns, classify_columns
 
-TIMELINE_FIELDS = ("item_id", "timestamp", "surface", "event_type", "action")
-MANIFEST = "manifest.json"
-TIMELINES = "timelines"
-EXAMPLES = "examples"
 
 
 @dataclass(frozen=True)
@@ -275,10 +272,6 @@ def _read_categories(path: str) -> dict[str, pa.ChunkedArray]:
 
 def _dictionary_values(column: pa.ChunkedArray) -> set[str]:
     return {v for chunk in column.chunks for v in chunk.dictionary.to_pylist()}
-
-
-def read_manifest(path: str | os.PathLike) -> dict:
-    return json.loads((Path(path) / MANIFEST).read_text())
 
 
 class _Encoder:
