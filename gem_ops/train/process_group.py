@@ -35,6 +35,17 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def torchrun_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's TCPStore, keys prefixed by the restart attempt. With torchrun's default shared
+    rendezvous store, a group restarted by --max-restarts otherwise reads the dead attempt's gloo
+    addresses and fails to connect (pytorch/pytorch#135712)."""
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_hosts_it and rank == 0, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"gem_ops/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{attempt}", store)
+
+
 @contextlib.contextmanager
 def job_process_group(device: str | torch.device = "cpu", timeout_s: float = 1800.0) -> Iterator[Topology]:
     """Joins torchrun's group (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), or makes
@@ -51,7 +62,9 @@ def job_process_group(device: str | torch.device = "cpu", timeout_s: float = 180
             if device.type == "cuda":
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend_for(device), timeout=timeout)
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend_for(device), store=torchrun_store(rank, world_size, timeout),
+                                    rank=rank, world_size=world_size, timeout=timeout)
         else:
             if device.type == "cuda":
                 device = torch.device("cuda", torch.cuda.current_device())
