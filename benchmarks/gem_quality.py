@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
@@ -37,25 +36,21 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gem", "gem_no_sequence", "logistic_regression"])
     args = parser.parse_args()
 
-    import torch
-
     from gem_ops.data.batch_shuffling import ShufflingConfig
     from gem_ops.data.movielens import MOVIELENS_HISTORY_EVENT_TYPES
     from gem_ops.data.prepare import prepare_training_data
     from gem_ops.data.raw_event_logs import EventSource
     from gem_ops.data.sequence_logs import SequenceLogsConfig
     from gem_ops.model.config import model_config
+    from gem_ops.train.comparison import compare_models, headline
     from gem_ops.train.config import TrainConfig
-    from gem_ops.train.loop import train
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     configs = {
         "gem": model_config("gem", width=args.width, **{"sequence.max_history_len": args.max_history_len}),
         "gem_no_sequence": model_config("gem", width=args.width, use_sequence=False),
         "logistic_regression": model_config("logistic_regression"),
     }
     train_config = TrainConfig(epochs=args.epochs, lr_dense=args.lr_dense, eval_max_examples=1_000_000)
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         data = prepare_training_data(
             EventSource("movielens", movielens_replay_days=DAYS), END, DAYS, tmp,
@@ -66,18 +61,9 @@ def main() -> None:
         logs = data.open()
         split = {"train": int(logs.split_indices("train").size), "eval": int(logs.split_indices("eval").size)}
         print(f"MovieLens: {len(logs)} examples, {split}")
-        for name in args.models:
-            began = time.perf_counter()
-            _, result = train(logs, data.plans[1], configs[name], train_config)
-            report = result.final_report
-            results[name] = {
-                "steps": result.steps,
-                "train_seconds": round(time.perf_counter() - began, 1),
-                "samples_per_second": round(result.samples_per_second, 1),
-                "eval": report,
-            }
-            summary = {g: {m: round(report[g][m], 4) for m in ("auc", "ne", "calibration")} for g in report if g.startswith("all/")}
-            print(f"{name}: {summary} ({results[name]['train_seconds']} s)")
+        results = compare_models(logs, data.plans[1], {n: configs[n] for n in args.models}, train_config)
+    for name, figures in headline(results).items():
+        print(f"{name}: {figures} ({results[name]['train_seconds']} s)")
     settings = {**vars(args), "end": END.isoformat(), "days": DAYS, "split": split,
                 "train_config": train_config.to_dict(), "models": {n: configs[n].to_dict() for n in args.models}}
     save("gem_quality", settings, results)
