@@ -61,6 +61,7 @@ class DistributedTrainResult(TrainResult):
     imbalance: dict[str, float] = field(default_factory=dict)  # measure -> sum of step max / sum of step mean
     balance: BalanceLog = field(default_factory=BalanceLog)
     model_state_path: Path | None = None  # full (unsharded) weights, written by rank 0
+    step_seconds: list[float] = field(default_factory=list)  # this session's steps, slowest rank, data loading included
 
     def metadata(self) -> dict[str, Any]:
         """Final figures for run metadata (Dagster, logs)."""
@@ -74,7 +75,7 @@ class DistributedTrainResult(TrainResult):
             "eval": self.final_report,
             **{k: v for k, v in flat_metrics(self.final_report).items() if k.endswith((".auc", ".ne", ".calibration"))},
             "checkpoint": str(self.checkpoint), "model_state": str(self.model_state_path),
-            "resumed_from": self.resumed_from,
+            "resumed_from": self.resumed_from, "step_seconds": self.step_seconds,
         }
 
 
@@ -244,11 +245,11 @@ def _train(logs, plan_path, model_config, config, topology: Topology, *, embeddi
     module.train()
     began = time.perf_counter()
     for step in range(start, total):
+        stepped = time.perf_counter()
         lr = set_dense_lr(sharded.optimizer, config, step)
         batch = logs.batch(schedule.examples(step), model_config.sequence.max_history_len)
         x = model_input(batch, spec, model_config).to(device, non_blocking=True)
         lengths = batch.history_lengths.double() + 1.0  # the candidate is a token too
-        stepped = time.perf_counter()
         with autocast_context(device, config.precision):
             logits = module(x)
         loss, share = global_batch_loss(logits, x.labels, x.label_mask, world)
@@ -267,6 +268,7 @@ def _train(logs, plan_path, model_config, config, topology: Topology, *, embeddi
         result.losses.append(value)
         result.samples += batch.size * world
         result.steps = step + 1
+        result.step_seconds.append(float(rows[:, len(MEASURES)].max()))
         metrics = {"train.loss": value, "train.lr_dense": lr, "train.step_seconds": float(rows[:, len(MEASURES)].max()),
                    **{f"train.loss.{t}": float(v) for t, v in zip(spec.objectives, per_task)},
                    **{f"train.imbalance.{m}": r for m, r in ratios.items()}}

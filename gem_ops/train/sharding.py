@@ -182,14 +182,11 @@ def table_wise_ranks(groups: dict[str, TableGroup], world_size: int) -> dict[tup
 
 
 def keeps_pooled_order(module_plan, group: TableGroup) -> bool:
-    """Whether a sharded EmbeddingBagCollection's output keeps the table order: one sharding type and
-    one kernel for all its tables (TorchRec groups its output by both), and for table-wise, ranks that
-    never go down along the tables."""
-    shardings = [module_plan[t] for t in group.sizes]
-    if len({(ps.sharding_type, ps.compute_kernel) for ps in shardings}) != 1:
-        return False
-    ranks = [ps.ranks[0] for ps in shardings]
-    return shardings[0].sharding_type != "table_wise" or ranks == sorted(ranks)
+    """Whether a sharded EmbeddingBagCollection's output surely keeps the table order: every table
+    row-wise with one kernel (each rank holds a slice of every table). TorchRec groups the output by
+    sharding type, kernel and rank, and more, so any other planner choice is re-placed by hand."""
+    return len({(module_plan[t].sharding_type, module_plan[t].compute_kernel) for t in group.sizes}) == 1 \
+        and module_plan[next(iter(group.sizes))].sharding_type == "row_wise"
 
 
 def sharding_plan(model: nn.Module, kind: str, world_size: int, local_world_size: int, device_type: str, sharders):
@@ -219,7 +216,7 @@ def sharding_plan(model: nn.Module, kind: str, world_size: int, local_world_size
         model, sharders, dist.group.WORLD)
     for path, group in groups.items():
         if group.pooled and not keeps_pooled_order(plan.plan[path], group):
-            log.info("planner's placement of %s would reorder its pooled output: placed table-wise in order", path)
+            log.info("%s: the planner's placement may reorder its pooled output; placed table-wise in order", path)
             plan.plan[path] = hand_made(path, "table_wise")
     return plan
 

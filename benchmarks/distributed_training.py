@@ -1,0 +1,103 @@
+"""Distributed GEM training throughput: the same job on 1 and on N processes (torchrun; gloo on CPU,
+NCCL with --device cuda), samples/s per world size and the scaling efficiency
+(samples/s at N / (N x samples/s at 1)). Each world size trains on its own plan with the same per-rank
+batch, i.e. weak scaling. Saved as benchmarks/results/distributed_training_<device>.json.
+
+    python -m benchmarks.distributed_training --device cpu --world-sizes 1 2 --steps 20
+    python -m benchmarks.distributed_training --device cuda --world-sizes 1 2 --preset gem --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+from benchmarks.common import save
+from gem_ops.data.batch_shuffling import ShufflingConfig
+from gem_ops.data.prepare import prepare_training_data
+from gem_ops.data.raw_event_logs import EventSource
+from gem_ops.data.sequence_logs import SequenceLogsConfig
+from gem_ops.data.synthetic import SyntheticConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_job(world_size: int, data, args, workdir: Path) -> dict:
+    result = workdir / f"result_ws{world_size}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
+           "-m", "gem_ops.train", "--sequence-logs", str(data.sequence_logs), "--plans", str(data.plans[world_size].parent),
+           "--preset", args.preset, "--width", str(args.width), "--depth", str(args.depth),
+           "--model-override", f"sequence.max_history_len={args.max_history_len}",
+           "--max-steps", str(args.steps), "--warmup-steps", "1", "--eval-max-examples", str(args.eval_examples),
+           "--embedding-sharding", args.embedding_sharding, "--device", args.device,
+           "--checkpoint-dir", str(workdir / f"checkpoints_ws{world_size}"), "--result-json", str(result),
+           "--progress-every", str(max(1, args.steps // 4))]
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, start_new_session=True)
+    try:
+        code = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    if code != 0:
+        raise RuntimeError(f"world size {world_size}: torchrun exited with {code}")
+    return json.loads(result.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--preset", default="vertical")
+    parser.add_argument("--width", type=float, default=1.0)
+    parser.add_argument("--depth", type=float, default=1.0)
+    parser.add_argument("--max-history-len", type=int, default=64)
+    parser.add_argument("--users", type=int, default=2000)
+    parser.add_argument("--days", type=int, default=6)
+    parser.add_argument("--sub-batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--eval-examples", type=int, default=256)
+    parser.add_argument("--embedding-sharding", default="auto")
+    parser.add_argument("--threads-per-rank", type=int, default=0, help="OMP threads per rank; 0: the cores split evenly")
+    parser.add_argument("--timeout", type=int, default=1800)
+    args = parser.parse_args()
+    if 1 not in args.world_sizes:
+        parser.error("--world-sizes must include 1 (the baseline of the scaling efficiency)")
+
+    with tempfile.TemporaryDirectory(prefix="gem-dist-bench-") as tmp:
+        workdir = Path(tmp)
+        data = prepare_training_data(
+            EventSource("synthetic", SyntheticConfig(n_users=args.users)), date(2026, 11, args.days), args.days,
+            workdir / "data", SequenceLogsConfig(max_history_len=args.max_history_len, eval_days=1),
+            ShufflingConfig(sub_batch_size=args.sub_batch_size, sub_batches_per_rank=4), world_sizes=tuple(args.world_sizes))
+        runs = {}
+        for world_size in args.world_sizes:
+            r = run_job(world_size, data, args, workdir)
+            # The first step (lazy initialisation, first collectives) is left out of the rate.
+            timed = r["step_seconds"][1:]
+            rate = len(timed) * r["samples"] / len(r["step_seconds"]) / sum(timed)
+            runs[world_size] = {"samples_per_second": rate, "samples_per_second_all_steps": r["samples_per_second"],
+                                "step_seconds": r["step_seconds"], "steps": r["steps"], "samples": r["samples"],
+                                "embedding_sharding": r["embedding_sharding"], "imbalance_observed": r["imbalance_observed"],
+                                "imbalance_observed.tokens": r["imbalance_observed.tokens"],
+                                "final_train_loss": r["final_train_loss"]}
+            print(f"world size {world_size}: {rate:.1f} samples/s "
+                  f"(imbalance {r['imbalance_observed']:.3f} compute, {r['imbalance_observed.tokens']:.3f} tokens)")
+    base = runs[1]["samples_per_second"]
+    results = {"per_world_size": {str(w): {**r, "scaling_efficiency": r["samples_per_second"] / (w * base)}
+                                  for w, r in runs.items()}}
+    settings = {**vars(args), "rank_batch_size": args.sub_batch_size * 4,
+                "note": "weak scaling: every rank trains the same batch size; samples/s over steps 2..N, "
+                        "data loading included, evaluation and checkpoints not"}
+    save(f"distributed_training_{args.device}", settings, results)
+
+
+if __name__ == "__main__":
+    main()
