@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import model_config
@@ -43,14 +42,18 @@ log = logging.getLogger("gem_ops.train")
 
 
 def parse_model_overrides(values: list[str]) -> dict[str, Any]:
-    """Each value a JSON object, or key=value with the value read as YAML (`sequence.max_history_len=256`)."""
+    """Each value a JSON object, or key=value with the value read as JSON where it parses
+    (`sequence.max_history_len=256`, `use_sequence=false`), else as a string (`sequence.activation=silu`)."""
     overrides: dict[str, Any] = {}
     for value in values:
         if value.lstrip().startswith("{"):
             overrides.update(json.loads(value))
         elif "=" in value:
             key, raw = value.split("=", 1)
-            overrides[key.strip()] = yaml.safe_load(raw)
+            try:
+                overrides[key.strip()] = json.loads(raw)
+            except json.JSONDecodeError:
+                overrides[key.strip()] = raw
         else:
             raise ValueError(f"--model-override {value!r}: expected key=value or a JSON object")
     return overrides

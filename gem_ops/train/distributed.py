@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import polars as pl
+import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -90,7 +90,8 @@ def plan_for_world_size(plans: str | os.PathLike, world_size: int) -> Path:
 
 
 def plan_world_size(plan_path: str | os.PathLike) -> int:
-    return int(pl.scan_parquet(plan_path).select(pl.col("rank").max()).collect().item()) + 1
+    ranks = pq.read_table(plan_path, columns=["rank"]).column("rank").to_numpy()
+    return int(ranks.max()) + 1
 
 
 class RanksSchedule(PlanSchedule):
