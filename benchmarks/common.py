@@ -24,6 +24,8 @@ def machine() -> dict:
 
 
 def commit() -> dict:
+    if os.environ.get("GEM_SOURCE_COMMIT"):  # a copied tree whose .git may be stale (the GPU machine)
+        return {"commit": os.environ["GEM_SOURCE_COMMIT"], "dirty": os.environ.get("GEM_SOURCE_DIRTY") == "1"}
     root = Path(__file__).resolve().parents[1]
     run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
     return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
@@ -31,6 +33,7 @@ def commit() -> dict:
 
 def save(name: str, settings: dict, results: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
+    settings = json.loads(json.dumps(settings, default=str))  # paths and the like as text
     payload = {"benchmark": name, "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                **commit(), "machine": machine(), "settings": settings, "results": results}
     path = RESULTS / f"{name}.json"

@@ -16,15 +16,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import types
 from datetime import date
 from pathlib import Path
 
 from benchmarks.common import save
-from gem_ops.data.batch_shuffling import ShufflingConfig
-from gem_ops.data.prepare import prepare_training_data
-from gem_ops.data.raw_event_logs import EventSource
-from gem_ops.data.sequence_logs import SequenceLogsConfig
-from gem_ops.data.synthetic import SyntheticConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +31,7 @@ def run_job(world_size: int, data, args, workdir: Path) -> dict:
            "-m", "gem_ops.train", "--sequence-logs", str(data.sequence_logs), "--plans", str(data.plans[world_size].parent),
            "--preset", args.preset, "--width", str(args.width), "--depth", str(args.depth),
            "--model-override", f"sequence.max_history_len={args.max_history_len}",
-           "--max-steps", str(args.steps), "--warmup-steps", "1", "--eval-max-examples", str(args.eval_examples),
+           "--max-steps", str(args.steps), "--epochs", str(args.epochs), "--warmup-steps", "1", "--eval-max-examples", str(args.eval_examples),
            "--embedding-sharding", args.embedding_sharding, "--device", args.device,
            "--checkpoint-dir", str(workdir / f"checkpoints_ws{world_size}"), "--result-json", str(result),
            "--progress-every", str(max(1, args.steps // 4))]
@@ -49,6 +45,29 @@ def run_job(world_size: int, data, args, workdir: Path) -> dict:
     if code != 0:
         raise RuntimeError(f"world size {world_size}: torchrun exited with {code}")
     return json.loads(result.read_text())
+
+
+def synthetic_data(args, workdir: Path):
+    from gem_ops.data.batch_shuffling import ShufflingConfig
+    from gem_ops.data.prepare import prepare_training_data
+    from gem_ops.data.raw_event_logs import EventSource
+    from gem_ops.data.sequence_logs import SequenceLogsConfig
+    from gem_ops.data.synthetic import SyntheticConfig
+
+    return prepare_training_data(
+        EventSource("synthetic", SyntheticConfig(n_users=args.users)), date(2026, 11, args.days), args.days,
+        workdir / "data", SequenceLogsConfig(max_history_len=args.max_history_len, eval_days=1),
+        ShufflingConfig(sub_batch_size=args.sub_batch_size, sub_batches_per_rank=4), world_sizes=tuple(args.world_sizes))
+
+
+def prepared_data(folder: Path, world_sizes: list[int]):
+    """A folder holding sequence_logs/ and plans/world_size=W.parquet, prepared elsewhere (a GPU machine
+    may lack the data-preparation libraries)."""
+    plans = {w: folder / "plans" / f"world_size={w}.parquet" for w in world_sizes}
+    missing = [str(p) for p in [folder / "sequence_logs", *plans.values()] if not p.exists()]
+    if missing:
+        raise SystemExit(f"--data {folder}: missing {missing}")
+    return types.SimpleNamespace(sequence_logs=folder / "sequence_logs", plans=plans)
 
 
 def main() -> None:
@@ -67,16 +86,15 @@ def main() -> None:
     parser.add_argument("--embedding-sharding", default="auto")
     parser.add_argument("--threads-per-rank", type=int, default=0, help="OMP threads per rank; 0: the cores split evenly")
     parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--data", type=Path, help="prepared sequence_logs/ and plans/ instead of fresh synthetic data")
+    parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     if 1 not in args.world_sizes:
         parser.error("--world-sizes must include 1 (the baseline of the scaling efficiency)")
 
     with tempfile.TemporaryDirectory(prefix="gem-dist-bench-") as tmp:
         workdir = Path(tmp)
-        data = prepare_training_data(
-            EventSource("synthetic", SyntheticConfig(n_users=args.users)), date(2026, 11, args.days), args.days,
-            workdir / "data", SequenceLogsConfig(max_history_len=args.max_history_len, eval_days=1),
-            ShufflingConfig(sub_batch_size=args.sub_batch_size, sub_batches_per_rank=4), world_sizes=tuple(args.world_sizes))
+        data = prepared_data(args.data, args.world_sizes) if args.data else synthetic_data(args, workdir)
         runs = {}
         for world_size in args.world_sizes:
             r = run_job(world_size, data, args, workdir)

@@ -47,12 +47,15 @@ class GEMEmbeddings(nn.Module):
         super().__init__()
         self.pooled = EmbeddingBagCollection(tables=pooled_tables(spec, config), device=device)
         self.sequence = EmbeddingCollection(tables=sequence_tables(spec, config), device=device)
-        self.n_pooled = len(F.pooled_keys(spec))
+        self.pooled_keys = F.pooled_keys(spec)
+        self.n_pooled = len(self.pooled_keys)
         self.dim = config.embedding.dim
         self.history_norm = nn.LayerNorm(config.embedding.sequence_dim, device=device)
 
     def forward(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pooled = self.pooled(x.pooled).values().view(x.size, self.n_pooled, self.dim)
+        # By key, not by position: a sharded collection returns its tables grouped by rank.
+        by_key = self.pooled(x.pooled).to_dict()
+        pooled = torch.stack([by_key[key] for key in self.pooled_keys], dim=1)
         seq = self.sequence(x.sequence)
         candidate = seq[F.CANDIDATE_ITEM].values()
         history = sum(seq[key].values() for key in F.SEQUENCE_KEYS[1:])  # item + context of each event
