@@ -1,4 +1,8 @@
-"""gem_foundation_model: the GEM foundation model trained on a day's shuffled_batches plan."""
+"""gem_foundation_model: GEM pretrained on a day's shuffled_batches plan, as a torchrun job that Dagster
+Pipes launches and listens to (progress lines in the run log, final figures as metadata)."""
+
+import json
+import sys
 
 import dagster as dg
 import yaml
@@ -7,14 +11,9 @@ from pydantic import Field
 from assets.partitions import daily_partitions
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs_path
-from assets.shuffled_batches import plan_path, shuffled_batches
-from gem_ops.data.loader import SequenceLogs
-from gem_ops.metrics.quality import flat_metrics
-from gem_ops.model.config import model_config
+from assets.shuffled_batches import shuffled_batches
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.run import previous_checkpoint, run_training
-
-PROGRESS_EVERY = 25  # steps between progress lines in the run's log
+from gem_ops.train.run import previous_checkpoint
 
 
 class GEMTrainingConfig(dg.Config):
@@ -30,58 +29,68 @@ class GEMTrainingConfig(dg.Config):
     lr_sparse: float = 0.05
     eval_every: int = 0
     eval_max_examples: int = 20_000
-    checkpoint_every: int = 0
+    checkpoint_every: int = Field(50, description="Steps between sharded checkpoints (a restarted job resumes there).")
     precision: str = "auto"
+    seed: int = 0
+    nproc_per_node: int = Field(1, description="Training processes (torchrun ranks); a plan for this world size must exist.")
+    max_restarts: int = Field(2, description="torchrun restarts of the whole job when a rank dies.")
+    embedding_sharding: str = Field("auto", description="table_wise, row_wise, auto (TorchRec planner) or fsdp.")
+    device: str = Field("cpu", description="cpu (gloo) or cuda (NCCL).")
     warm_start: bool = Field(True, description="Start from the latest earlier partition's checkpoint, if any.")
     registered_model_name: str = "gem_foundation_model"
-    seed: int = 0
 
-    def train_config(self) -> TrainConfig:
-        return TrainConfig(epochs=self.epochs, max_steps=self.max_steps, lr_dense=self.lr_dense, lr_sparse=self.lr_sparse,
-                           eval_every=self.eval_every, eval_max_examples=self.eval_max_examples,
-                           checkpoint_every=self.checkpoint_every, precision=self.precision, seed=self.seed)
+    def train_arguments(self) -> list[str]:
+        """TrainConfig's fields as the command line's flags."""
+        args = []
+        for name in TrainConfig.__dataclass_fields__:
+            value = getattr(self, name, None)
+            if value is not None and name in type(self).model_fields:
+                args += [f"--{name.replace('_', '-')}", str(value)]
+        return args
 
 
 def runs_dir(lake: LakeResource):
     return lake.path("gem_foundation_model")
 
 
+def training_command(config: GEMTrainingConfig, lake: LakeResource, day: str, run_id: str | None,
+                     tracking_uri: str, warm) -> list[str]:
+    overrides = [json.dumps({key: yaml.safe_load(value) for key, value in config.model_overrides.items()})]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.nproc_per_node),
+        "--max-restarts", str(config.max_restarts), "-m", "gem_ops.train",
+        "--sequence-logs", str(sequence_logs_path(lake, day)), "--plans", str(lake.path("shuffled_batches", day)),
+        "--preset", config.preset, "--depth", str(config.depth), "--width", str(config.width),
+        "--model-override", *overrides, *config.train_arguments(),
+        "--embedding-sharding", config.embedding_sharding, "--device", config.device,
+        "--checkpoint-dir", str(runs_dir(lake) / day / "checkpoints"), "--progress-every", "25",
+        "--registered-model-name", config.registered_model_name, "--mlflow-tracking-uri", tracking_uri,
+    ]
+    if run_id is not None:
+        command += ["--mlflow-run-id", run_id]
+    if warm is not None:
+        command += ["--warm-start", str(warm)]
+    return command
+
+
 @dg.asset(partitions_def=daily_partitions, deps=[shuffled_batches], group_name="training", kinds={"pytorch", "mlflow"})
 def gem_foundation_model(
-    context: dg.AssetExecutionContext, config: GEMTrainingConfig, lake: LakeResource, mlflow: MLflowResource
+    context: dg.AssetExecutionContext,
+    config: GEMTrainingConfig,
+    lake: LakeResource,
+    mlflow: MLflowResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
 ):
-    """Trains GEM on the world-size-1 plan, evaluates per domain and task, registers the model in MLflow."""
+    """Trains GEM with torchrun (embeddings sharded by TorchRec, dense layers under FSDP2), evaluates per
+    domain and task, and registers the model in MLflow; rank 0 reports back through Pipes."""
     day = context.partition_key
-    overrides = {key: yaml.safe_load(value) for key, value in config.model_overrides.items()}
-    model = model_config(config.preset, config.depth, config.width, **overrides)
-    logs = SequenceLogs(sequence_logs_path(lake, day))
     warm = previous_checkpoint(runs_dir(lake), day) if config.warm_start else None
-
-    def progress(step: int, loss: float) -> None:
-        if (step + 1) % PROGRESS_EVERY == 0:
-            context.log.info(f"step {step + 1}: loss {loss:.4f}")
     with mlflow.asset_run(context) as run:
-        outcome = run_training(
-            logs, plan_path(lake, day, 1), model, config.train_config(),
-            checkpoint_dir=runs_dir(lake) / day / "checkpoints", warm_start=warm, tracker=run,
-            registered_name=config.registered_model_name, on_step=progress,
-        )
-        run_id = run.run_id
-    result = outcome.result
-    context.log.info("trained %d steps at %.0f samples/s; model version %s", result.steps,
-                     result.samples_per_second, outcome.model_version)
+        command = training_command(config, lake, day, run.run_id, mlflow.tracking_uri, warm)
+        context.log.info("launching: %s", " ".join(command))
+        completed = pipes_subprocess_client.run(command=command, context=context)
+    reported = completed.get_materialize_result()
     return dg.MaterializeResult(
-        metadata={
-            "steps": result.steps,
-            "samples_per_second": dg.MetadataValue.float(result.samples_per_second),
-            "final_train_loss": dg.MetadataValue.float(result.losses[-1]),
-            "eval": dg.MetadataValue.json(result.final_report),
-            **{key: dg.MetadataValue.float(value) for key, value in flat_metrics(result.final_report).items()
-               if key.endswith((".auc", ".ne", ".calibration"))},
-            "checkpoint": str(result.checkpoint),
-            "warm_start": str(warm) if warm else "none",
-            "mlflow_run_id": str(run_id),
-            "model_version": str(outcome.model_version),
-            "registered_model": config.registered_model_name,
-        }
+        metadata={**(reported.metadata or {}), "warm_start": str(warm) if warm else "none",
+                  "registered_model": config.registered_model_name}
     )

@@ -13,5 +13,6 @@ defs = dg.Definitions(
     assets=[raw_event_logs, sequence_logs, shuffled_batches, gem_foundation_model],
     jobs=[prepare_data_job, gem_pipeline_job],
     schedules=[gem_pipeline_schedule],
-    resources={"lake": LakeResource(), "mlflow": MLflowResource()},
+    resources={"lake": LakeResource(), "mlflow": MLflowResource(),
+               "pipes_subprocess_client": dg.PipesSubprocessClient()},
 )
