@@ -60,8 +60,12 @@ def main() -> None:
         )
         logs = data.open()
         split = {"train": int(logs.split_indices("train").size), "eval": int(logs.split_indices("eval").size)}
-        print(f"MovieLens: {len(logs)} examples, {split}")
-        results = compare_models(logs, data.plans[1], {n: configs[n] for n in args.models}, train_config)
+        print(f"MovieLens: {len(logs)} examples, {split}", flush=True)
+        def progress(name: str, step: int, loss: float) -> None:
+            if (step + 1) % 100 == 0:
+                print(f"  {name} step {step + 1}: loss {loss:.4f}", flush=True)
+
+        results = compare_models(logs, data.plans[1], {n: configs[n] for n in args.models}, train_config, progress)
     for name, figures in headline(results).items():
         print(f"{name}: {figures} ({results[name]['train_seconds']} s)")
     settings = {**vars(args), "end": END.isoformat(), "days": DAYS, "split": split,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import ModelConfig
@@ -15,12 +15,13 @@ HEADLINE = ("auc", "ne", "calibration")
 
 
 def compare_models(logs: SequenceLogs, plan_path: str | os.PathLike, configs: Mapping[str, ModelConfig],
-                   train_config: TrainConfig) -> dict[str, dict]:
+                   train_config: TrainConfig, progress: Callable[[str, int, float], None] | None = None) -> dict[str, dict]:
     """{name: {"eval": quality report, "steps", "train_seconds", "samples_per_second"}}."""
     results = {}
     for name, config in configs.items():
         began = time.perf_counter()
-        _, result = train(logs, plan_path, config, train_config)
+        on_step = (lambda step, loss, name=name: progress(name, step, loss)) if progress else None
+        _, result = train(logs, plan_path, config, train_config, on_step=on_step)
         results[name] = {
             "steps": result.steps,
             "train_seconds": round(time.perf_counter() - began, 1),
