@@ -155,3 +155,39 @@ def test_torchrun_restarts_a_failed_rank_and_the_job_completes(data, union_run, 
 def test_plan_for_another_world_size_is_refused(data, tmp_path):
     with pytest.raises(ValueError, match="made for world size 2, the job has 1"):
         train_distributed(data.open(), data.plans[2], TINY, CONFIG, checkpoint_dir=tmp_path)
+
+
+def test_two_nodes_train_under_an_hsdp_mesh(data, union_run, tmp_path):
+    """Two torchrun agents of one process each, as two nodes would run them: dense layers get the 2-D
+    (replicate x shard) mesh, and the job still trains like one process on the union of the batches."""
+    port = _free_port()
+    agents, results = [], []
+    for node in range(2):
+        result = tmp_path / f"node{node}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "gem_ops.train", "--sequence-logs", str(data.sequence_logs), "--plans", str(data.plans[2].parent),
+               *TINY_ARGS, *CONFIG_ARGS, "--embedding-sharding", "table_wise",
+               "--checkpoint-dir", str(tmp_path / "checkpoints"), "--result-json", str(result)]
+        log = open(result.with_suffix(".log"), "wb")
+        agents.append(subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        results.append(result)
+    worker = agents[1]
+    try:
+        assert worker.wait(timeout=JOB_TIMEOUT_S) == 0, results[1].with_suffix(".log").read_text(errors="replace")[-4000:]
+        head = finish(agents[0], results[0])
+    finally:
+        for agent in agents:
+            stop_group(agent)
+    log = results[0].with_suffix(".log").read_text(errors="replace")
+    assert "2 node(s)" in log and "mesh (2, 1)" in log, log[-3000:]
+    assert head["world_size"] == 2 and head["steps"] == STEPS
+    assert head["losses"] == pytest.approx(union_run.losses, rel=LOSS_RTOL)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
