@@ -13,7 +13,7 @@ from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs_path
 from assets.shuffled_batches import shuffled_batches
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.run import previous_checkpoint
+from gem_ops.train.checkpoint import previous_checkpoint
 
 
 class GEMTrainingConfig(dg.Config):

@@ -133,9 +133,8 @@ def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: DistributedTr
     import torch
 
     from gem_ops.train.loop import model_from_state
-    from gem_ops.train.mlflow_model import batch_to_frame, log_model
+    from gem_ops.train.mlflow_model import INPUT_EXAMPLE_ROWS, batch_to_frame, log_model
     from gem_ops.train.plots import loss_curves
-    from gem_ops.train.run import INPUT_EXAMPLE_ROWS
 
     tracker.log_figure(loss_curves(result.losses, result.eval_steps, result.eval_reports), "loss_curves.png")
     tracker.log_dict(result.final_report, "eval_metrics.json")

@@ -83,3 +83,14 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         return Checkpoint(path, int(state["step"]), state)
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     return Checkpoint(path, int(state["step"]), state)
+
+
+def previous_checkpoint(runs_dir: str | os.PathLike, before: str) -> Path | None:
+    """The checkpoint folder of the latest earlier run (runs_dir/<key>/checkpoints, keys sorted, e.g. dates)."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return None
+    for key in sorted((p.name for p in runs_dir.iterdir() if p.is_dir() and p.name < before), reverse=True):
+        if checkpoint_steps(runs_dir / key / "checkpoints"):
+            return runs_dir / key / "checkpoints"
+    return None

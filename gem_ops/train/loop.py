@@ -144,9 +144,10 @@ def train(
         log.info("warm start from %s (step %d); missing %s, unexpected %s", ckpt.path, ckpt.step, missing, unexpected)
         tracker.set_tags({"gem.warm_start": str(ckpt.path)})
 
+    tables, dense = split_parameters(model)
     tracker.log_params({"model": model_config.to_dict(), "train": config.to_dict(), "steps": total,
-                        "parameters.dense": sum(p.numel() for p in split_parameters(model)[1].values()),
-                        "parameters.embedding": sum(p.numel() for p in split_parameters(model)[0].values())})
+                        "parameters.dense": sum(p.numel() for p in dense.values()),
+                        "parameters.embedding": sum(p.numel() for p in tables.values())})
     result = TrainResult(steps=start, samples=0, seconds=0.0, losses=losses, resumed_from=resumed_from)
     pending: dict[int, dict[str, float]] = {}
 
@@ -163,7 +164,7 @@ def train(
         tracker.log_metrics(flat_metrics(report), step=step)
 
     model.train()
-    dense_params = list(split_parameters(model)[1].values())
+    dense_params = list(dense.values())
     began = time.perf_counter()
     for step in range(start, total):
         lr = set_dense_lr(optimizer, config, step)

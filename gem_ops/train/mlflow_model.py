@@ -29,6 +29,7 @@ from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import PROJECT_ROOT
 
 MODEL_STATE = "model_state"
+INPUT_EXAMPLE_ROWS = 4  # eval requests saved with the model as its input example
 HISTORY_COLUMNS = ("history_item_id", "history_surface", "history_event_type", "history_action", "history_age_seconds")
 
 
