@@ -32,6 +32,7 @@ def pt_jagged_attention(
     if active.numel() == 0:
         return out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for empty batches
 
+    positions, values = [], []
     group_key = _pow2_ceil(q_lengths[active]) * (1 << 32) + _pow2_ceil(kv_lengths[active])
     for key in torch.unique(group_key).tolist():
         members = active[group_key == key]
@@ -48,8 +49,10 @@ def pt_jagged_attention(
             attended = _dense_attention(
                 q[rows], k[cols], v[cols], row_valid, col_valid, seq_kv_lengths, causal, activation, scale,
             )
-            out = out.index_put((rows[row_valid],), attended[row_valid])
-    return out
+            positions.append(rows[row_valid])
+            values.append(attended[row_valid])
+    # One scatter at the end: writing each group into `out` as it comes would copy all of it per group.
+    return out.index_put((torch.cat(positions),), torch.cat(values))
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
