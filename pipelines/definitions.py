@@ -3,15 +3,16 @@
 import dagster as dg
 
 from assets.gem_foundation_model import gem_foundation_model
+from assets.mfu_report import mfu_report
 from assets.raw_event_logs import raw_event_logs
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs
 from assets.shuffled_batches import shuffled_batches
-from pipelines.jobs import gem_pipeline_job, gem_pipeline_schedule, prepare_data_job
+from pipelines.jobs import gem_pipeline_job, gem_pipeline_schedule, measure_mfu_job, prepare_data_job
 
 defs = dg.Definitions(
-    assets=[raw_event_logs, sequence_logs, shuffled_batches, gem_foundation_model],
-    jobs=[prepare_data_job, gem_pipeline_job],
+    assets=[raw_event_logs, sequence_logs, shuffled_batches, gem_foundation_model, mfu_report],
+    jobs=[prepare_data_job, gem_pipeline_job, measure_mfu_job],
     schedules=[gem_pipeline_schedule],
     resources={"lake": LakeResource(), "mlflow": MLflowResource(),
                "pipes_subprocess_client": dg.PipesSubprocessClient()},

@@ -18,5 +18,13 @@ gem_pipeline_job = dg.define_asset_job(
     description="The day's data, then GEM retrained on it, warm-started from the previous day's checkpoint.",
 )
 
+measure_mfu_job = dg.define_asset_job(
+    "measure_mfu",
+    selection=dg.AssetSelection.assets("mfu_report"),
+    partitions_def=daily_partitions,
+    description="Model FLOPs utilization of a timed window of GEM training steps on the day's data (device, "
+    "preset and precision in the run config).",
+)
+
 # Daily retraining on the newest partition (off until turned on in the UI).
 gem_pipeline_schedule = dg.build_schedule_from_partitioned_job(gem_pipeline_job, hour_of_day=1)

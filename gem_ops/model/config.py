@@ -117,6 +117,16 @@ PRESETS: dict[str, ModelConfig] = {
     # The foundation model: long histories, several branches, deep interleaving; the interaction arm is
     # wider than the sequence arm, so the candidate's cross attention maps between two widths.
     "gem": ModelConfig(embedding=EmbeddingConfig(dim=96, sequence_dim=64)),
+    # GEM sized for one H200 (benchmarks/mfu.py): wide sequence layers (512, 4 heads of 128) over
+    # histories of up to 1024 events with a slow pyramid (1024, 256, 64, 16 tokens), a wide Wukong arm.
+    # About 25 GFLOP per example for forward + backward at the synthetic log's mean history (~330 events).
+    # Every large linear layer's widths are multiples of 16, as FP8 (precision="fp8") needs.
+    "gem_gpu": ModelConfig(
+        embedding=EmbeddingConfig(dim=256, sequence_dim=512, item_buckets=262_144, user_buckets=131_072),
+        wukong=WukongConfig(n_fm=16, n_lcb=16, fm_rank=32, mlp_hidden=4096),
+        sequence=SequenceConfig(max_history_len=1024, first_level_tokens=1024, heads=4, ffn_mult=4, summary_tokens=4),
+        blocks=4, trunk_hidden=1024, tower_hidden=256,
+    ),
     # A domain foundation model: medium size, trained on one domain's data.
     "domain_fm": ModelConfig(
         embedding=EmbeddingConfig(dim=48, sequence_dim=48, item_buckets=65_536, user_buckets=32_768),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -15,7 +16,13 @@ class TrainConfig:
     weight_decay: float = 0.01  # dense parameters only
     warmup_steps: int = 20  # linear warm-up of the dense learning rate
     clip_grad_norm: float = 1.0  # dense parameters; 0 disables
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: bf16 autocast with the large linear layers in FP8
+    # (torchao float8, fp8_recipe scaling; CUDA GPUs with FP8 tensor cores only; see train/acceleration.py)
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    compile: Literal["none", "dense"] = "none"  # dense: torch.compile of the dense blocks
+    activation_checkpointing: Literal["none", "sequence"] = "none"  # sequence: recompute the sequence layers
+    prefetch_batches: int = 1  # batches loaded ahead in a background thread while a step runs; 0: none
     eval_every: int = 0  # steps between evaluations; 0: only at the end
     eval_max_examples: int = 20_000  # a fixed subset of the eval split, for speed
     eval_batch_size: int = 512
@@ -28,8 +35,12 @@ class TrainConfig:
         for name in ("epochs", "eval_max_examples", "eval_batch_size", "keep_checkpoints", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"TrainConfig.precision must be auto, fp32 or bf16, got {self.precision!r}")
+        for name in ("precision", "fp8_recipe", "compile", "activation_checkpointing"):
+            allowed = typing.get_args(typing.get_type_hints(type(self))[name])
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.prefetch_batches < 0:
+            raise ValueError(f"TrainConfig.prefetch_batches must be >= 0, got {self.prefetch_batches}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
 

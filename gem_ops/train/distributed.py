@@ -26,10 +26,13 @@ import torch.nn.functional as F
 
 from gem_ops.data.batch_shuffling import read_rank_plan
 from gem_ops.data.loader import SequenceLogs
+from gem_ops.metrics.flops import batch_flops
+from gem_ops.metrics.mfu import StepMFU
 from gem_ops.metrics.quality import flat_metrics, quality_report
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.features import model_input
 from gem_ops.tracking import RunTracker
+from gem_ops.train.acceleration import prepare_for_training
 from gem_ops.train.batches import PlanSchedule, eval_batches
 from gem_ops.train.checkpoint import is_sharded_checkpoint, latest_checkpoint, load_checkpoint
 from gem_ops.train.config import TrainConfig
@@ -198,6 +201,7 @@ def _train(logs, plan_path, model_config, config, topology: Topology, *, embeddi
         missing, unexpected = model.load_state_dict(ckpt.state["model"], strict=False)
         say(f"warm start from {ckpt.path} (step {ckpt.step}); missing {missing}, unexpected {unexpected}")
         tracker.set_tags({"gem.warm_start": str(ckpt.path)})
+    prepare_for_training(model, config, device)  # FP8, checkpointing, compile: before sharding
     mesh = device_mesh(device.type, world, topology.local_world_size)
     sharded = shard_model(model, config, embedding_sharding, mesh, device, topology.local_world_size)
     plan = describe_plan(sharded)
@@ -243,6 +247,7 @@ def _train(logs, plan_path, model_config, config, topology: Topology, *, embeddi
 
     timer = ForwardComputeTimer(sharded.fsdp_units, device)
     module, pending = sharded.module, {}
+    step_mfu = StepMFU(device, world)
     module.train()
     began = time.perf_counter()
     for step in range(start, total):
@@ -260,9 +265,10 @@ def _train(logs, plan_path, model_config, config, topology: Topology, *, embeddi
             torch.nn.utils.clip_grad_norm_(sharded.dense_parameters, config.clip_grad_norm)
         sharded.optimizer.step()
         local = [timer.take(), float(lengths.sum()), float((lengths * lengths).sum())]
-        rows = gather_rows([*local, time.perf_counter() - stepped, *share.tolist()], device)
+        flops = batch_flops(batch, spec, model_config).training
+        rows = gather_rows([*local, time.perf_counter() - stepped, flops, *share.tolist()], device)
         ratios = result.balance.add(step, rows[:, : len(MEASURES)])
-        per_task = rows[:, len(MEASURES) + 1 :].sum(0)
+        per_task = rows[:, len(MEASURES) + 2 :].sum(0)
         value = float(per_task.sum())
         if not math.isfinite(value):
             raise FloatingPointError(f"training loss is {value} at step {step}; lower lr_dense/lr_sparse")
@@ -270,7 +276,9 @@ def _train(logs, plan_path, model_config, config, topology: Topology, *, embeddi
         result.samples += batch.size * world
         result.steps = step + 1
         result.step_seconds.append(float(rows[:, len(MEASURES)].max()))
+        result.step_flops.append(float(rows[:, len(MEASURES) + 1].sum()))
         metrics = {"train.loss": value, "train.lr_dense": lr, "train.step_seconds": float(rows[:, len(MEASURES)].max()),
+                   **step_mfu.metrics(result.step_flops[-1], result.step_seconds[-1]),
                    **{f"train.loss.{t}": float(v) for t, v in zip(spec.objectives, per_task)},
                    **{f"train.imbalance.{m}": r for m, r in ratios.items()}}
         pending[step] = metrics

@@ -15,18 +15,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.autograd.profiler import record_function
 
 from gem_ops.data.loader import SequenceLogs
+from gem_ops.metrics.flops import batch_flops
+from gem_ops.metrics.mfu import StepMFU
 from gem_ops.metrics.quality import flat_metrics, quality_report
 from gem_ops.model import build_model
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.features import model_input
 from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import RunTracker
+from gem_ops.train.acceleration import prepare_for_training
 from gem_ops.train.batches import PlanSchedule, eval_batches
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.optimizer import build_optimizer, set_dense_lr, split_parameters
+from gem_ops.train.prefetch import prefetched
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +46,8 @@ class TrainResult:
     eval_reports: list[dict[str, dict[str, float]]] = field(default_factory=list)
     checkpoint: Path | None = None
     resumed_from: int | None = None
+    step_seconds: list[float] = field(default_factory=list)  # this session's steps, wall time, data included
+    step_flops: list[float] = field(default_factory=list)  # their model FLOPs (forward + backward, all ranks)
 
     @property
     def final_report(self) -> dict[str, dict[str, float]]:
@@ -52,7 +59,7 @@ class TrainResult:
 
 
 def autocast_context(device: torch.device, precision: str):
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    use_bf16 = precision in ("bf16", "fp8") or (precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
 
@@ -123,6 +130,7 @@ def train(
     tracker = tracker or RunTracker.disabled()
     spec = FeatureSpec.from_logs(logs)
     model = seeded_model(spec, model_config, device, config.seed)
+    accelerated = prepare_for_training(model, config, device)
     optimizer = build_optimizer(model, config)
     schedule = PlanSchedule(plan_path, rank, config.epochs, config.seed)
     total = min(schedule.total_steps, config.max_steps or schedule.total_steps)
@@ -147,7 +155,8 @@ def train(
     tables, dense = split_parameters(model)
     tracker.log_params({"model": model_config.to_dict(), "train": config.to_dict(), "steps": total,
                         "parameters.dense": sum(p.numel() for p in dense.values()),
-                        "parameters.embedding": sum(p.numel() for p in tables.values())})
+                        "parameters.embedding": sum(p.numel() for p in tables.values()),
+                        "acceleration": {k: len(v) for k, v in accelerated.items()}})
     result = TrainResult(steps=start, samples=0, seconds=0.0, losses=losses, resumed_from=resumed_from)
     pending: dict[int, dict[str, float]] = {}
 
@@ -163,20 +172,31 @@ def train(
         result.eval_reports.append(report)
         tracker.log_metrics(flat_metrics(report), step=step)
 
+    def load(step: int):
+        with record_function("data.load"):
+            batch = logs.batch(schedule.examples(step), model_config.sequence.max_history_len)
+            return batch, model_input(batch, spec, model_config), batch_flops(batch, spec, model_config).training
+
     model.train()
     dense_params = list(dense.values())
+    step_mfu = StepMFU(device)
+    inputs = prefetched(load, range(start, total), config.prefetch_batches)
     began = time.perf_counter()
     for step in range(start, total):
+        stepped = time.perf_counter()
         lr = set_dense_lr(optimizer, config, step)
-        batch = logs.batch(schedule.examples(step), model_config.sequence.max_history_len)
-        x = model_input(batch, spec, model_config).to(device, non_blocking=True)
-        with autocast_context(device, config.precision):
+        with record_function("data"):  # waiting for the prefetched batch, and the copy to the device
+            _, (batch, x, flops) = next(inputs)
+            x = x.to(device, non_blocking=True)
+        with autocast_context(device, config.precision), record_function("forward"):
             loss, per_task, _ = model.loss(x)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(dense_params, config.clip_grad_norm)
-        optimizer.step()
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            if config.clip_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(dense_params, config.clip_grad_norm)
+            optimizer.step()
 
         value = float(loss.detach())
         if not math.isfinite(value):
@@ -184,7 +204,10 @@ def train(
         result.losses.append(value)
         result.samples += batch.size
         result.steps = step + 1
-        pending[step] = {"train.loss": value, "train.lr_dense": lr,
+        result.step_seconds.append(time.perf_counter() - stepped)
+        result.step_flops.append(flops)
+        pending[step] = {"train.loss": value, "train.lr_dense": lr, "train.step_seconds": result.step_seconds[-1],
+                         **step_mfu.metrics(flops, result.step_seconds[-1]),
                          **{f"train.loss.{t}": float(v) for t, v in zip(spec.objectives, per_task)}}
         if on_step is not None:
             on_step(step, value)

@@ -1,0 +1,290 @@
+"""MFU of GEM training on one device, bf16 against FP8: end-to-end model FLOPs utilization and samples/s
+of real training steps (gem_ops.metrics.mfu.measure_mfu: data loading, embeddings and optimizer
+included) for each precision, the loss after the same steps in both, and the forward and backward
+speed of the dense layers alone (the GPU preset's shapes, bf16 and FP8 side by side). Saved as
+benchmarks/results/mfu_<device>.json with the commit, the machine and the settings.
+
+    python -m benchmarks.mfu --device cuda --data DIR --preset gem_gpu
+    python -m benchmarks.mfu --device cpu --data DIR --preset vertical --max-history-len 32 --steps 3 \\
+        --precisions fp32 --dense-tokens 512 --dense-batch 64 --compile none    # a dry run of every stage
+
+DIR holds sequence_logs/ and plans/world_size=1.parquet (prepared elsewhere: the GPU machine has no
+polars). On a CPU, FP8 cannot run: the dense-layer stage emulates it (numbers meaningless, code checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.common import save
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_STEPS = 5  # the loss compared between precisions: the mean over the last steps both ran
+
+
+def timed(fn, device: torch.device, reps: int, warmup: int = 3) -> float:
+    """Median seconds of fn() (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def fp8_gemm_flops(device: torch.device, size: int = 8192, reps: int = 20) -> float | None:
+    """FLOP/s of torch._scaled_mm on e4m3 inputs with tensorwise scales (None where it cannot run)."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn).t()  # column-major, as required
+    one = torch.ones((), device=device)
+    seconds = timed(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device, reps)
+    return 2.0 * size**3 / seconds
+
+
+def dense_shapes(model_config, spec, tokens: int, batch: int) -> dict[str, dict]:
+    """The dense layers FP8 takes, at the config's widths: rows are history tokens or examples."""
+    from gem_ops.model.gem import CROSS_QUERIES
+
+    d, ds = model_config.embedding.dim, model_config.embedding.sequence_dim
+    wk, seq = model_config.wukong, model_config.sequence
+    n_out = wk.n_fm + wk.n_lcb
+    n_in = n_out + len(seq.branches) * (seq.summary_tokens + CROSS_QUERIES)  # a Wukong layer after the first
+    return {
+        "sequence_ffn": {"rows": tokens, "widths": [ds, seq.ffn_mult * ds, ds]},
+        "sequence_qkv": {"rows": tokens, "widths": [ds, 3 * ds]},
+        "cross_kv": {"rows": tokens, "widths": [ds, 2 * ds]},
+        "wukong_mlp": {"rows": batch, "widths": [n_in * wk.fm_rank, wk.mlp_hidden, wk.n_fm * d]},
+    }
+
+
+def dense_layer(widths: list[int], device: torch.device) -> nn.Module:
+    layers = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers += [nn.Linear(a, b)] + ([nn.GELU()] if i < len(widths) - 2 else [])
+    return nn.Sequential(*layers).to(device)
+
+
+def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
+    """Forward and forward+backward time of each dense shape in bf16 (autocast, as training runs) and
+    in FP8 (each recipe), compiled as training compiles them; the backward is their difference."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    out = {}
+    emulate = device.type != "cuda"
+    for name, shape in dense_shapes(model_config, spec, args.dense_tokens, args.dense_batch).items():
+        rows, widths = shape["rows"], shape["widths"]
+        flops = sum(2.0 * rows * a * b for a, b in zip(widths[:-1], widths[1:]))
+        x = torch.randn(rows, widths[0], device=device, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(rows, widths[-1], device=device, dtype=torch.bfloat16)
+        results = {"rows": rows, "widths": widths, "forward_flops": flops}
+        for variant in ("bf16", *[f"fp8_{r}" for r in args.fp8_recipes]):
+            torch.manual_seed(0)
+            module = dense_layer(widths, device)
+            if variant != "bf16":
+                config = dataclasses.replace(Float8LinearConfig.from_recipe_name(variant[4:]), emulate=emulate)
+                convert_to_float8_training(module, config=config)
+            run = torch.compile(module) if args.compile == "dense" else module
+
+            def forward():
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    return run(x)
+
+            def forward_backward():
+                module.zero_grad(set_to_none=True)
+                x.grad = None
+                forward().backward(grad)
+
+            with torch.no_grad():
+                fwd = timed(forward, device, args.dense_reps)
+            both = timed(forward_backward, device, args.dense_reps)
+            results[variant] = {"forward_seconds": fwd, "backward_seconds": both - fwd,
+                                "forward_tflops": flops / fwd / 1e12,
+                                "backward_tflops": 2 * flops / max(both - fwd, 1e-12) / 1e12}
+            del module, run
+        for variant in results:
+            if variant.startswith("fp8_"):
+                bf16, fp8 = results["bf16"], results[variant]
+                fp8["forward_speedup"] = bf16["forward_seconds"] / fp8["forward_seconds"]
+                fp8["backward_speedup"] = bf16["backward_seconds"] / max(fp8["backward_seconds"], 1e-12)
+        out[name] = results
+        print(f"dense {name} {rows}x{widths}: " + ", ".join(
+            f"{v} fwd {results[v]['forward_tflops']:.3g} bwd {results[v]['backward_tflops']:.3g} TFLOP/s"
+            for v in results if isinstance(results[v], dict)), flush=True)
+        torch._dynamo.reset()
+    # Over all shapes together: total bf16 time over total FP8 time.
+    overall = {}
+    for recipe in args.fp8_recipes:
+        key = f"fp8_{recipe}"
+        for phase in ("forward", "backward"):
+            bf16 = sum(r["bf16"][f"{phase}_seconds"] for r in out.values())
+            fp8 = sum(r[key][f"{phase}_seconds"] for r in out.values())
+            overall[f"{key}_{phase}_speedup"] = bf16 / max(fp8, 1e-12)
+    out["all_shapes"] = overall
+    return out
+
+
+def end_to_end(logs, plan, model_config, precision: str, args, device: torch.device, figures: Path | None) -> dict:
+    from gem_ops.metrics.mfu import measure_mfu, mfu_figure
+    from gem_ops.train.config import TrainConfig
+
+    train_config = TrainConfig(precision=precision, fp8_recipe=args.fp8_recipes[0], compile=args.compile,
+                               activation_checkpointing=args.activation_checkpointing, seed=args.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    began = time.perf_counter()
+    report = measure_mfu(logs, plan, model_config, train_config, steps=args.steps, warmup_steps=args.warmup_steps,
+                         profile_steps=args.profile_steps, device=device)
+    data = report.to_dict()
+    data["wall_seconds"] = time.perf_counter() - began
+    if device.type == "cuda":
+        data["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if figures is not None:
+        import matplotlib.pyplot as plt
+
+        fig = mfu_figure(report)
+        fig.savefig(figures / f"mfu_{device.type}_{precision}.png", dpi=110)
+        plt.close(fig)
+    print(f"{precision}: MFU {100 * report.mfu:.1f}% ({report.model_flops_per_second / 1e12:.1f} model TFLOP/s, "
+          f"{report.peak_source} peak {report.peak_flops / 1e12:.0f}; measured GEMM {report.gemm_flops / 1e12:.0f}), "
+          f"{report.samples_per_second:.0f} samples/s, median step {report.median_step_seconds * 1e3:.1f} ms, "
+          f"final loss {report.losses[-1]:.4f}", flush=True)
+    print(report.profile_table, flush=True)
+    del report
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--data", type=Path, required=True, help="a folder with sequence_logs/ and plans/world_size=1.parquet")
+    parser.add_argument("--preset", default="gem_gpu")
+    parser.add_argument("--width", type=float, default=1.0)
+    parser.add_argument("--depth", type=float, default=1.0)
+    parser.add_argument("--max-history-len", type=int, default=0, help="0: the preset's")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per precision")
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise", "rowwise"],
+                        help="the first is the end-to-end run's; the dense-layer stage times each")
+    parser.add_argument("--compile", choices=("none", "dense"), default="dense")
+    parser.add_argument("--activation-checkpointing", choices=("none", "sequence"), default="none")
+    parser.add_argument("--dense-tokens", type=int, default=262_144, help="rows of the sequence-layer shapes")
+    parser.add_argument("--dense-batch", type=int, default=2048, help="rows of the Wukong shape")
+    parser.add_argument("--dense-reps", type=int, default=20)
+    parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--time-budget", type=float, default=0, help="seconds; later stages are skipped past it (0: none)")
+    parser.add_argument("--copy-to", type=Path, help="also copy the JSON and figures here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from gem_ops.data.loader import SequenceLogs
+    from gem_ops.metrics.mfu import device_name, measured_matmul_flops, peak_flops
+    from gem_ops.model.config import FeatureSpec, model_config
+
+    began = time.perf_counter()
+    left = lambda: math.inf if not args.time_budget else args.time_budget - (time.perf_counter() - began)  # noqa: E731
+    device = torch.device(args.device)
+    logs = SequenceLogs(args.data / "sequence_logs")
+    plan = args.data / "plans" / "world_size=1.parquet"
+    overrides = {"sequence.max_history_len": args.max_history_len} if args.max_history_len else {}
+    config = model_config(args.preset, args.depth, args.width, **overrides)
+    spec = FeatureSpec.from_logs(logs)
+    figures = args.copy_to
+    if figures is not None:
+        figures.mkdir(parents=True, exist_ok=True)
+
+    import kernels.jagged_attention as attention
+    import triton  # noqa: F401  (its version below; the GPU path needs it)
+    import torchao
+
+    peak, source = peak_flops(device)
+    results: dict = {"device_name": device_name(device), "peak_flops": peak, "peak_source": source,
+                     "versions": {"torch": torch.__version__, "torchao": torchao.__version__,
+                                  "triton": getattr(triton, "__version__", "")},
+                     "attention_backends": attention.available_backends()}
+    settings = {**vars(args), "model": config.to_dict(), "loss_steps": LOSS_STEPS}
+
+    def checkpoint_results() -> None:
+        path = save(f"mfu_{device.type}", settings, results)
+        if args.copy_to is not None:
+            shutil.copy(path, args.copy_to / path.name)
+
+    results["gemm_bf16_flops" if device.type == "cuda" else "gemm_fp32_flops"] = measured_matmul_flops(device)
+    try:
+        results["gemm_fp8_flops"] = fp8_gemm_flops(device)
+    except RuntimeError as error:
+        results["gemm_fp8_flops"] = f"failed: {error}"
+    print(f"GEMM: {json.dumps({k: v for k, v in results.items() if k.startswith('gemm')})}", flush=True)
+    checkpoint_results()
+
+    if not args.skip_dense:
+        try:
+            results["dense_layers"] = bench_dense_layers(config, spec, args, device)
+        except Exception as error:  # keep the end-to-end stages
+            results["dense_layers"] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"dense layers failed: {error}", flush=True)
+        checkpoint_results()
+
+    runs = results.setdefault("end_to_end", {})
+    for precision in args.precisions:
+        if left() < 60:
+            runs[precision] = {"skipped": f"time budget: {left():.0f} s left"}
+            continue
+        try:
+            runs[precision] = end_to_end(logs, plan, config, precision, args, device, figures)
+        except Exception as error:
+            runs[precision] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"{precision} failed: {error}", flush=True)
+        checkpoint_results()
+
+    done = {p: r for p, r in runs.items() if "losses" in r}
+    if "bf16" in done and "fp8" in done:
+        n = min(len(done["bf16"]["losses"]), len(done["fp8"]["losses"]))
+        last = slice(n - LOSS_STEPS, n)
+        bf16, fp8 = (statistics.mean(done[p]["losses"][last]) for p in ("bf16", "fp8"))
+        results["loss_comparison"] = {"steps": n, "bf16_loss": bf16, "fp8_loss": fp8,
+                                      "relative_difference": (fp8 - bf16) / bf16}
+    dense = results.get("dense_layers", {}).get("all_shapes", {})
+    recipe = args.fp8_recipes[0]
+    results["targets"] = {
+        "bf16_mfu_at_least_0.40": done.get("bf16", {}).get("mfu", 0) >= 0.40,
+        f"fp8_{recipe}_forward_speedup_at_least_1.3": dense.get(f"fp8_{recipe}_forward_speedup", 0) >= 1.3,
+        f"fp8_{recipe}_backward_speedup_at_least_1.5": dense.get(f"fp8_{recipe}_backward_speedup", 0) >= 1.5,
+        "fp8_loss_within_1pct_of_bf16": abs(results.get("loss_comparison", {}).get("relative_difference", 1)) <= 0.01,
+    }
+    results["wall_seconds"] = time.perf_counter() - began
+    checkpoint_results()
+    print(json.dumps({"targets": results["targets"], "loss": results.get("loss_comparison"), "dense": dense}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

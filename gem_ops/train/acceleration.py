@@ -1,0 +1,131 @@
+"""Training speed settings applied to a built model (TrainConfig): FP8 for the large linear layers
+(torchao float8), torch.compile of the dense blocks, activation checkpointing of the sequence layers.
+
+Applied in torchtitan's order, before sharding: FP8 swaps nn.Linear for torchao's Float8Linear (same
+parameters, same state_dict keys), then checkpointing and compilation replace the instance's `forward`
+(module hooks, FSDP2's and the profiler scopes' alike, stay outside the compiled code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_MIN_FEATURES = 128  # smaller layers gain nothing from FP8 and lose precision
+# The large products of the dense blocks: the sequence layers' projections and FFN, the cross
+# attention's key/value projection (every history token) and the Wukong FM block's MLP. Everything
+# else stays in bf16: the input projections (first layers), the summary and CLS projections, the
+# cross attention's few query rows, the trunk and the towers (last layers), embeddings and norms.
+FP8_LAYERS = re.compile(
+    r"^(branches\.\d+\.layers\.\d+\.(qkv|proj|ffn\.0|ffn\.2)"
+    r"|branches\.\d+\.cross\.\d+\.kv"
+    r"|interaction\.\d+\.fmb\.mlp\.(0|2))$"
+)
+
+
+def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
+    """Whether torchao converts this layer to FP8: a large Linear of the dense blocks whose widths
+    are multiples of 16 (torch._scaled_mm's requirement)."""
+    return (isinstance(module, nn.Linear) and FP8_LAYERS.match(fqn) is not None
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            and min(module.in_features, module.out_features) >= FP8_MIN_FEATURES)
+
+
+def fp8_layer_names(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if fp8_module_filter(module, name)]
+
+
+def check_fp8_device(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"precision='fp8' trains on FP8 tensor cores, which a {device.type} device does not have: "
+                         "use a CUDA GPU of compute capability 8.9 or more (H100, H200, L4, ...), or precision "
+                         "'bf16' / 'fp32' here")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"precision='fp8' needs FP8 tensor cores (compute capability >= 8.9); "
+                         f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: use 'bf16'")
+
+
+def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", *, emulate: bool = False) -> list[str]:
+    """Swaps the layers fp8_module_filter picks for torchao Float8Linear (dynamic scaling; `recipe`
+    tensorwise or rowwise). `emulate` computes in high precision (tests on CPU). Returns their names."""
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8 recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as error:
+        raise ImportError("precision='fp8' needs torchao (pip install torchao)") from error
+    names = fp8_layer_names(model)
+    if names:
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+        convert_to_float8_training(model, config=config, module_filter_fn=fp8_module_filter)
+    return names
+
+
+def dense_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The dense blocks that torch.compile takes one by one: each Wukong layer, the trunk and towers, and
+    the sequence layers' and cross attentions' large projections and FFNs (not the jagged attention
+    itself, whose Triton kernel and data-dependent offsets stay outside the compiled code)."""
+    blocks = {}
+    for name, module in model.named_modules():
+        if (re.fullmatch(r"interaction\.\d+|trunk|towers|distillation_towers", name)
+                or re.fullmatch(r"branches\.\d+\.layers\.\d+\.(qkv|proj|ffn)|branches\.\d+\.cross\.\d+\.kv", name)):
+            blocks[name] = module
+    return blocks
+
+
+def compile_dense_blocks(model: nn.Module) -> list[str]:
+    """torch.compile of each dense block's forward (dynamic in the token dimension after the first
+    recompile, as Inductor's automatic dynamic shapes do)."""
+    import torch._dynamo.config as dynamo_config
+
+    blocks = dense_blocks(model)
+    # Blocks share forward code objects (every Linear, every Sequential), so each gets its own graphs.
+    limit = max(64, 8 * len(blocks))
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+    for module in blocks.values():
+        module.forward = torch.compile(module.forward)
+    return list(blocks)
+
+
+def sequence_layers(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if re.fullmatch(r"branches\.\d+\.layers\.\d+", name)}
+
+
+def checkpoint_sequence_layers(model: nn.Module) -> list[str]:
+    """Activation checkpointing of each jagged transformer layer: its activations (all history tokens
+    x several widths) are recomputed in the backward instead of kept, for about 1/3 more compute."""
+    layers = sequence_layers(model)
+    for module in layers.values():
+        module.forward = functools.partial(_checkpointed, module.forward)
+    return list(layers)
+
+
+def _checkpointed(forward: Callable, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def prepare_for_training(model: nn.Module, config, device: torch.device | str) -> dict[str, list[str]]:
+    """Applies the TrainConfig's precision="fp8", activation_checkpointing and compile settings to the
+    model in place; returns what was changed (layer names per setting)."""
+    device = torch.device(device)
+    applied: dict[str, list[str]] = {}
+    if config.precision == "fp8":
+        check_fp8_device(device)
+        applied["fp8"] = convert_to_fp8(model, config.fp8_recipe)
+    if config.activation_checkpointing == "sequence":
+        applied["activation_checkpointing"] = checkpoint_sequence_layers(model)
+    if config.compile == "dense":
+        applied["compile"] = compile_dense_blocks(model)
+    return applied

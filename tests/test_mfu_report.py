@@ -1,0 +1,84 @@
+"""mfu_report materialized with Dagster on CPU into a temporary instance and a real MLflow SQLite store:
+its metadata, and the MLflow run's metrics, per-step curve, plot and report read back."""
+
+import json
+import math
+from datetime import date, timedelta
+
+import dagster as dg
+import pytest
+from mlflow.tracking import MlflowClient
+
+from assets.mfu_report import mfu_report
+from assets.raw_event_logs import raw_event_logs
+from assets.resources import LakeResource, MLflowResource
+from assets.sequence_logs import sequence_logs
+from assets.shuffled_batches import shuffled_batches
+
+DAYS = [date(2026, 11, 1) + timedelta(days=i) for i in range(2)]
+DATA_CONFIG = {
+    "raw_event_logs": {"config": {"synthetic_users": 200}},
+    "sequence_logs": {"config": {"lookback_days": 2, "max_history_len": 32}},
+    "shuffled_batches": {"config": {"world_sizes": [1], "sub_batches_per_rank": 1, "sub_batch_size": 32}},
+}
+STEPS, WARMUP, PROFILED = 4, 1, 2
+MFU_CONFIG = {"preset": "vertical", "width": 0.5, "steps": STEPS, "warmup_steps": WARMUP, "profile_steps": PROFILED,
+              "model_overrides": {"sequence.max_history_len": "16", "embedding.item_buckets": "4096"}}
+
+
+@pytest.fixture(scope="module")
+def materialized(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mfu_report")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    resources = {"lake": LakeResource(base_dir=str(root / "lake")),
+                 "mlflow": MLflowResource(tracking_uri=uri, artifact_location=str(root / "artifacts"))}
+    (root / "dagster").mkdir()
+    with dg.instance_for_test(temp_dir=str(root / "dagster")) as instance:
+        assert dg.materialize([raw_event_logs], partition_key=DAYS[0].isoformat(), resources=resources,
+                              instance=instance, run_config={"ops": {"raw_event_logs": DATA_CONFIG["raw_event_logs"]}}).success
+        result = dg.materialize([raw_event_logs, sequence_logs, shuffled_batches, mfu_report],
+                                partition_key=DAYS[1].isoformat(), resources=resources, instance=instance,
+                                run_config={"ops": {**DATA_CONFIG, "mfu_report": {"config": MFU_CONFIG}}})
+        yield {"result": result, "client": MlflowClient(uri), "root": root}
+
+
+def _metadata(result):
+    events = {m.asset_key.to_user_string(): m for m in result.get_asset_materialization_events()}
+    return events["mfu_report"].materialization.metadata
+
+
+def test_materializes_with_mfu_figures_as_metadata(materialized):
+    assert materialized["result"].success
+    meta = _metadata(materialized["result"])
+    assert meta["peak_source"].value == "measured"  # a CPU has no datasheet entry: MFU against its GEMM rate
+    assert 0 < meta["mfu"].value < 1.5
+    assert meta["mfu"].value == pytest.approx(meta["mfu_vs_gemm"].value)
+    assert meta["model_tflops"].value > 0 and meta["samples_per_second"].value > 0
+    seconds = meta["seconds_per_step"].value
+    assert {"time.data", "time.forward", "time.backward", "time.optimizer", "time.step"} <= set(seconds)
+    assert seconds["time.forward"] > 0 and seconds["time.backward"] > 0
+    assert seconds["time.module.sequence.layers"] > 0 and seconds["time.module.wukong"] > 0
+    shares = meta["flops_share"].value
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares["sequence.ffn"] > 0 and shares["wukong.fm_mlp"] > 0
+
+
+def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
+    client = materialized["client"]
+    run = client.get_run(_metadata(materialized["result"])["mlflow_run_id"].value)
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    assert 0 < metrics["mfu.mfu"] < 1.5
+    assert metrics["mfu.samples_per_second"] > 0
+    assert metrics["mfu.gemm_tflops"] > 0
+    assert len(client.get_metric_history(run.info.run_id, "mfu.step_model_tflops")) == STEPS
+    assert run.data.params["mfu.steps"] == str(STEPS)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"mfu_report.png", "mfu_report.json", "mfu_profile.txt"} <= artifacts
+    local = client.download_artifacts(run.info.run_id, "mfu_report.json", str(materialized["root"]))
+    report = json.loads(open(local).read())
+    assert len(report["step_seconds"]) == STEPS and all(s > 0 for s in report["step_seconds"])
+    assert report["model_flops"] == pytest.approx(sum(report["step_flops"]))
+    # The loop's own per-step figures (logged by every training run) agree with the report's inputs.
+    assert math.isclose(report["model_flops"] / sum(report["step_seconds"]) / 1e12, metrics["mfu.model_tflops"],
+                        rel_tol=1e-6)

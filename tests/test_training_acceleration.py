@@ -1,0 +1,115 @@
+"""Training speed settings on CPU: which layers FP8 takes (the GPU preset's large linear layers, not the
+first and last ones), a clear error where FP8 cannot run, FP8 emulated end to end, activation
+checkpointing giving the same gradients, and the batch prefetcher keeping order."""
+
+import re
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from gem_ops.model.config import model_config
+from gem_ops.model.features import model_input
+from gem_ops.train.acceleration import (
+    checkpoint_sequence_layers,
+    compile_dense_blocks,
+    convert_to_fp8,
+    fp8_layer_names,
+    fp8_module_filter,
+    prepare_for_training,
+)
+from gem_ops.train.config import TrainConfig
+from gem_ops.train.loop import seeded_model
+from gem_ops.train.prefetch import prefetched
+from tests.model_inputs import SPEC, random_batch
+
+SMALL_TABLES = {"embedding.item_buckets": 1024, "embedding.user_buckets": 1024}
+# The GPU preset at a quarter of its width: sequence width 128, Wukong MLP 1024 wide.
+GPU_SMALL = model_config("gem_gpu", width=0.25, **SMALL_TABLES)
+
+
+def test_fp8_takes_the_large_dense_layers_and_leaves_first_and_last_in_bf16():
+    model = seeded_model(SPEC, GPU_SMALL)
+    names = set(fp8_layer_names(model))
+    branches, blocks = len(GPU_SMALL.sequence.branches), GPU_SMALL.blocks
+    expected = {f"branches.{b}.layers.{k}.{layer}" for b in range(branches) for k in range(blocks)
+                for layer in ("qkv", "proj", "ffn.0", "ffn.2")}
+    expected |= {f"branches.{b}.cross.{k}.kv" for b in range(branches) for k in range(blocks)}
+    expected |= {f"interaction.{k}.fmb.mlp.{i}" for k in range(blocks) for i in (0, 2)}
+    assert names == expected
+    # Kept in bf16: input projections, summary / CLS / cross query and output projections, trunk, towers.
+    for name, module in model.named_modules():
+        if re.search(r"candidate_proj|dense_proj|summarize|cls_out|cross\.\d+\.(q|out)$|trunk", name):
+            assert not fp8_module_filter(module, name), name
+    # Widths FP8 cannot take (not multiples of 16) or too small to gain are left out.
+    assert not fp8_module_filter(nn.Linear(136, 120), "branches.0.layers.0.qkv")
+    assert not fp8_module_filter(nn.Linear(64, 64), "branches.0.layers.0.qkv")
+
+
+def test_fp8_on_cpu_is_a_clear_error():
+    model = seeded_model(SPEC, GPU_SMALL)
+    with pytest.raises(ValueError, match="FP8 tensor cores.*cpu"):
+        prepare_for_training(model, TrainConfig(precision="fp8"), "cpu")
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp16")
+
+
+def test_emulated_fp8_trains_with_the_same_state_dict_keys():
+    model = seeded_model(SPEC, GPU_SMALL)
+    keys = set(model.state_dict())
+    names = convert_to_fp8(model, "rowwise", emulate=True)
+    assert len(names) == 2 * 4 * 5 + 4 * 2
+    modules = dict(model.named_modules())
+    assert all(type(modules[n]).__name__ == "Float8Linear" for n in names)
+    assert type(modules["trunk.0"]) is nn.Linear
+    assert set(model.state_dict()) == keys  # checkpoints load either way
+    x = model_input(random_batch([0, 1, 20, 300, 7]), SPEC, GPU_SMALL)
+    loss, _, _ = model.loss(x)  # fp32 around the FP8 products (CPU autocast does not promote index_put)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert modules[names[0]].weight.grad is not None and torch.isfinite(modules[names[0]].weight.grad).all()
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    config = model_config("gem", width=0.5, blocks=2, **SMALL_TABLES)
+    x = model_input(random_batch([0, 1, 40, 9, 70]), SPEC, config)
+    grads = []
+    for checkpointed in (False, True):
+        model = seeded_model(SPEC, config)
+        if checkpointed:
+            assert len(checkpoint_sequence_layers(model)) == len(config.sequence.branches) * config.blocks
+        loss, _, _ = model.loss(x)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_prefetched_keeps_order_and_loads_ahead():
+    started = []
+
+    def load(step):
+        started.append(step)
+        time.sleep(0.01)
+        return step * 10
+
+    seen = []
+    for step, value in prefetched(load, range(5), depth=1):
+        assert value == step * 10
+        time.sleep(0.02)
+        seen.append((step, max(started)))
+    assert [s for s, _ in seen] == list(range(5))
+    assert all(ahead == min(step + 1, 4) for step, ahead in seen)  # the next step was already loading
+    assert list(prefetched(lambda s: s, range(3), depth=0)) == [(0, 0), (1, 1), (2, 2)]
+
+
+@pytest.mark.slow
+def test_compiled_dense_blocks_match_eager():
+    config = model_config("vertical", **SMALL_TABLES)
+    x = model_input(random_batch([3, 1, 12, 0]), SPEC, config)
+    eager, compiled = seeded_model(SPEC, config), seeded_model(SPEC, config)
+    names = compile_dense_blocks(compiled)
+    assert "trunk" in names and "interaction.0" in names
+    torch.testing.assert_close(compiled.loss(x)[0], eager.loss(x)[0], rtol=1e-4, atol=1e-5)
