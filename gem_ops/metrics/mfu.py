@@ -136,6 +136,7 @@ class MFUReport:
     step_seconds: list[float]
     step_flops: list[float]
     losses: list[float]
+    all_step_seconds: list[float] = field(default_factory=list)  # every step run, warm-up (compilation) included
     phase_seconds: dict[str, float] = field(default_factory=dict)  # per profiled step (device time on a GPU)
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)  # host time per phase, on a GPU
     module_seconds: dict[str, float] = field(default_factory=dict)  # forward, per profiled step
@@ -314,6 +315,7 @@ def measure_mfu(logs, plan_path, model_config, train_config, *, steps: int = 20,
         warmup_steps=warmup_steps, samples=samples, seconds=float(sum(step_seconds)), model_flops=float(sum(step_flops)),
         peak_flops=peak, peak_source=source, gemm_flops=gemm, forward_flops_by_module=by_module,
         step_seconds=step_seconds, step_flops=step_flops, losses=list(result.losses),
+        all_step_seconds=list(result.step_seconds),
         settings={"model": model_config.to_dict(), "train": config.to_dict()},
     )
     if profile_steps:
