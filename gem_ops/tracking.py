@@ -6,6 +6,7 @@ Everything talks to MLflow through `MlflowClient` with explicit run ids (never t
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -13,7 +14,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ TRACKING_DIR = PROJECT_ROOT / "mlflow"
 
 # Our own tags (MLflow has no standard ones for these).
 GIT_DIRTY_TAG = "gem.git.dirty"
-RUN_ROLE_TAG = "gem.run_role"  # "parent": one per pipeline run; "step": one per step, nested under it
+RUN_ROLE_TAG = "gem.run_role"  # "parent": one per pipeline run; "step": one per step, nested under it; "model": one per model a step trains
 FAILED_STEP_TAG = "gem.failed_step"  # set on a parent once any of its steps failed; never cleared
 # MLflow 3's UI opens an experiment in its GenAI (traces) view unless told it holds model training.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
@@ -194,6 +195,25 @@ class RunTracker:
             steps = range(len(values)) if steps is None else steps
             batch = [Metric(key, float(v), now, int(s)) for s, v in zip(steps, values, strict=True)]
             self.client.log_batch(self.run_id, metrics=batch)
+
+    @contextlib.contextmanager
+    def child(self, run_name: str, tags: Mapping[str, Any] | None = None) -> Iterator[RunTracker]:
+        """A run nested under this one (one per model when a step trains several), ended FINISHED, or
+        FAILED when the body raises; it inherits this run's Dagster and git tags."""
+        if not self.enabled:
+            yield RunTracker.disabled()
+            return
+        parent = self.client.get_run(self.run_id)
+        inherited = {k: v for k, v in parent.data.tags.items() if k.startswith(("dagster.", "gem.git", "mlflow.source.git"))}
+        run = self.client.create_run(parent.info.experiment_id, run_name=run_name,
+                                     tags={**inherited, **{k: str(v) for k, v in (tags or {}).items()},
+                                           MLFLOW_PARENT_RUN_ID: self.run_id, RUN_ROLE_TAG: "model"})
+        try:
+            yield RunTracker(self.client, run.info.run_id)
+        except BaseException:
+            self.client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FAILED))
+            raise
+        self.client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self.enabled:

@@ -13,9 +13,11 @@ prepare_data_job = dg.define_asset_job(
 
 gem_pipeline_job = dg.define_asset_job(
     "gem_pipeline",
-    selection=dg.AssetSelection.groups("data", "training"),
+    selection=dg.AssetSelection.groups("data", "training", "transfer"),
     partitions_def=daily_partitions,
-    description="The day's data, then GEM retrained on it, warm-started from the previous day's checkpoint.",
+    description="The day's data, GEM retrained on it (warm-started from the previous day's checkpoint), then its "
+    "knowledge transferred to the domain foundation models and the vertical models, whose challengers are "
+    "promoted only when not worse than their champions.",
 )
 
 measure_mfu_job = dg.define_asset_job(

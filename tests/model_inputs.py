@@ -53,5 +53,5 @@ def take(batch: SequenceBatch, rows: list[int]) -> SequenceBatch:
         elif name == "sparse_features":
             values[name] = {k: v[rows] for k, v in value.items()}
         elif name != "history_offsets":
-            values[name] = value[rows]
+            values[name] = None if value is None else value[rows]
     return SequenceBatch(**values, history_offsets=torch.nn.functional.pad(lengths.cumsum(0), (1, 0)))

@@ -34,6 +34,9 @@ class SequenceBatch:
     history_event_type: torch.Tensor  # [N]
     history_action: torch.Tensor  # [N] bitmask of the event's positive labels
     history_age_seconds: torch.Tensor  # [N] float32, request time minus event time
+    # Knowledge transfer: a teacher's logits [B, n_objectives] and representation [B, H], when joined in.
+    teacher_logits: torch.Tensor | None = None
+    teacher_representation: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -47,7 +50,10 @@ class SequenceBatch:
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            moved[f.name] = {k: v.to(device) for k, v in value.items()} if isinstance(value, dict) else value.to(device)
+            if isinstance(value, dict):
+                moved[f.name] = {k: v.to(device) for k, v in value.items()}
+            else:
+                moved[f.name] = value if value is None else value.to(device)
         return SequenceBatch(**moved)
 
 

@@ -83,6 +83,7 @@ class SurfaceSpec:
     traffic_share: float
     ctr: float
     cvr: float | None
+    ctr_drift: float = 0.0  # relative change of ctr per day after start_date (a trend stale models miss)
 
 
 DEFAULT_SURFACES = (
@@ -157,8 +158,8 @@ class SyntheticConfig:
             raise ValueError("SyntheticConfig.surfaces: traffic shares must sum to more than 0")
         for spec in self.surfaces:
             rates = (spec.ctr,) if spec.cvr is None else (spec.ctr, spec.cvr)
-            if spec.traffic_share < 0 or not all(0.0 <= r <= 1.0 for r in rates):
-                raise ValueError(f"SyntheticConfig.surfaces: bad shares or rates in {spec}")
+            if spec.traffic_share < 0 or not all(0.0 <= r <= 1.0 for r in rates) or spec.ctr_drift <= -1.0:
+                raise ValueError(f"SyntheticConfig.surfaces: bad shares, rates or drift in {spec}")
 
     @property
     def ad_id_start(self) -> int:
@@ -210,7 +211,7 @@ def generate_day(config: SyntheticConfig, day: date) -> pl.DataFrame:
     click = np.zeros(n, dtype=np.int8)
     conversion = np.zeros(n, dtype=np.int8)
     click[ads], conversion[ads] = _ad_labels(
-        config, catalog, users, rng, ad_user, item[ads], surface[ads], interest[ad_user], retargeting_active
+        config, catalog, users, rng, ad_user, item[ads], surface[ads], interest[ad_user], retargeting_active, day_index
     )
     tracks_conversion = np.array([s.cvr is not None for s in config.surfaces])
     conversion_known = is_ad & tracks_conversion[surface]
@@ -401,6 +402,7 @@ def _ad_labels(
     surface: np.ndarray,
     interest: np.ndarray,
     retargeting_active: bool,
+    day_index: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     ad = item - config.ad_id_start
     category = catalog.category[item]
@@ -410,7 +412,7 @@ def _ad_labels(
     else:
         seen_early = np.zeros(user.size, dtype=bool)
 
-    ctr = np.array([s.ctr for s in config.surfaces])[surface]
+    ctr = np.array([s.ctr * (1.0 + s.ctr_drift) ** day_index for s in config.surfaces])[surface]
     p_click = (
         ctr
         * users.age_surface[users.age_bucket[user], surface]

@@ -18,7 +18,8 @@ class LogisticRegression(nn.Module):
     def __init__(self, spec: FeatureSpec, config: ModelConfig, device: torch.device | None = None):
         super().__init__()
         self.spec, self.config = spec, config
-        tasks, emb = len(spec.objectives), config.embedding
+        self.objectives = config.objectives(spec)
+        tasks, emb = len(self.objectives), config.embedding
         rows = {F.USER_ID: emb.user_buckets, F.SURFACE: len(spec.surfaces), F.CANDIDATE_ITEM: emb.item_buckets}
         rows.update({name: emb.sparse_buckets for name in spec.sparse_features})
         self.weights = nn.ModuleDict({key: nn.Embedding(n, tasks, device=device) for key, n in rows.items()})

@@ -86,6 +86,27 @@ class ModelConfig:
     tower_layers: int = 1
     use_sequence: bool = True  # False: the non-sequence model alone (a baseline)
     dropout: float = 0.0
+    tasks: tuple[str, ...] = ()  # the objectives this model predicts, in order; empty: all the data's
+    # Knowledge transfer (gem_ops.transfer): a teacher representation of this width enters as one more
+    # interaction token; an auxiliary head on the shared trunk learns teacher targets with this weight.
+    teacher_representation_dim: int = 0
+    distillation_weight: float = 0.0
+
+    def __post_init__(self):
+        if self.teacher_representation_dim < 0 or self.distillation_weight < 0:
+            raise ValueError("ModelConfig: teacher_representation_dim and distillation_weight must be >= 0, got "
+                             f"{self.teacher_representation_dim} and {self.distillation_weight}")
+
+    def objectives(self, spec: FeatureSpec) -> tuple[str, ...]:
+        """The objectives this model predicts: `tasks`, or all of the data's."""
+        unknown = [t for t in self.tasks if t not in spec.objectives]
+        if unknown:
+            raise ValueError(f"ModelConfig.tasks {unknown} are not objectives of the data {spec.objectives}")
+        return tuple(self.tasks) or spec.objectives
+
+    def task_columns(self, spec: FeatureSpec) -> list[int]:
+        """Columns of the data's label matrix that this model's tasks read."""
+        return [spec.objectives.index(t) for t in self.objectives(spec)]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

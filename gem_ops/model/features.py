@@ -51,15 +51,18 @@ class ModelInput:
     history_offsets: torch.Tensor  # [B + 1]
     history_action: torch.Tensor  # [N] raw bitmask, for branch selection
     history_event_type: torch.Tensor  # [N]
-    labels: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T] the model's tasks (ModelConfig.objectives)
     label_mask: torch.Tensor  # [B, T]
+    teacher_representation: torch.Tensor | None = None  # [B, H] representation transfer
+    teacher_logits: torch.Tensor | None = None  # [B, T] distillation targets (adapted teacher logits)
 
     @property
     def size(self) -> int:
         return int(self.surface.shape[0])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInput:
-        return ModelInput(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ModelInput(**{k: v if v is None else v.to(device, non_blocking=non_blocking) for k, v in moved.items()})
 
 
 def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) -> ModelInput:
@@ -91,6 +94,7 @@ def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) ->
         lengths=torch.cat([torch.ones(B, dtype=torch.int32), *[lengths] * len(history)]),
     )
     dense = batch.dense_features
+    columns = config.task_columns(spec)
     return ModelInput(
         pooled=pooled,
         sequence=sequence,
@@ -99,6 +103,19 @@ def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) ->
         history_offsets=batch.history_offsets,
         history_action=batch.history_action,
         history_event_type=batch.history_event_type,
-        labels=batch.labels,
-        label_mask=batch.label_mask,
+        labels=batch.labels[:, columns],
+        label_mask=batch.label_mask[:, columns],
+        teacher_representation=_teacher_representation(batch, config),
+        teacher_logits=None if batch.teacher_logits is None else batch.teacher_logits[:, columns],
     )
+
+
+def _teacher_representation(batch: SequenceBatch, config: ModelConfig) -> torch.Tensor | None:
+    if not config.teacher_representation_dim:
+        return None
+    rep = batch.teacher_representation
+    if rep is None or rep.shape[-1] != config.teacher_representation_dim:
+        got = "none" if rep is None else f"width {rep.shape[-1]}"
+        raise ValueError(f"the model takes a teacher representation of width {config.teacher_representation_dim}, "
+                         f"the batch has {got}: join the teacher's predictions (gem_ops.transfer.TeacherJoinedLogs)")
+    return rep.float()

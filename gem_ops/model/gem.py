@@ -74,7 +74,9 @@ class GEMModel(nn.Module):
         self.embeddings = GEMEmbeddings(spec, config, device=device)
         self.candidate_proj = nn.Linear(ds, d)
         self.dense_proj = nn.Linear(len(spec.dense_features), d) if spec.dense_features else None
-        n = self.embeddings.n_pooled + 1 + (1 if spec.dense_features else 0)
+        rep = config.teacher_representation_dim
+        self.teacher_proj = nn.Sequential(nn.LayerNorm(rep), nn.Linear(rep, d)) if rep else None
+        n = self.embeddings.n_pooled + 1 + (1 if spec.dense_features else 0) + (1 if rep else 0)
         wk = config.wukong
         n_out = wk.n_fm + wk.n_lcb
         branches = config.sequence.branches if config.use_sequence else ()
@@ -85,8 +87,13 @@ class GEMModel(nn.Module):
             WukongLayer(n_in + per_block_extra, wk.n_fm, wk.n_lcb, d, wk.fm_rank, wk.mlp_hidden) for n_in in n_tokens
         )
         self.trunk = nn.Sequential(nn.Linear(n_out * d, config.trunk_hidden), nn.GELU(), nn.LayerNorm(config.trunk_hidden))
-        self.towers = DomainTaskTowers(config.trunk_hidden, len(spec.surfaces), len(spec.objectives),
-                                       config.tower_hidden, config.tower_layers)
+        self.objectives = config.objectives(spec)
+        towers = lambda: DomainTaskTowers(config.trunk_hidden, len(spec.surfaces), len(self.objectives),  # noqa: E731
+                                          config.tower_hidden, config.tower_layers)
+        self.towers = towers()
+        # Distillation: teacher targets train their own head on the shared trunk, so the serving head
+        # stays calibrated to the true labels while the trunk takes up the teacher's knowledge.
+        self.distillation_towers = towers() if config.distillation_weight > 0 else None
         if device is not None:
             self.to(device)
 
@@ -97,6 +104,8 @@ class GEMModel(nn.Module):
         tokens = [pooled, candidate.unsqueeze(1)]
         if self.dense_proj is not None:
             tokens.append(self.dense_proj(x.dense).unsqueeze(1))
+        if self.teacher_proj is not None:
+            tokens.append(self.teacher_proj(x.teacher_representation).unsqueeze(1))
         tokens = torch.cat(tokens, dim=1)
         states = [branch.select(history, x) for branch in self.branches]
         for block, interaction in enumerate(self.interaction):
@@ -112,7 +121,15 @@ class GEMModel(nn.Module):
         return self.towers(self.encode(x), x.surface)
 
     def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(training loss, per-task losses, logits)."""
-        logits = self(x)
+        """(training loss, per-task losses on the true labels, serving logits).
+
+        With a distillation head and teacher logits in the input, the loss adds distillation_weight x
+        the head's log loss against the teacher's probabilities, on the same labelled (example, task)s."""
+        trunk = self.encode(x)
+        logits = self.towers(trunk, x.surface)
         total, per_task = masked_bce_loss(logits, x.labels, x.label_mask)
+        if self.distillation_towers is not None and x.teacher_logits is not None:
+            soft = torch.sigmoid(x.teacher_logits.float())
+            distilled, _ = masked_bce_loss(self.distillation_towers(trunk, x.surface), soft, x.label_mask)
+            total = total + self.config.distillation_weight * distilled
         return total, per_task, logits

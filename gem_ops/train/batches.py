@@ -35,9 +35,11 @@ class PlanSchedule:
         return self.steps[position if order is None else order[position]]
 
 
-def eval_batches(logs: SequenceLogs, max_examples: int, batch_size: int, max_history_len: int, seed: int = 0) -> Iterator[np.ndarray]:
-    """A fixed random subset of the eval split, cut into batches of similar history length (little padding)."""
-    indices = logs.split_indices("eval")
+def eval_batches(logs: SequenceLogs, max_examples: int, batch_size: int, max_history_len: int, seed: int = 0,
+                 indices: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """A fixed random subset of the eval split (or of `indices`), cut into batches of similar history
+    length (little padding)."""
+    indices = logs.split_indices("eval") if indices is None else np.asarray(indices)
     if indices.size > max_examples:
         indices = np.sort(np.random.default_rng(seed).choice(indices, max_examples, replace=False))
     lengths = logs.history_lengths(max_history_len)[indices]

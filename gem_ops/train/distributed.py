@@ -151,7 +151,7 @@ def evaluate_distributed(sharded: ShardedModel, logs: SequenceLogs, config: Trai
         return {}
     joined = {k: torch.cat([g[k] for g in gathered]) for k in out}
     return quality_report(joined["logits"], joined["labels"], joined["label_mask"], joined["surface"],
-                          model.spec.surfaces, model.spec.objectives)
+                          model.spec.surfaces, model.objectives)
 
 
 def train_distributed(
@@ -279,7 +279,7 @@ def _train(logs, plan_path, model_config, config, topology: Topology, *, embeddi
         result.step_flops.append(float(rows[:, len(MEASURES) + 1].sum()))
         metrics = {"train.loss": value, "train.lr_dense": lr, "train.step_seconds": float(rows[:, len(MEASURES)].max()),
                    **step_mfu.metrics(result.step_flops[-1], result.step_seconds[-1]),
-                   **{f"train.loss.{t}": float(v) for t, v in zip(spec.objectives, per_task)},
+                   **{f"train.loss.{t}": float(v) for t, v in zip(model.objectives, per_task)},
                    **{f"train.imbalance.{m}": r for m, r in ratios.items()}}
         pending[step] = metrics
         if reporter is not None and rank == 0:

@@ -90,24 +90,26 @@ def predict_logits(model: GEMModel, logs: SequenceLogs, indices: list[np.ndarray
     max_len = model.config.sequence.max_history_len
     for batch_indices in indices:
         batch = logs.batch(batch_indices, max_len)
-        x = model_input(batch, model.spec, model.config).to(device)
+        x = model_input(batch, model.spec, model.config)
         with autocast_context(device, precision):
-            logits = model(x)
+            logits = model(x.to(device))
         parts["logits"].append(logits.float().cpu())
-        parts["labels"].append(batch.labels)
-        parts["label_mask"].append(batch.label_mask)
+        parts["labels"].append(x.labels)
+        parts["label_mask"].append(x.label_mask)
         parts["surface"].append(batch.surface)
         parts["example_index"].append(batch.example_index)
     model.train(was_training)
     return {k: torch.cat(v) if v else torch.empty(0) for k, v in parts.items()}
 
 
-def evaluate(model: GEMModel, logs: SequenceLogs, config: TrainConfig, device: torch.device) -> dict[str, dict[str, float]]:
+def evaluate(model: GEMModel, logs: SequenceLogs, config: TrainConfig, device: torch.device,
+             indices: np.ndarray | None = None) -> dict[str, dict[str, float]]:
+    """Quality on the eval split (or the given eval examples), per domain and task."""
     batches = eval_batches(logs, config.eval_max_examples, config.eval_batch_size,
-                           model.config.sequence.max_history_len, config.seed)
+                           model.config.sequence.max_history_len, config.seed, indices)
     out = predict_logits(model, logs, batches, device, config.precision)
     return quality_report(out["logits"], out["labels"], out["label_mask"], out["surface"],
-                          model.spec.surfaces, model.spec.objectives)
+                          model.spec.surfaces, model.objectives)
 
 
 def train(
@@ -122,14 +124,17 @@ def train(
     device: torch.device | str = "cpu",
     rank: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    model: GEMModel | None = None,
+    eval_indices: np.ndarray | None = None,
 ) -> tuple[GEMModel, TrainResult]:
     """Trains on this rank's rows of the plan. A checkpoint already in checkpoint_dir is resumed (same
     step count at the end as an uninterrupted run); otherwise `warm_start` (a checkpoint of an earlier
-    run) initialises the weights."""
+    run) initialises the weights. `model`: one already built for model_config (e.g. with tables shared
+    from a teacher); `eval_indices`: the eval examples (default: the whole eval split)."""
     device = torch.device(device)
     tracker = tracker or RunTracker.disabled()
     spec = FeatureSpec.from_logs(logs)
-    model = seeded_model(spec, model_config, device, config.seed)
+    model = seeded_model(spec, model_config, device, config.seed) if model is None else model.to(device)
     accelerated = prepare_for_training(model, config, device)
     optimizer = build_optimizer(model, config)
     schedule = PlanSchedule(plan_path, rank, config.epochs, config.seed)
@@ -167,7 +172,7 @@ def train(
             result.checkpoint = save_checkpoint(checkpoint_dir, step, state, config.keep_checkpoints)
 
     def run_eval(step: int) -> None:
-        report = evaluate(model, logs, config, device)
+        report = evaluate(model, logs, config, device, eval_indices)
         result.eval_steps.append(step)
         result.eval_reports.append(report)
         tracker.log_metrics(flat_metrics(report), step=step)
@@ -208,7 +213,7 @@ def train(
         result.step_flops.append(flops)
         pending[step] = {"train.loss": value, "train.lr_dense": lr, "train.step_seconds": result.step_seconds[-1],
                          **step_mfu.metrics(flops, result.step_seconds[-1]),
-                         **{f"train.loss.{t}": float(v) for t, v in zip(spec.objectives, per_task)}}
+                         **{f"train.loss.{t}": float(v) for t, v in zip(model.objectives, per_task)}}
         if on_step is not None:
             on_step(step, value)
         if len(pending) >= config.log_every or step + 1 == total:

@@ -31,6 +31,8 @@ from gem_ops.tracking import PROJECT_ROOT
 MODEL_STATE = "model_state"
 INPUT_EXAMPLE_ROWS = 4  # eval requests saved with the model as its input example
 HISTORY_COLUMNS = ("history_item_id", "history_surface", "history_event_type", "history_action", "history_age_seconds")
+# A student with representation transfer also takes its teacher's representation of the request.
+TEACHER_REPRESENTATION = "teacher_representation"
 
 
 def batch_to_frame(batch: SequenceBatch, spec: FeatureSpec) -> pd.DataFrame:
@@ -53,6 +55,8 @@ def batch_to_frame(batch: SequenceBatch, spec: FeatureSpec) -> pd.DataFrame:
         "history_action": split(batch.history_action.numpy()),
         "history_age_seconds": split(batch.history_age_seconds.numpy()),
     }
+    if batch.teacher_representation is not None:
+        frame[TEACHER_REPRESENTATION] = batch.teacher_representation.float().numpy().tolist()
     return pd.DataFrame(frame)
 
 
@@ -98,6 +102,8 @@ def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec) -> SequenceBatch:
         history_surface=t_(codes("history_surface", spec.surfaces, [v for r in frame["history_surface"] for v in r])),
         history_event_type=t_(codes("history_event_type", spec.event_types,
                                     [v for r in frame["history_event_type"] for v in r])),
+        teacher_representation=(torch.tensor(np.stack([np.asarray(r, np.float32) for r in frame[TEACHER_REPRESENTATION]]))
+                                if TEACHER_REPRESENTATION in frame.columns and n else None),
         history_action=t_(flat("history_action", np.int64)),
         history_age_seconds=t_(flat("history_age_seconds", np.float32)),
     )
@@ -121,12 +127,14 @@ def predict_frame(model: GEMModel, frame: pd.DataFrame) -> pd.DataFrame:
     if batch.size and int(batch.history_lengths.max()) > limit:
         batch = _cut_histories(batch, limit)
     probabilities = torch.sigmoid(model(model_input(batch, model.spec, model.config)).float())
-    return pd.DataFrame({f"p_{t}": probabilities[:, i].numpy() for i, t in enumerate(model.spec.objectives)})
+    return pd.DataFrame({f"p_{t}": probabilities[:, i].numpy() for i, t in enumerate(model.objectives)})
 
 
 def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example: pd.DataFrame,
-              registered_name: str | None = None, artifact_path: str = "model") -> str | None:
-    """Saves the pyfunc into the run's artifacts and, given a name, registers a new version; returns it."""
+              registered_name: str | None = None, artifact_path: str = "model",
+              version_tags: dict[str, str] | None = None) -> str | None:
+    """Saves the pyfunc into the run's artifacts and, given a name, registers a new version (with the
+    given tags); returns it."""
     from gem_ops.train.loop import model_state
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,7 +161,7 @@ def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example:
             raise
     run = client.get_run(run_id)
     source = f"{run.info.artifact_uri}/{artifact_path}"
-    version = client.create_model_version(registered_name, source, run_id=run_id)
+    version = client.create_model_version(registered_name, source, run_id=run_id, tags=version_tags)
     return version.version
 
 

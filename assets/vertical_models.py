@@ -1,0 +1,93 @@
+"""vertical_models: the small serving models, one per domain and objective, learning from GEM directly or
+through their domain's foundation model; each registers as `challenger` and a blocking check promotes
+only those not worse than the current `champion`."""
+
+import dagster as dg
+import numpy as np
+from pydantic import Field
+
+from assets.domain_foundation_models import domain_foundation_models, fm_predictions_path
+from assets.partitions import daily_partitions
+from assets.resources import LakeResource, MLflowResource
+from assets.sequence_logs import sequence_logs_path
+from assets.student_training import StudentTrainingConfig
+from assets.teacher_predictions import predictions_path, teacher_predictions
+from gem_ops.data.loader import SequenceLogs
+from gem_ops.transfer.config import TransferWindows
+from gem_ops.transfer.hierarchy import DomainData, train_vertical_model
+from gem_ops.transfer.knowledge import read_predictions
+from gem_ops.transfer.registry import (CHALLENGER, lineage_tags, load_model_version, promote_if_not_worse,
+                                       register_student)
+from gem_ops.transfer.student import Teacher
+from gem_ops.transfer.windows import labelled_tasks
+
+CHECK = "challengers_not_worse_than_champions"
+
+
+class VerticalModelsConfig(StudentTrainingConfig):
+    mode: str = Field("hierarchical", description="hierarchical (GEM -> domain FM -> VM), direct (GEM -> VM) or alone.")
+    registered_model_prefix: str = Field("vertical", description="Each model registers as <prefix>_<domain>_<objective>.")
+    ne_tolerance: float = Field(0.0, description="A challenger is not worse when its NE <= the champion's + this.")
+    promotion_max_examples: int = Field(20_000, description="Eval examples per domain on which challenger and champion are compared.")
+
+
+def _teacher(mode: str, lake: LakeResource, day: str, domain: str, client) -> Teacher | None:
+    if mode == "alone":
+        return None
+    if mode not in ("direct", "hierarchical"):
+        raise ValueError(f"vertical_models mode must be hierarchical, direct or alone, got {mode!r}")
+    path = predictions_path(lake, day) if mode == "direct" else fm_predictions_path(lake, day, domain)
+    predictions = read_predictions(path)
+    identity = predictions.teacher
+    return Teacher(load_model_version(client, identity["name"], identity["version"]), predictions, identity)
+
+
+@dg.asset(
+    partitions_def=daily_partitions, deps=[teacher_predictions, domain_foundation_models], group_name="transfer",
+    kinds={"pytorch", "mlflow"},
+    check_specs=[dg.AssetCheckSpec(CHECK, asset="vertical_models", blocking=True,
+                                   description="Each challenger is compared with its champion on the same eval "
+                                               "examples; only one not worse is promoted.")],
+)
+def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsConfig, lake: LakeResource,
+                    mlflow: MLflowResource):
+    day = context.partition_key
+    logs = SequenceLogs(sequence_logs_path(lake, day))
+    client = mlflow.get_client()
+    student_days = read_predictions(predictions_path(lake, day)).teacher["student_days"]
+    window = TransferWindows(student_days=student_days)
+    models, decisions = {}, []
+    rng = np.random.default_rng(config.seed)
+    with mlflow.asset_run(context) as run:
+        run.log_params(config.model_dump())
+        for domain in config.selected(logs.surfaces):
+            data = DomainData.of(logs, domain, window)
+            teacher = _teacher(config.mode, lake, day, domain, client)
+            tasks = [t for t in labelled_tasks(logs, data.train) if t in labelled_tasks(logs, data.eval)]
+            compare = data.eval if data.eval.size <= config.promotion_max_examples else \
+                np.sort(rng.choice(data.eval, config.promotion_max_examples, replace=False))
+            scored = {}  # the teachers of this domain's models, scored once for all its comparisons
+            for task in tasks:
+                name = f"{config.registered_model_prefix}_{domain}_{task}"
+                tags = lineage_tags(config.mode, teacher.identity if teacher else None) | {"domain": domain, "task": task}
+                with run.child(f"{name} [{day}]", tags) as child:
+                    vm = train_vertical_model(logs, data, task, config.model(), config.train(),
+                                              lake.path("vertical_models", day, f"{domain}_{task}"), config.transfer(),
+                                              teacher, config.shuffling(), child)
+                    version = register_student(client, child.run_id, vm.model, vm.data, data.eval, name, tags, CHALLENGER)
+                    decision = promote_if_not_worse(client, name, logs, compare, task, version, config.ne_tolerance,
+                                                    scored)
+                    child.log_dict(decision.to_dict(), "promotion.json")
+                decisions.append(decision)
+                models[name] = {"version": version, "promoted": decision.promoted, "reason": decision.reason,
+                                "ne": round(decision.challenger["ne"], 4), "auc": round(decision.challenger["auc"], 4)}
+                context.log.info(f"{name} v{version}: {models[name]}")
+        run.log_dict([d.to_dict() for d in decisions], "promotion_decisions.json")
+    kept_out = [d.model for d in decisions if not d.promoted]
+    return dg.MaterializeResult(
+        metadata={"models": dg.MetadataValue.json(models), "mode": config.mode},
+        check_results=[dg.AssetCheckResult(
+            check_name=CHECK, passed=not kept_out, severity=dg.AssetCheckSeverity.ERROR,
+            metadata={"kept_out": kept_out, "decisions": dg.MetadataValue.json([d.to_dict() for d in decisions])},
+        )],
+    )

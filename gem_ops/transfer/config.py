@@ -1,0 +1,51 @@
+"""Settings of a teacher -> student transfer and of the data windows it uses."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Mode = Literal["alone", "direct", "hierarchical"]
+MODES: tuple[str, ...] = ("alone", "direct", "hierarchical")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    distillation_weight: float = 1.0  # weight of the auxiliary head's loss on teacher targets; 0: no distillation
+    student_adapter: bool = True  # map teacher logits to fresh-label-calibrated targets first
+    adapter_hidden: int = 16
+    adapter_steps: int = 300  # full-batch Adam steps on the student's training window
+    adapter_lr: float = 0.02
+    representation: bool = True  # the teacher's trunk representation becomes a student input token
+    shared_tables: tuple[str, ...] = ("item",)  # embedding tables copied from the teacher; () for none
+    freeze_shared: bool = False  # keep the copied tables fixed while the student trains
+
+    def __post_init__(self):
+        if self.distillation_weight < 0:
+            raise ValueError(f"TransferConfig.distillation_weight must be >= 0, got {self.distillation_weight}")
+        if self.adapter_steps < 1 or self.adapter_hidden < 1:
+            raise ValueError("TransferConfig.adapter_steps and adapter_hidden must be >= 1")
+
+    @property
+    def uses_predictions(self) -> bool:
+        return self.distillation_weight > 0 or self.representation
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TransferWindows:
+    """Which training days the teacher and the students learn from (the eval split is the same for all).
+
+    The students train on the newest `student_days` days of the training split; the teacher's data ends
+    `staleness_days` before the students' does (a foundation model retrains less often than the models
+    that serve, so its supervision is stale)."""
+
+    student_days: int = 3
+    staleness_days: int = 0
+
+    def __post_init__(self):
+        if self.student_days < 1 or self.staleness_days < 0:
+            raise ValueError(f"TransferWindows: student_days must be >= 1 and staleness_days >= 0, "
+                             f"got {self.student_days} and {self.staleness_days}")

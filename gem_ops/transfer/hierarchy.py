@@ -1,0 +1,65 @@
+"""The transfer hierarchy on one day's sequence logs: domain foundation models learn from GEM, vertical
+models (one per domain and objective) learn from GEM directly or from their domain's FM."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gem_ops.data.batch_shuffling import ShufflingConfig
+from gem_ops.data.loader import SequenceLogs
+from gem_ops.model.config import ModelConfig
+from gem_ops.tracking import RunTracker
+from gem_ops.train.config import TrainConfig
+from gem_ops.transfer import windows
+from gem_ops.transfer.config import TransferConfig, TransferWindows
+from gem_ops.transfer.knowledge import score_examples
+from gem_ops.transfer.student import StudentRun, Teacher, train_student
+
+
+@dataclass
+class DomainData:
+    """A domain's fresh training examples and its eval examples."""
+
+    domain: str
+    train: np.ndarray
+    eval: np.ndarray
+
+    @classmethod
+    def of(cls, logs: SequenceLogs, domain: str, window: TransferWindows) -> DomainData:
+        return cls(domain, windows.student_examples(logs, window, domain), windows.eval_examples(logs, domain))
+
+    @property
+    def all(self) -> np.ndarray:
+        return np.concatenate([self.train, self.eval])
+
+
+def students_examples(logs: SequenceLogs, window: TransferWindows) -> np.ndarray:
+    """Every example a student trains or is evaluated on: what a teacher has to score."""
+    return np.concatenate([windows.student_examples(logs, window), windows.eval_examples(logs)])
+
+
+def train_domain_foundation_model(logs: SequenceLogs, data: DomainData, base: ModelConfig, train_config: TrainConfig,
+                                  work_dir: str | os.PathLike, transfer: TransferConfig, gem: Teacher | None,
+                                  shuffling: ShufflingConfig = ShufflingConfig(),
+                                  tracker: RunTracker | None = None) -> StudentRun:
+    """A domain FM: every objective of one domain, on the domain's fresh data, from GEM (or alone)."""
+    return train_student(logs, data.train, data.eval, base, (), train_config, work_dir, transfer, gem, shuffling, tracker)
+
+
+def as_teacher(run: StudentRun, data: DomainData, identity: dict[str, Any]) -> Teacher:
+    """A trained FM as the teacher of its domain's vertical models: it scores their examples."""
+    return Teacher(run.model, score_examples(run.model, run.data, data.all, identity), identity)
+
+
+def train_vertical_model(logs: SequenceLogs, data: DomainData, task: str, base: ModelConfig, train_config: TrainConfig,
+                         work_dir: str | os.PathLike, transfer: TransferConfig, teacher: Teacher | None,
+                         shuffling: ShufflingConfig = ShufflingConfig(), tracker: RunTracker | None = None) -> StudentRun:
+    """A vertical model: one objective of one domain, alone or from its teacher (GEM or the domain's FM)."""
+    return train_student(logs, data.train, data.eval, base, (task,), train_config, Path(work_dir), transfer, teacher,
+                         shuffling, tracker)
+

@@ -1,0 +1,149 @@
+"""Knowledge generation: a teacher scores examples once; its logits and trunk representations are
+stored with the teacher's identity and joined into the students' batches by example index."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from gem_ops.data.atomic import atomic_path
+from gem_ops.data.loader import SequenceBatch, SequenceLogs
+from gem_ops.model.features import model_input
+from gem_ops.model.gem import GEMModel
+from gem_ops.train.loop import autocast_context
+
+METADATA_KEY = b"gem.teacher"
+
+
+@dataclass
+class TeacherPredictions:
+    """Per scored example: the teacher's logit per objective and its trunk representation."""
+
+    example_index: np.ndarray  # [N] int64, rows of the sequence logs' examples
+    logits: np.ndarray  # [N, T] float32, in `objectives` order
+    representation: np.ndarray  # [N, H] float16
+    objectives: tuple[str, ...]
+    teacher: dict[str, Any] = field(default_factory=dict)  # e.g. model name, version, run id, kind
+
+    def __post_init__(self):
+        n = self.example_index.shape[0]
+        if self.logits.shape[0] != n or self.representation.shape[0] != n:
+            raise ValueError(f"teacher predictions: {n} examples but {self.logits.shape[0]} logit rows "
+                             f"and {self.representation.shape[0]} representation rows")
+
+    def __len__(self) -> int:
+        return int(self.example_index.shape[0])
+
+    @property
+    def representation_dim(self) -> int:
+        return int(self.representation.shape[1])
+
+    def with_logits(self, logits: np.ndarray) -> TeacherPredictions:
+        """The same examples with other logits (e.g. the Student Adapter's)."""
+        return replace(self, logits=np.asarray(logits, dtype=np.float32))
+
+
+@torch.no_grad()
+def score_examples(model: GEMModel, logs: SequenceLogs, indices: np.ndarray, teacher: dict[str, Any] | None = None,
+                   batch_size: int = 1024, device: torch.device | str = "cpu", precision: str = "auto") -> TeacherPredictions:
+    """The teacher's logits and representations of the given examples (in length-sorted batches)."""
+    device = torch.device(device)
+    was_training = model.training
+    model.eval().to(device)
+    indices = np.asarray(indices, dtype=np.int64)
+    max_len = model.config.sequence.max_history_len
+    order = indices[np.argsort(logs.history_lengths(max_len)[indices], kind="stable")]
+    parts: dict[str, list[np.ndarray]] = {"index": [], "logits": [], "rep": []}
+    for start in range(0, order.size, batch_size):
+        chunk = order[start : start + batch_size]
+        x = model_input(logs.batch(chunk, max_len), model.spec, model.config).to(device)
+        with autocast_context(device, precision):
+            trunk = model.encode(x)
+            logits = model.towers(trunk, x.surface)
+        parts["index"].append(chunk)
+        parts["logits"].append(logits.float().cpu().numpy())
+        parts["rep"].append(trunk.float().cpu().numpy().astype(np.float16))
+    model.train(was_training)
+    hidden = model.config.trunk_hidden
+    return TeacherPredictions(
+        example_index=np.concatenate(parts["index"]) if parts["index"] else np.zeros(0, np.int64),
+        logits=np.concatenate(parts["logits"]) if parts["logits"] else np.zeros((0, len(model.objectives)), np.float32),
+        representation=np.concatenate(parts["rep"]) if parts["rep"] else np.zeros((0, hidden), np.float16),
+        objectives=tuple(model.objectives),
+        teacher=dict(teacher or {}),
+    )
+
+
+def write_predictions(predictions: TeacherPredictions, destination: str | os.PathLike) -> Path:
+    """One Parquet file (example_index, logit_<objective>..., representation), written aside then renamed;
+    the teacher's identity and objectives go in the file's metadata."""
+    n, h = len(predictions), predictions.representation_dim
+    columns = {"example_index": pa.array(predictions.example_index, pa.int64())}
+    for t, name in enumerate(predictions.objectives):
+        columns[f"logit_{name}"] = pa.array(predictions.logits[:, t], pa.float32())
+    flat = pa.array(np.ascontiguousarray(predictions.representation).reshape(-1), pa.float16())
+    columns["representation"] = pa.FixedSizeListArray.from_arrays(flat, h) if n else pa.array([], pa.list_(pa.float16(), h))
+    meta = {"objectives": list(predictions.objectives), "teacher": predictions.teacher}
+    table = pa.table(columns).replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()})
+    with atomic_path(destination) as tmp:
+        pq.write_table(table, tmp)
+    return Path(destination)
+
+
+def read_predictions(path: str | os.PathLike) -> TeacherPredictions:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"teacher predictions {path} do not exist: materialize teacher_predictions first")
+    table = pq.read_table(path)
+    raw = (table.schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise ValueError(f"{path}: not a teacher predictions file (no {METADATA_KEY.decode()} metadata)")
+    meta = json.loads(raw)
+    rep = table.column("representation").combine_chunks()
+    h = rep.type.list_size
+    values = rep.values.to_numpy(zero_copy_only=False) if len(rep) else np.zeros(0, np.float16)
+    return TeacherPredictions(
+        example_index=table.column("example_index").to_numpy(),
+        logits=np.stack([table.column(f"logit_{t}").to_numpy() for t in meta["objectives"]], 1).astype(np.float32),
+        representation=values.reshape(-1, h).copy(),  # writable, for torch
+        objectives=tuple(meta["objectives"]),
+        teacher=meta["teacher"],
+    )
+
+
+class TeacherJoinedLogs:
+    """Sequence logs whose batches carry a teacher's logits and representation (everything else is the
+    wrapped logs'). Every batched example must have been scored."""
+
+    def __init__(self, logs: SequenceLogs, predictions: TeacherPredictions):
+        if tuple(predictions.objectives) != tuple(logs.objectives):
+            raise ValueError(f"teacher objectives {predictions.objectives} differ from the data's {logs.objectives}")
+        self.logs, self.predictions = logs, predictions
+        self._row = np.full(len(logs), -1, dtype=np.int64)
+        self._row[predictions.example_index] = np.arange(len(predictions))
+        self._logits = torch.from_numpy(predictions.logits)
+        self._rep = torch.from_numpy(predictions.representation)
+
+    def __getattr__(self, name: str):
+        return getattr(self.logs, name)
+
+    def __len__(self) -> int:
+        return len(self.logs)
+
+    def batch(self, indices, max_history_len: int | None = None) -> SequenceBatch:
+        batch = self.logs.batch(indices, max_history_len)
+        rows = self._row[np.asarray(indices, dtype=np.int64)]
+        if (rows < 0).any():
+            missing = np.asarray(indices)[rows < 0][:5].tolist()
+            raise KeyError(f"the teacher ({self.predictions.teacher or 'unnamed'}) did not score example(s) {missing}; "
+                           "score the student's training and eval examples")
+        rows_t = torch.from_numpy(rows)
+        return replace(batch, teacher_logits=self._logits[rows_t], teacher_representation=self._rep[rows_t])

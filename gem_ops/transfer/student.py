@@ -1,0 +1,118 @@
+"""Training a student (domain foundation model or vertical model) alone or from a teacher."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gem_ops.data.batch_shuffling import ShufflingConfig, plan_base_batch_shuffling, write_plan
+from gem_ops.data.loader import SequenceLogs
+from gem_ops.metrics.quality import quality_report
+from gem_ops.model.config import FeatureSpec, ModelConfig
+from gem_ops.model.gem import GEMModel
+from gem_ops.tracking import RunTracker
+from gem_ops.train.config import TrainConfig
+from gem_ops.train.loop import TrainResult, seeded_model, train
+from gem_ops.transfer.adapter import adapt, fit_adapter
+from gem_ops.transfer.config import TransferConfig
+from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions
+from gem_ops.transfer.sharing import share_tables, sharing_config
+
+
+@dataclass
+class Teacher:
+    """What a student learns from: the teacher's model (for its tables) and its scores of the student's
+    training and eval examples (for distillation and representation transfer)."""
+
+    model: GEMModel
+    predictions: TeacherPredictions
+    identity: dict[str, Any] = field(default_factory=dict)  # model name, version, kind, ...
+
+
+@dataclass
+class StudentRun:
+    model: GEMModel
+    result: TrainResult
+    data: SequenceLogs | TeacherJoinedLogs  # what the student reads (teacher columns joined in)
+    adapter_report: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # {"teacher"|"adapted": eval report}
+
+
+def student_config(base: ModelConfig, tasks: tuple[str, ...], transfer: TransferConfig,
+                   teacher: Teacher | None) -> ModelConfig:
+    """The student's architecture: `base` predicting `tasks`, shaped for the transfer mechanisms in use."""
+    config = replace(base, tasks=tuple(tasks))
+    if teacher is None:
+        return config
+    if transfer.shared_tables:
+        config = sharing_config(config, teacher.model.config, transfer.shared_tables)
+    return replace(config, distillation_weight=transfer.distillation_weight,
+                   teacher_representation_dim=teacher.predictions.representation_dim if transfer.representation else 0)
+
+
+def write_student_plan(logs: SequenceLogs, indices: np.ndarray, destination: str | os.PathLike,
+                       shuffling: ShufflingConfig, max_history_len: int) -> Path:
+    """A one-rank Base Batch Shuffling plan over the student's examples."""
+    lengths = logs.history_lengths(max_history_len)[indices]
+    if indices.size < shuffling.rank_batch_size:
+        raise ValueError(f"{indices.size} training examples are fewer than one batch ({shuffling.rank_batch_size}); "
+                         "widen the student window (student_days) or lower the batch size")
+    plan = plan_base_batch_shuffling(lengths, 1, shuffling, indices)
+    return write_plan(plan, destination)
+
+
+def train_student(
+    logs: SequenceLogs,
+    train_indices: np.ndarray,
+    eval_indices: np.ndarray,
+    base: ModelConfig,
+    tasks: tuple[str, ...],
+    train_config: TrainConfig,
+    work_dir: str | os.PathLike,
+    transfer: TransferConfig = TransferConfig(),
+    teacher: Teacher | None = None,
+    shuffling: ShufflingConfig = ShufflingConfig(),
+    tracker: RunTracker | None = None,
+) -> StudentRun:
+    """Trains a student on `train_indices` and evaluates it on `eval_indices`, alone (teacher None) or with
+    the transfer mechanisms `transfer` turns on."""
+    config = student_config(base, tasks, transfer, teacher)
+    plan = write_student_plan(logs, train_indices, Path(work_dir) / "plan.parquet", shuffling,
+                              config.sequence.max_history_len)
+    data: SequenceLogs | TeacherJoinedLogs = logs
+    adapter_report = {}
+    if teacher is not None and (config.distillation_weight > 0 or config.teacher_representation_dim):
+        predictions = teacher.predictions
+        if config.distillation_weight > 0 and transfer.student_adapter:
+            adapter = fit_adapter(logs, predictions, train_indices, transfer.adapter_hidden, transfer.adapter_steps,
+                                  transfer.adapter_lr, train_config.seed)
+            adapted = adapt(adapter, logs, predictions)
+            adapter_report = {"teacher": prediction_report(logs, predictions, eval_indices, config),
+                              "adapted": prediction_report(logs, adapted, eval_indices, config)}
+            predictions = adapted
+        data = TeacherJoinedLogs(logs, predictions)
+    model = seeded_model(FeatureSpec.from_logs(logs), config, "cpu", train_config.seed)
+    if teacher is not None and transfer.shared_tables:
+        share_tables(model, teacher.model, transfer.shared_tables, transfer.freeze_shared)
+    model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices, tracker=tracker)
+    return StudentRun(model, result, data, adapter_report)
+
+
+def prediction_report(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray,
+                      config: ModelConfig) -> dict[str, dict[str, float]]:
+    """Quality of stored predictions on `indices`, for the tasks of `config`."""
+    position = np.full(len(logs), -1, dtype=np.int64)
+    position[predictions.example_index] = np.arange(len(predictions))
+    rows = position[np.asarray(indices, dtype=np.int64)]
+    if (rows < 0).any():
+        raise ValueError("the predictions do not cover every example to report on")
+    spec = FeatureSpec.from_logs(logs)
+    columns = config.task_columns(spec)
+    batch = logs.batch(indices, max_history_len=0)
+    logits = torch.from_numpy(predictions.logits[rows][:, columns])
+    return quality_report(logits, batch.labels[:, columns], batch.label_mask[:, columns], batch.surface,
+                          spec.surfaces, config.objectives(spec))

@@ -1,0 +1,186 @@
+"""Knowledge transfer mechanisms on small drifting synthetic logs: teacher predictions stored and joined,
+the Student Adapter recalibrating a stale teacher, distillation and representation transfer in the
+student, parameter sharing, and registry promotion with lineage on a real MLflow SQLite store."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from gem_ops.data.batch_shuffling import ShufflingConfig
+from gem_ops.data.synthetic import STRONG_SIGNAL, SurfaceSpec
+from gem_ops.model.config import FeatureSpec, model_config
+from gem_ops.model.features import model_input
+from gem_ops.train.config import TrainConfig
+from gem_ops.train.loop import seeded_model, train
+from gem_ops.train.optimizer import build_optimizer, split_parameters
+from gem_ops.transfer import windows
+from gem_ops.transfer.adapter import adapt, fit_adapter
+from gem_ops.transfer.config import TransferConfig, TransferWindows
+from gem_ops.transfer.knowledge import TeacherJoinedLogs, read_predictions, score_examples, write_predictions
+from gem_ops.transfer.registry import (CHALLENGER, CHAMPION, TEACHER_NAME, TEACHER_VERSION, current_version,
+                                       lineage_tags, model_identity, promote_if_not_worse, register_student)
+from gem_ops.transfer.sharing import embedding_tables, share_tables, sharing_config
+from gem_ops.transfer.student import Teacher, prediction_report, student_config, train_student, write_student_plan
+from tests.training_data import learnable_data
+
+# Feed's click rate climbs and reels' falls day by day: a teacher trained on old days is miscalibrated now.
+DRIFTING = replace(STRONG_SIGNAL, n_users=2000, surfaces=(
+    SurfaceSpec("feed", 0.45, 0.06, 0.4, ctr_drift=0.15), SurfaceSpec("reels", 0.25, 0.16, 0.35, ctr_drift=-0.10),
+    SurfaceSpec("stories", 0.15, 0.06, None), SurfaceSpec("search", 0.15, 0.2, 0.4)))
+WINDOWS = TransferWindows(student_days=3, staleness_days=4)
+SHUFFLING = ShufflingConfig(sub_batch_size=64, sub_batches_per_rank=2)
+SMALL = model_config("vertical", **{"sequence.max_history_len": 32})
+QUICK = TrainConfig(max_steps=40, eval_max_examples=2000, warmup_steps=5, lr_dense=3e-3)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return learnable_data(tmp_path_factory.mktemp("transfer"), DRIFTING, days=10, eval_days=1, max_history_len=64).open()
+
+
+@pytest.fixture(scope="module")
+def stale_teacher(logs, tmp_path_factory):
+    """A small model trained only on the days before the students' window ends minus 4: stale."""
+    root = tmp_path_factory.mktemp("teacher")
+    old = windows.teacher_examples(logs, WINDOWS)
+    plan = write_student_plan(logs, old, root / "plan.parquet", SHUFFLING, 32)
+    model, _ = train(logs, plan, SMALL, replace(QUICK, max_steps=80))
+    scored = np.concatenate([windows.student_examples(logs, WINDOWS), windows.eval_examples(logs)])
+    identity = model_identity("teacher_test", "1", "gem")
+    return Teacher(model, score_examples(model, logs, scored, identity), identity)
+
+
+def test_windows_split_old_and_fresh_days(logs):
+    old, fresh = windows.teacher_examples(logs, WINDOWS), windows.student_examples(logs, WINDOWS)
+    ts = logs.column("timestamp")
+    assert ts[old].max() < ts[fresh].min()  # 4 stale days > 3 student days: no overlap
+    assert ts[fresh].max() < ts[windows.eval_examples(logs)].min()
+    feed = windows.student_examples(logs, WINDOWS, "feed")
+    assert set(logs.column("surface")[feed]) == {list(logs.surfaces).index("feed")}
+    with pytest.raises(ValueError, match="unknown domain 'nowhere'"):
+        windows.student_examples(logs, WINDOWS, "nowhere")
+
+
+def test_predictions_round_trip_and_join(logs, stale_teacher, tmp_path):
+    predictions = stale_teacher.predictions
+    path = write_predictions(predictions, tmp_path / "p.parquet")
+    back = read_predictions(path)
+    np.testing.assert_array_equal(back.example_index, predictions.example_index)
+    np.testing.assert_array_equal(back.logits, predictions.logits)
+    np.testing.assert_array_equal(back.representation, predictions.representation)
+    assert back.teacher == {"name": "teacher_test", "version": "1", "kind": "gem"}
+    joined = TeacherJoinedLogs(logs, back)
+    some = predictions.example_index[[5, 0, 17]]
+    batch = joined.batch(some, 32)
+    row = {int(e): i for i, e in enumerate(predictions.example_index)}
+    np.testing.assert_array_equal(batch.teacher_logits.numpy(), predictions.logits[[row[int(e)] for e in some]])
+    assert batch.teacher_representation.shape == (3, SMALL.trunk_hidden)
+    unscored = np.setdiff1d(np.arange(len(logs)), predictions.example_index)[:1]
+    with pytest.raises(KeyError, match=f"did not score example.*{int(unscored[0])}"):
+        joined.batch(unscored)
+    with pytest.raises(FileNotFoundError, match="materialize teacher_predictions"):
+        read_predictions(tmp_path / "missing.parquet")
+
+
+def test_student_adapter_recalibrates_a_stale_teacher(logs, stale_teacher):
+    fresh, held_out = windows.student_examples(logs, WINDOWS), windows.eval_examples(logs)
+    adapter = fit_adapter(logs, stale_teacher.predictions, fresh, steps=300)
+    adapted = adapt(adapter, logs, stale_teacher.predictions)
+    config = replace(SMALL, tasks=("click",))
+    before = prediction_report(logs, stale_teacher.predictions, held_out, config)
+    after = prediction_report(logs, adapted, held_out, config)
+    for domain in ("feed", "reels"):  # the drifting domains, judged on the later eval day
+        miss_before = abs(before[f"{domain}/click"]["calibration"] - 1)
+        miss_after = abs(after[f"{domain}/click"]["calibration"] - 1)
+        assert miss_before > 0.15, before[f"{domain}/click"]
+        assert miss_after < miss_before / 2, (domain, before[f"{domain}/click"], after[f"{domain}/click"])
+    assert after["all/click"]["ne"] < before["all/click"]["ne"]
+
+
+def test_distillation_head_and_teacher_token(logs, stale_teacher):
+    config = student_config(SMALL, ("click",), TransferConfig(shared_tables=()), stale_teacher)
+    assert config.distillation_weight == 1.0 and config.teacher_representation_dim == SMALL.trunk_hidden
+    spec = FeatureSpec.from_logs(logs)
+    model = seeded_model(spec, config)
+    joined = TeacherJoinedLogs(logs, stale_teacher.predictions)
+    x = model_input(joined.batch(stale_teacher.predictions.example_index[:64], 32), spec, config)
+    assert x.labels.shape == (64, 1) and x.teacher_logits.shape == (64, 1)
+    total, per_task, _ = model.loss(x)
+    assert float(total.detach()) > float(per_task.sum())  # the distillation term is added
+    total.backward()
+    assert model.distillation_towers.weights[0].grad.abs().sum() > 0
+    assert model.teacher_proj[1].weight.grad.abs().sum() > 0
+    # The representation is an input: changing it changes the prediction.
+    with torch.no_grad():
+        other = replace(x, teacher_representation=torch.randn_like(x.teacher_representation))
+        assert not torch.allclose(model(x), model(other))
+    with pytest.raises(ValueError, match="teacher representation of width"):
+        model_input(logs.batch([0]), spec, config)
+
+
+def test_parameter_sharing_copies_and_freezes_the_named_tables(logs):
+    spec = FeatureSpec.from_logs(logs)
+    teacher = seeded_model(spec, model_config("gem", width=0.5), seed=1)
+    base = model_config("vertical")
+    with pytest.raises(ValueError, match="cannot share embedding table 'item'.*sharing_config"):
+        share_tables(seeded_model(spec, base), teacher, ("item",))
+    config = sharing_config(base, teacher.config, ("item", "user_id"))
+    assert config.embedding.sequence_dim == teacher.config.embedding.sequence_dim
+    assert config.embedding.item_buckets == teacher.config.embedding.item_buckets
+    assert config.embedding.sparse_buckets == base.embedding.sparse_buckets  # not shared: stays small
+    student = seeded_model(spec, config, seed=2)
+    share_tables(student, teacher, ("item", "user_id"), freeze=True)
+    ours, theirs = embedding_tables(student), embedding_tables(teacher)
+    for name in ("item", "user_id"):
+        assert torch.equal(ours[name], theirs[name]) and not ours[name].requires_grad
+    tables, _ = split_parameters(student)
+    assert not any(name.endswith((".item.weight", ".user_id.weight")) for name in tables)
+    before = {k: v.detach().clone() for k, v in ours.items()}
+    optimizer = build_optimizer(student, QUICK)
+    x = model_input(logs.batch(np.arange(64), 32), spec, config)
+    student.loss(x)[0].backward()
+    optimizer.step()
+    assert torch.equal(ours["item"], before["item"]) and torch.equal(ours["user_id"], before["user_id"])
+    assert not torch.equal(ours["history_age"], before["history_age"])  # unshared tables learn
+
+
+def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_path):
+    feed = list(logs.surfaces).index("feed")
+    fresh = windows.student_examples(logs, WINDOWS, "feed")
+    held_out = windows.eval_examples(logs, "feed")
+    run = train_student(logs, fresh, held_out, SMALL, ("click",), replace(QUICK, max_steps=10), tmp_path,
+                        TransferConfig(freeze_shared=True), stale_teacher, SHUFFLING)
+    assert torch.equal(embedding_tables(run.model)["item"], embedding_tables(stale_teacher.model)["item"])
+    assert run.model.teacher_proj is not None and run.model.distillation_towers is not None
+    assert set(run.adapter_report) == {"teacher", "adapted"}
+    assert set(run.result.final_report) == {"all/click", "feed/click"}
+    assert (logs.column("surface")[held_out] == feed).all()
+
+
+def test_promotion_keeps_out_a_worse_challenger_and_records_lineage(logs, stale_teacher, tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("transfer", artifact_location=str(tmp_path / "artifacts"))
+    fresh, held_out = windows.student_examples(logs, WINDOWS, "feed"), windows.eval_examples(logs, "feed")
+    name, tags = "vertical_feed_click", lineage_tags("direct", stale_teacher.identity)
+    versions = []
+    for steps in (60, 1):  # a trained challenger, then one that has barely trained
+        run = train_student(logs, fresh, held_out, SMALL, ("click",), replace(QUICK, max_steps=steps),
+                            tmp_path / str(steps), TransferConfig(representation=False), stale_teacher, SHUFFLING)
+        mlflow_run = client.create_run(experiment)
+        versions.append(register_student(client, mlflow_run.info.run_id, run.model, run.data, held_out, name, tags,
+                                         CHALLENGER))
+    good, bad = versions
+    first = promote_if_not_worse(client, name, logs, held_out, "click", good)
+    assert first.promoted and first.reason == "no champion yet"
+    second = promote_if_not_worse(client, name, logs, held_out, "click", bad)
+    assert not second.promoted and second.champion_version == good
+    assert second.challenger["ne"] > second.champion["ne"]
+    assert current_version(client, name, CHAMPION) == good and current_version(client, name, CHALLENGER) == bad
+    recorded = client.get_model_version(name, bad).tags
+    assert recorded["promotion.decision"] == "kept_out"
+    assert float(recorded["promotion.champion_ne"]) == pytest.approx(second.champion["ne"], rel=1e-5)
+    assert recorded[TEACHER_NAME] == "teacher_test" and recorded[TEACHER_VERSION] == "1"
+    assert recorded["transfer.mode"] == "direct"

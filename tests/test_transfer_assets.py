@@ -1,0 +1,117 @@
+"""The transfer assets on top of two days of gem_foundation_model (the session fixture): teacher_predictions
+with a one-day-stale GEM, domain_foundation_models, and vertical_models twice: a first challenger per
+(domain, objective) becomes champion; a barely trained second one is kept out by the blocking check."""
+
+import dagster as dg
+import mlflow.pyfunc
+import numpy as np
+import pytest
+
+from assets.domain_foundation_models import domain_foundation_models
+from assets.teacher_predictions import teacher_predictions
+from assets.vertical_models import CHECK, vertical_models
+from gem_ops.data.loader import SequenceLogs
+from gem_ops.model.config import FeatureSpec
+from gem_ops.transfer.knowledge import read_predictions
+from gem_ops.transfer.registry import CHALLENGER, CHAMPION, current_version
+from gem_ops.train.mlflow_model import TEACHER_REPRESENTATION, batch_to_frame
+from tests.gem_asset_setup import DAYS, MODEL_NAME
+
+STUDENT = {"max_steps": 8, "eval_max_examples": 256, "sub_batch_size": 32, "sub_batches_per_rank": 1,
+           "model_overrides": {"sequence.max_history_len": "16"}}
+DOMAINS = ["feed", "search"]
+
+
+@pytest.fixture(scope="module")
+def transferred(gem_asset_runs):
+    day = DAYS[3].isoformat()
+    common = {"resources": gem_asset_runs["resources"], "instance": gem_asset_runs["instance"], "partition_key": day}
+    config = {
+        "teacher_predictions": {"config": {"registered_model_name": MODEL_NAME, "staleness_days": 1, "student_days": 2}},
+        "domain_foundation_models": {"config": {**STUDENT, "preset": "domain_fm", "width": 0.5, "domains": DOMAINS}},
+        "vertical_models": {"config": {**STUDENT, "domains": DOMAINS, "mode": "hierarchical"}},
+    }
+    first = dg.materialize([teacher_predictions, domain_foundation_models, vertical_models],
+                           run_config={"ops": config}, **common)
+    worse = {**config["vertical_models"]["config"], "max_steps": 1, "lr_dense": 1e-7, "lr_sparse": 1e-7,
+             "distillation_weight": 0.0, "representation": False, "shared_tables": []}
+    second = dg.materialize([vertical_models], run_config={"ops": {"vertical_models": {"config": worse}}},
+                            raise_on_error=False, selection=[vertical_models], **common)
+    return {**gem_asset_runs, "first": first, "second": second, "day": day}
+
+
+def _materialization(result, key):
+    return {m.asset_key.to_user_string(): m for m in result.get_asset_materialization_events()}[key].materialization
+
+
+def _check(result):
+    return [e.event_specific_data for e in result.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+
+
+def test_teacher_predictions_come_from_the_stale_gem(transferred):
+    meta = _materialization(transferred["first"], "teacher_predictions").metadata
+    client = transferred["client"]
+    versions = {str(v.version): client.get_run(v.run_id).data.tags["dagster.partition_key"]
+                for v in client.search_model_versions(f"name='{MODEL_NAME}'")}
+    assert meta["teacher_partition"].value == DAYS[2].isoformat()  # one day stale
+    assert versions[str(meta["teacher_version"].value)] == DAYS[2].isoformat()
+    predictions = read_predictions(transferred["root"] / "lake" / "teacher_predictions" / f"{transferred['day']}.parquet")
+    assert predictions.teacher["version"] == str(meta["teacher_version"].value)
+    logs = SequenceLogs(transferred["root"] / "lake" / "sequence_logs" / transferred["day"])
+    assert set(logs.split_indices("eval")) <= set(predictions.example_index)
+    run = client.get_run(meta["mlflow_run_id"].value)
+    assert run.data.tags["teacher.model_version"] == str(meta["teacher_version"].value)
+    assert "teacher_predictions" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_domain_models_and_verticals_carry_their_lineage(transferred):
+    client = transferred["client"]
+    fms = _materialization(transferred["first"], "domain_foundation_models").metadata["models"].value
+    assert set(fms) == set(DOMAINS)
+    gem_version = str(_materialization(transferred["first"], "teacher_predictions").metadata["teacher_version"].value)
+    for domain in DOMAINS:
+        fm = client.get_model_version(f"domain_fm_{domain}", fms[domain]["version"])
+        assert fm.tags["teacher.model_name"] == MODEL_NAME and fm.tags["teacher.model_version"] == gem_version
+    verticals = _materialization(transferred["first"], "vertical_models").metadata["models"].value
+    assert "vertical_feed_click" in verticals and "vertical_search_click" in verticals
+    for name, entry in verticals.items():
+        tags = client.get_model_version(name, entry["version"]).tags
+        domain = name.split("_")[1]
+        assert tags["transfer.mode"] == "hierarchical" and tags["teacher.model_name"] == f"domain_fm_{domain}"
+        assert tags["teacher.teacher.model_name"] == MODEL_NAME and tags["teacher.teacher.model_version"] == gem_version
+        assert entry["promoted"] and tags["promotion.decision"] == "promoted"
+
+
+def test_first_challengers_become_champions_and_a_worse_one_is_kept_out(transferred):
+    client = transferred["client"]
+    first_check, = _check(transferred["first"])
+    assert first_check.check_name == CHECK and first_check.passed
+    second_check, = _check(transferred["second"])
+    assert not second_check.passed and second_check.severity == dg.AssetCheckSeverity.ERROR
+    second = _materialization(transferred["second"], "vertical_models").metadata["models"].value
+    first = _materialization(transferred["first"], "vertical_models").metadata["models"].value
+    kept_out = second_check.metadata["kept_out"].value
+    assert kept_out, second
+    for name in kept_out:
+        assert current_version(client, name, CHAMPION) == first[name]["version"]
+        assert current_version(client, name, CHALLENGER) == second[name]["version"]
+        tags = client.get_model_version(name, second[name]["version"]).tags
+        assert tags["promotion.decision"] == "kept_out"
+        assert float(tags["promotion.challenger_ne"]) > float(tags["promotion.champion_ne"])
+
+
+def test_a_vertical_with_representation_transfer_serves_from_mlflow(transferred):
+    client = transferred["client"]
+    name = "vertical_feed_click"
+    version = current_version(client, name, CHAMPION)
+    mlflow.set_tracking_uri(transferred["uri"])
+    model = mlflow.pyfunc.load_model(f"models:/{name}/{version}")
+    example = model.input_example
+    assert TEACHER_REPRESENTATION in example.columns
+    out = model.predict(example)
+    assert list(out.columns) == ["p_click"] and np.all((out["p_click"] > 0) & (out["p_click"] < 1))
+    logs = SequenceLogs(transferred["root"] / "lake" / "sequence_logs" / transferred["day"])
+    frame = batch_to_frame(logs.batch([0, 1], 16), FeatureSpec.from_logs(logs))  # without the teacher's column
+    with pytest.raises(Exception, match="teacher.representation"):
+        model.predict(frame)
