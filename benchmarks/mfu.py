@@ -95,7 +95,8 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
 
     out = {}
     emulate = device.type != "cuda"
-    for name, shape in dense_shapes(model_config, spec, args.dense_tokens, args.dense_batch).items():
+    shapes = dense_shapes(model_config, spec, args.dense_tokens, args.dense_batch)
+    for name, shape in ((n, shapes[n]) for n in args.dense_shapes):
         rows, widths = shape["rows"], shape["widths"]
         flops = sum(2.0 * rows * a * b for a, b in zip(widths[:-1], widths[1:]))
         x = torch.randn(rows, widths[0], device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -168,7 +169,7 @@ def end_to_end(logs, plan, model_config, precision: str, args, device: torch.dev
         fig = mfu_figure(report)
         fig.savefig(figures / f"mfu_{device.type}_{precision}.png", dpi=110)
         plt.close(fig)
-    print(f"{precision}: MFU {100 * report.mfu:.1f}% ({report.model_flops_per_second / 1e12:.1f} model TFLOP/s, "
+    print(f"{precision}: MFU {100 * report.mfu:.1f}% (median step {100 * report.metrics()['mfu_median_step']:.1f}%; {report.model_flops_per_second / 1e12:.1f} model TFLOP/s, "
           f"{report.peak_source} peak {report.peak_flops / 1e12:.0f}; measured GEMM {report.gemm_flops / 1e12:.0f}), "
           f"{report.samples_per_second:.0f} samples/s, median step {report.median_step_seconds * 1e3:.1f} ms, "
           f"final loss {report.losses[-1]:.4f}", flush=True)
@@ -200,6 +201,8 @@ def main() -> None:
     parser.add_argument("--dense-tokens", type=int, default=262_144, help="rows of the sequence-layer shapes")
     parser.add_argument("--dense-batch", type=int, default=2048, help="rows of the Wukong shape")
     parser.add_argument("--dense-reps", type=int, default=20)
+    parser.add_argument("--dense-shapes", nargs="+", default=["sequence_ffn", "sequence_qkv", "wukong_mlp"],
+                        help="of sequence_ffn, sequence_qkv, cross_kv, wukong_mlp")
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; later stages are skipped past it (0: none)")
     parser.add_argument("--copy-to", type=Path, help="also copy the JSON and figures here")
@@ -246,14 +249,6 @@ def main() -> None:
     print(f"GEMM: {json.dumps({k: v for k, v in results.items() if k.startswith('gemm')})}", flush=True)
     checkpoint_results()
 
-    if not args.skip_dense:
-        try:
-            results["dense_layers"] = bench_dense_layers(config, spec, args, device)
-        except Exception as error:  # keep the end-to-end stages
-            results["dense_layers"] = {"error": f"{type(error).__name__}: {error}"}
-            print(f"dense layers failed: {error}", flush=True)
-        checkpoint_results()
-
     runs = results.setdefault("end_to_end", {})
     for precision in args.precisions:
         if left() < 60:
@@ -264,6 +259,16 @@ def main() -> None:
         except Exception as error:
             runs[precision] = {"error": f"{type(error).__name__}: {error}"}
             print(f"{precision} failed: {error}", flush=True)
+        checkpoint_results()
+
+    if not args.skip_dense and left() < 60:
+        results["dense_layers"] = {"skipped": f"time budget: {left():.0f} s left"}
+    elif not args.skip_dense:
+        try:
+            results["dense_layers"] = bench_dense_layers(config, spec, args, device)
+        except Exception as error:
+            results["dense_layers"] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"dense layers failed: {error}", flush=True)
         checkpoint_results()
 
     done = {p: r for p, r in runs.items() if "losses" in r}

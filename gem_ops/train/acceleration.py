@@ -64,7 +64,9 @@ def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", *, emulate: boo
         raise ImportError("precision='fp8' needs torchao (pip install torchao)") from error
     names = fp8_layer_names(model)
     if names:
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+        # Token counts are whatever the batch holds: the weight gradient's inner dimension is padded to
+        # the multiple of 16 that torch._scaled_mm needs.
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True)
         convert_to_float8_training(model, config=config, module_filter_fn=fp8_module_filter)
     return names
 
