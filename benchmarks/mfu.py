@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per precision")
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument("--precisions", nargs="*", default=["bf16", "fp8"], help="end-to-end runs (none: the other stages alone)")
     parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise", "rowwise"],
                         help="the first is the end-to-end run's; the dense-layer stage times each")
     parser.add_argument("--compile", choices=("none", "dense"), default="dense")
