@@ -186,12 +186,14 @@ def tflops(flops: float, ms: float) -> float:
 
 
 def overhead(tokens: int) -> None:
-    """Where a call's time goes: one tile-list build vs the kernels alone (lists built beforehand), and the
-    backward with dq added atomically by the dk/dv kernel (kernels_bwd_ms) vs a separate dq kernel."""
+    """Where a call's time goes: one tile-list build vs the kernels alone (lists built beforehand), the kernels
+    with pointer loads instead of tensor descriptors (JAGGED_ATTENTION_TMA=0), and the backward with dq added
+    by the dk/dv kernel (JAGGED_ATTENTION_ATOMIC_DQ=1, one TMA reduce per block) instead of a separate dq kernel."""
     from kernels.triton import triton_jagged_attention as kernel
 
     results = []
     for mix, max_len, dim, causal in [("uniform", 512, 128, True), ("long_tail", 2048, 128, True),
+                                      ("long_tail", 8192, 128, True), ("long_tail", 8192, 64, True),
                                       ("uniform", 8192, 128, False)]:
         lengths = long_tail_lengths(tokens, max_len, seed=max_len) if mix == "long_tail" else \
             uniform_lengths(tokens, max_len)
@@ -200,29 +202,28 @@ def overhead(tokens: int) -> None:
         q, k, v = (torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         d_out = torch.randn_like(q)
         scale = 1 / math.sqrt(dim)
-
-        def problem():
-            return kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)
-
-        default = kernel.ATOMIC_DQ
-        kernel.ATOMIC_DQ = True
-        built = problem()
-        out, lse = kernel._forward(built, q, k, v)
-        row = {
-            "mix": mix, "max_len": max_len, "head_dim": dim, "causal": causal,
-            "tables_ms": timed(lambda: kernel._Tiles(offsets, offsets, q.device, tokens, tokens, kernel._parts(),
-                                                     causal)),
-            "kernel_fwd_ms": timed(lambda: kernel._forward(built, q, k, v)),
-            "kernels_bwd_ms": timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out)),
-        }
-        kernel.ATOMIC_DQ = False
-        separate = problem()  # its lists include the dq kernel's block sizes
-        row["kernels_bwd_separate_dq_ms"] = timed(lambda: kernel._backward(separate, q, k, v, out, lse, d_out))
-        kernel.ATOMIC_DQ = default
+        row = {"mix": mix, "max_len": max_len, "head_dim": dim, "causal": causal}
+        defaults = kernel.ATOMIC_DQ, kernel.TMA
+        for suffix, atomic, tma in [("", False, True), ("_pointer", False, False), ("_atomic_dq", True, True)]:
+            kernel.ATOMIC_DQ, kernel.TMA = atomic, tma
+            kernel.clear_tile_cache()
+            built = kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)  # lists for this dq mode
+            out, lse = kernel._forward(built, q, k, v)
+            if not suffix:
+                row["tables_ms"] = timed(lambda: kernel._Tiles(offsets, offsets, q.device, tokens, tokens,
+                                                               kernel._parts(), causal))
+            if not atomic:
+                row[f"kernel_fwd{suffix}_ms"] = timed(lambda: kernel._forward(built, q, k, v))
+            row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
+        kernel.ATOMIC_DQ, kernel.TMA = defaults
         print(row, flush=True)
         results.append(row)
-    save("jagged_attention_overhead", {"tokens": tokens, "source_commit": os.environ.get("SOURCE_COMMIT", "")},
-         results)
+    save("jagged_attention_overhead", {"tokens": tokens, "source_commit": _source_commit()}, results)
+
+
+def _source_commit() -> str:
+    """The commit the caller says this tree is (the machine that runs it may hold no checkout)."""
+    return os.environ.get("GEM_SOURCE_COMMIT") or os.environ.get("SOURCE_COMMIT", "")
 
 
 def main() -> None:
@@ -272,9 +273,7 @@ def _settings(args, methods) -> dict:
             "methods": list(methods),
             "flop_convention": "forward 4*P*H*D (P = visible real pairs, causal exact), backward 2.5x forward",
             "torch": torch.__version__, "triton": __import__("triton").__version__,
-            "gpu": torch.cuda.get_device_name(),
-            # The commit the caller says this tree is (the machine that runs it may hold no checkout).
-            "source_commit": os.environ.get("SOURCE_COMMIT", "")}
+            "gpu": torch.cuda.get_device_name(), "source_commit": _source_commit()}
 
 
 def print_rows(rows: list[dict]) -> None:

@@ -64,6 +64,16 @@ CPU_CASES = _cases(
 ) + [
     pytest.param(Case((0, 0, 0), None, False, "softmax"), id="self-all-empty"),
     pytest.param(Case((1,), None, True, "softmax"), id="self-single-token"),
+] + [
+    # Power-of-two head dims: the kernels read blocks through tensor descriptors, whose rows past a sequence
+    # hold the next sequence's tokens instead of zeros.
+    pytest.param(Case((0, 1, 5, 17, 33, 2, 70, 0, 9), None, causal, activation, 2, 16),
+                 id=f"self-mixed-d16-{'causal' if causal else 'full'}-{activation}")
+    for causal in (False, True) for activation in ("softmax", "silu")
+] + [
+    pytest.param(Case((2, 1, 4, 3, 2, 1), (0, 1, 7, 40, 3, 50), True, activation, 2, 16, 32),
+                 id=f"cross-d16-causal-{activation}")
+    for activation in ("softmax", "silu")
 ]
 
 GPU_CASES = _cases(
@@ -124,7 +134,7 @@ def test_kernel_matches_reference_on_cpu_interpreter(case):
 
 # The backward that adds dq atomically from the dk/dv kernel, on a few of the CPU cases.
 ATOMIC_DQ_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
-                                                      "cross-causal-softmax")]
+                                                      "cross-causal-softmax", "self-mixed-d16-causal-silu")]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")

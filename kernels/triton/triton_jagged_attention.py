@@ -5,10 +5,13 @@ heaviest first, so no length is read back to the host. The lists of both directi
 size are built in one batched pass and cached per offsets tensor, so the layers of a model step and
 the backward share one build. Each kernel is persistent: a fixed grid of programs walks that list
 round-robin over (tile, head) items, so short sequences cost neither launches nor empty programs. The
-forward keeps an online softmax in fp32 and saves the base-2 logsumexp; the backward recomputes the
-scores in two kernels without atomics: one per key block (dk, dv), one per query block (dq) (or, with
-JAGGED_ATTENTION_ATOMIC_DQ=1, the first also adds dq atomically in fp32 and the second is skipped). Key blocks that causality
-rules out are never visited, and blocks that need no mask skip the masking arithmetic.
+forward keeps an online softmax in fp32 and saves the base-2 logsumexp; the backward computes
+delta = rowsum(dO * O) in one small kernel, then recomputes the scores in two kernels without atomics:
+one per key block (dk, dv), one per query block (dq) (or, with JAGGED_ATTENTION_ATOMIC_DQ=1, the first
+also adds dq in fp32, one TMA reduce per block on Hopper, and the second is skipped). Key blocks that
+causality rules out are never visited, and blocks that need no mask skip the masking arithmetic. With
+power-of-two head dims the inner loops read their blocks through tensor descriptors (TMA), which keeps
+per-element addresses out of the registers.
 
 Contract: kernels.jagged_attention.jagged_attention. Launches need CUDA or TRITON_INTERPRET=1 set
 before this module is imported.
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,31 +41,58 @@ EMPTY_ROW_LSE = 1.0e30
 PROGRAMS_PER_SM = 4
 
 
-def _configs(shapes: list[tuple[int, int, int, int]], tile_name: str, inner_name: str) -> list[triton.Config]:
-    return [triton.Config({tile_name: t, inner_name: i}, num_warps=w, num_stages=s) for t, i, w, s in shapes]
+def _configs(shapes: list[tuple[int, int, int, int]], tile_name: str, inner_name: str,
+             pre_hook=None) -> list[triton.Config]:
+    return [triton.Config({tile_name: t, inner_name: i}, num_warps=w, num_stages=s, pre_hook=pre_hook)
+            for t, i, w, s in shapes]
+
+
+def _block_shapes(*descriptors: tuple[str, str, str]):
+    """A config pre-hook: each descriptor argument's block is (its config block size, its head dim)."""
+
+    def hook(nargs: dict) -> None:
+        for name, rows, cols in descriptors:
+            if isinstance(nargs[name], TensorDescriptor):
+                nargs[name].block_shape = [nargs[rows], nargs[cols]]
+
+    return hook
+
+
+_KV_BLOCKS = _block_shapes(("k_desc", "BLOCK_N", "D_PAD"), ("v_desc", "BLOCK_N", "DV_PAD"))
+_Q_BLOCKS = _block_shapes(("q_desc", "BLOCK_M", "D_PAD"), ("do_desc", "BLOCK_M", "DV_PAD"), ("dq_desc", "BLOCK_M", "D_PAD"))
 
 
 # (tile block, inner block, warps, stages). Under the interpreter one small config keeps tests fast and
 # still spreads a sequence over several blocks.
 if INTERPRETING:
-    _FWD_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_M", "BLOCK_N")
-    _DQ_CONFIGS = _configs([(32, 16, 4, 1)], "BLOCK_M", "BLOCK_N")
-    _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M")
+    _FWD_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DQ_CONFIGS = _configs([(32, 16, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
 else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
-    _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N")
-    _DQ_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2)], "BLOCK_M", "BLOCK_N")
-    _DKDV_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 2)], "BLOCK_N", "BLOCK_M")
+    _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N",
+                            _KV_BLOCKS)
+    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
+                           "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)],
+                             "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
 
 if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
     _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
 
-_AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU"]
+_AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU", "TMA"]
 
 # JAGGED_ATTENTION_ATOMIC_DQ=1: the dk/dv kernel also adds dS^T K into an fp32 dq with atomics
 # (FlashAttention-2's split: five matmuls per block pair instead of seven, sums in a run-dependent
 # order). Off by default: on the H200 the atomics cost more than the recomputation they save (the
 # separate, deterministic dq kernel was 6-13% faster over the whole backward).
 ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
+# Tensor descriptors (TMA on Hopper and newer): the inner loops load their blocks of K, V (forward, dq) or
+# Q, dO (dk/dv) through descriptors over [tokens, heads * dim] instead of per-element pointers, and the
+# atomic dq is added with one bulk TMA reduce per block instead of one atomic per element. Needs head
+# dims that are powers of two (a block must not spill into the next head's columns) and 16-byte aligned
+# rows; otherwise, and with JAGGED_ATTENTION_TMA=0, pointer loads. The interpreter runs the descriptor
+# loads but not the reduce.
+TMA = os.environ.get("JAGGED_ATTENTION_TMA") != "0"
 
 
 def _short_bench(kernel_call, quantiles):
@@ -237,6 +268,23 @@ def _load_rows(base, rows, stride, row_ok, DIM: tl.constexpr, DIM_PAD: tl.conste
 
 
 @triton.jit
+def _load_block(desc, base, first, row0, col0, stride, limit, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """Rows [first, first + BLOCK) of one head's slice of a sequence.
+
+    TMA: through the descriptor, at (row0 + first, col0) of [tokens, heads * dim]; rows past the sequence
+    then hold the tokens that follow it (zeros past the tensor), which callers must keep out of results.
+    Otherwise through pointers from `base`: zeros past DIM and, if checked, from row `limit` on.
+    """
+    if TMA:
+        x = desc.load([row0 + first, col0])
+    else:
+        rows = first + tl.arange(0, BLOCK)
+        x = _load_rows(base, rows, stride, rows < limit, DIM, DIM_PAD, CHECK_ROWS)
+    return x
+
+
+@triton.jit
 def _store_rows(base, x, rows, stride, row_ok, DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     cols = tl.arange(0, DIM_PAD)
     tl.store(base + rows[:, None] * stride + cols[None, :], x, mask=row_ok[:, None] & (cols[None, :] < DIM))
@@ -284,14 +332,16 @@ def _visible(col_ok, cols, rows, shift, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, lo, hi, shift, scale, inv_len,
-                    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr):
+def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_base, v_base, stride_kt, stride_vt,
+                    rows, lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr):
+    # Only the masked range can reach past the keys (hi): its mask drops the keys TMA loads from there.
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = _load_rows(k_base, cols, stride_kt, col_ok, HEAD_DIM, D_PAD, MASKED)
-        v = _load_rows(v_base, cols, stride_vt, col_ok, VALUE_DIM, DV_PAD, MASKED)
+        k = _load_block(k_desc, k_base, n0, kv_row, k_col, stride_kt, hi, HEAD_DIM, D_PAD, BLOCK_N, MASKED, TMA)
+        v = _load_block(v_desc, v_base, n0, kv_row, v_col, stride_vt, hi, VALUE_DIM, DV_PAD, BLOCK_N, MASKED, TMA)
         s = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = _visible(col_ok, cols, rows, shift, CAUSAL)
@@ -317,11 +367,11 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench)
 @triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     num_heads, scale, length_bucket,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16) + 1) * num_heads
@@ -331,6 +381,7 @@ def _forward_kernel(
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q = _load_rows(q_ptr + q_start * stride_qt + head * stride_qh, rows, stride_qt, row_ok, HEAD_DIM, D_PAD, True)
+        kv_row = kv_start.to(tl.int32)
         k_base = k_ptr + kv_start * stride_kt + head * stride_kh
         v_base = v_ptr + kv_start * stride_vt + head * stride_vh
         shift = kv_len - q_len
@@ -340,10 +391,12 @@ def _forward_kernel(
         acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], _RUNNING_MAX_START, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked,
-                                        shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU)
-        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi,
-                                        shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU)
+        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM,
+                                        k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale, inv_len,
+                                        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU, TMA)
+        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM,
+                                        k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale, inv_len,
+                                        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU, TMA)
         if not SILU:
             has_key = l_i > 0.0
             l_safe = tl.where(has_key, l_i, 1.0)
@@ -355,18 +408,35 @@ def _forward_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
+# Backward: delta = rowsum(dO * O), read by both backward kernels
+
+
+@triton.jit
+def _delta_kernel(out_ptr, do_ptr, delta_ptr, total_q, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
+                  VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """delta[head, token] in fp32 for BLOCK tokens of one head: one pass over O and dO."""
+    head = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < total_q
+    o = _load_rows(out_ptr + head * stride_oh, rows, stride_ot, row_ok, VALUE_DIM, DV_PAD, True)
+    do = _load_rows(do_ptr + head * stride_doh, rows, stride_dot, row_ok, VALUE_DIM, DV_PAD, True)
+    tl.store(delta_ptr + head * stride_lh + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Backward: dq per query block
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, lo, hi, shift, scale, inv_len,
-               HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr):
+def _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_base, v_base, stride_kt, stride_vt, rows,
+               lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
+               DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               SILU: tl.constexpr, TMA: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = _load_rows(k_base, cols, stride_kt, col_ok, HEAD_DIM, D_PAD, MASKED)
-        v = _load_rows(v_base, cols, stride_vt, col_ok, VALUE_DIM, DV_PAD, MASKED)
+        k = _load_block(k_desc, k_base, n0, kv_row, k_col, stride_kt, hi, HEAD_DIM, D_PAD, BLOCK_N, MASKED, TMA)
+        v = _load_block(v_desc, v_base, n0, kv_row, v_col, stride_vt, hi, VALUE_DIM, DV_PAD, BLOCK_N, MASKED, TMA)
         s = tl.dot(q, tl.trans(k))
         dp = tl.dot(do, tl.trans(v))
         if MASKED:
@@ -390,11 +460,11 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench)
 @triton.jit
 def _dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh,
     stride_lh, num_heads, scale, length_bucket,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16) + 1) * num_heads
@@ -404,6 +474,7 @@ def _dq_kernel(
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q = _load_rows(q_ptr + q_start * stride_qt + head * stride_qh, rows, stride_qt, row_ok, HEAD_DIM, D_PAD, True)
+        kv_row = kv_start.to(tl.int32)
         do = _load_rows(do_ptr + q_start * stride_dot + head * stride_doh, rows, stride_dot, row_ok,
                         VALUE_DIM, DV_PAD, True)
         if SILU:
@@ -419,10 +490,12 @@ def _dq_kernel(
         unmasked, hi = _visible_keys(m0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
 
         dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale,
-                        inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU)
-        dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale,
-                        inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU)
+        dq = _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM, k_base,
+                        v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
+                        D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU, TMA)
+        dq = _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM, k_base,
+                        v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
+                        D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU, TMA)
         _store_rows(dq_ptr + q_start * stride_dqt + head * stride_dqh, (dq * scale).to(dq_ptr.dtype.element_ty), rows,
                     stride_dqt, row_ok, HEAD_DIM, D_PAD)
 
@@ -432,16 +505,18 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt,
-                 cols, lo, hi, q_len, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                 D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                 SILU: tl.constexpr, ADD_DQ: tl.constexpr):
-    # Rows past q_len load zeros and an empty-row logsumexp, so they add nothing without a mask.
+def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q_base, do_base, lse_base, delta_base,
+                 dq_base, stride_qt, stride_dot, stride_dqt, cols, lo, hi, q_len, shift, scale, inv_len,
+                 HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr, ADD_DQ: tl.constexpr,
+                 TMA: tl.constexpr, DQ_TMA: tl.constexpr):
+    # Rows past q_len get an empty-row logsumexp, so (softmax) their probabilities are 0 without a mask. Through
+    # pointers they also load as zeros; through TMA they hold the next sequence's queries, which SiLU must mask.
     for m0 in range(lo, hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q = _load_rows(q_base, rows, stride_qt, row_ok, HEAD_DIM, D_PAD, True)
-        do = _load_rows(do_base, rows, stride_dot, row_ok, VALUE_DIM, DV_PAD, True)
+        q = _load_block(q_desc, q_base, m0, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M, True, TMA)
+        do = _load_block(do_desc, do_base, m0, q_row, do_col, stride_dot, q_len, VALUE_DIM, DV_PAD, BLOCK_M, True, TMA)
         s_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
         dp_t = tl.dot(v, tl.trans(do))
         if MASKED:
@@ -451,8 +526,11 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, s
             sig = tl.sigmoid(x)
             w_t = x * sig * inv_len
             ds_t = dp_t * sig * (1.0 + x * (1.0 - sig)) * inv_len
-            if MASKED:
-                keep = visible.to(tl.float32)
+            if MASKED or TMA:
+                keep = row_ok[None, :]
+                if MASKED:
+                    keep = keep & visible
+                keep = keep.to(tl.float32)
                 w_t = w_t * keep
                 ds_t = ds_t * keep
             dv = tl.dot(w_t.to(do.dtype), do, dv)
@@ -471,20 +549,28 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, s
             # dS^T K of this key block, added to the query rows' fp32 sums: five matmuls per block pair
             # instead of seven with a separate dq pass that recomputes S and dP.
             dq = tl.dot(tl.trans(ds_t), k) * scale
-            dcols = tl.arange(0, D_PAD)
-            tl.atomic_add(dq_base + rows[:, None] * stride_dqt + dcols[None, :], dq,
-                          mask=row_ok[:, None] & (dcols[None, :] < HEAD_DIM), sem="relaxed")
+            if DQ_TMA:
+                # One bulk add of the whole block. Its rows past q_len belong to the next sequence (or lie past
+                # the tensor, where TMA drops them); their dS is exactly 0, so they add nothing. Key rows past
+                # kv_len are zeros (pointer loads of k), so garbage dS there adds nothing either.
+                dq_desc.atomic_add([q_row + m0, q_col], dq)
+            else:
+                dcols = tl.arange(0, D_PAD)
+                tl.atomic_add(dq_base + rows[:, None] * stride_dqt + dcols[None, :], dq,
+                              mask=row_ok[:, None] & (dcols[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ"], do_bench=_short_bench, reset_to_zero=["dq_ptr"])
+@triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA"], do_bench=_short_bench,
+                 reset_to_zero=["dq_ptr"])
 @triton.jit
 def _dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
-    tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh, num_heads, scale,
-    length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, SILU: tl.constexpr, ADD_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, dq_desc, q_offsets_ptr,
+    kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
+    num_heads, scale, length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, ADD_DQ: tl.constexpr,
+    DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16) + 1) * num_heads
@@ -507,12 +593,15 @@ def _dkdv_kernel(
 
         dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot,
-                              stride_dqt, cols, lo, unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
-                              D_PAD, DV_PAD, BLOCK_M, True, SILU, ADD_DQ)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot,
-                              stride_dqt, cols, unmasked, q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
-                              D_PAD, DV_PAD, BLOCK_M, False, SILU, ADD_DQ)
+        q_row = q_start.to(tl.int32)  # the descriptors' row of this sequence's first query
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, head * HEAD_DIM, head * VALUE_DIM, q_base,
+                              do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt, cols, lo,
+                              unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, True,
+                              SILU, ADD_DQ, TMA, DQ_TMA)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, head * HEAD_DIM, head * VALUE_DIM, q_base,
+                              do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt, cols, unmasked,
+                              q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, False,
+                              SILU, ADD_DQ, TMA, DQ_TMA)
         _store_rows(dk_ptr + kv_start * stride_dkt + head * stride_dkh, (dk * scale).to(dk_ptr.dtype.element_ty),
                     cols, stride_dkt, col_ok, HEAD_DIM, D_PAD)
         _store_rows(dv_ptr + kv_start * stride_dvt + head * stride_dvh, dv.to(dv_ptr.dtype.element_ty), cols,
@@ -572,12 +661,47 @@ def _forward(p: _Problem, q, k, v):
         return out, lse
     table = p.table
     lse_arg = out if lse is None else lse  # never read when SILU
+    tma = _use_tma(p, k, v)
     _forward_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
-        q, k, v, out, lse_arg, p.q_offsets, p.kv_offsets, table.tiles, table.index[0],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        p.total_q, p.num_heads, p.scale, p.length_bucket, **p.constexprs(),
+        q, k, v, _descriptor(k, tma), _descriptor(v, tma), out, lse_arg, p.q_offsets, p.kv_offsets, table.tiles,
+        table.index[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+        out.stride(1), p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, **p.constexprs(),
     )
     return out, lse
+
+
+def _use_tma(p: _Problem, *tensors) -> bool:
+    """Whether the kernels may read these [tokens, heads, dim] tensors through descriptors (see TMA)."""
+    if not TMA or p.head_dim != _pad(p.head_dim) or p.value_dim != _pad(p.value_dim):
+        return False
+    if not INTERPRETING and not (tensors[0].is_cuda and _has_tma(tensors[0].device.index or 0)):
+        return False
+    return all(x.shape[0] > 0 and x.is_contiguous() and x.data_ptr() % 16 == 0 for x in tensors)
+
+
+def _descriptor(x: torch.Tensor, tma: bool):
+    """x [tokens, heads, dim] as a [tokens, heads * dim] descriptor (block shape set per config by the pre-hooks), or
+    x itself (a pointer the kernel does not read through a descriptor) without TMA."""
+    if not tma:
+        return x
+    width = x.shape[1] * x.shape[2]
+    return TensorDescriptor(x, [x.shape[0], width], [width, 1], [16, x.shape[2]])
+
+
+def _delta(out, d_out, block: int = 16 if INTERPRETING else 64):
+    """[H, total_q] fp32: rowsum(dO * O) per query and head, in one small kernel."""
+    total_q, num_heads, value_dim = out.shape
+    delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=out.device)
+    _delta_kernel[(triton.cdiv(total_q, block), num_heads)](
+        out, d_out, delta, total_q, out.stride(0), out.stride(1), d_out.stride(0), d_out.stride(1), delta.stride(0),
+        VALUE_DIM=value_dim, DV_PAD=_pad(value_dim), BLOCK=block,
+    )
+    return delta
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def _backward(p: _Problem, q, k, v, out, lse, d_out):
@@ -591,21 +715,24 @@ def _backward(p: _Problem, q, k, v, out, lse, d_out):
     if p.silu:
         lse = delta = d_out  # never read when SILU
     else:
-        delta = (d_out.float() * out.float()).sum(-1).t().contiguous()  # [H, total_q]: rowsum(dO * O)
+        delta = _delta(out, d_out)
+    tma = _use_tma(p, q, k, v, d_out)
+    dq_tma = atomic and tma and not INTERPRETING  # the interpreter has no descriptor reduce
     table = p.table
     # dk/dv first: autotuning it zeroes dq (reset_to_zero), which the separate dq kernel then writes.
     _dkdv_kernel[_persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device)](
-        q, k, v, d_out, lse, delta, dk, dv, dq, p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
+        q, k, v, d_out, _descriptor(q, tma), _descriptor(d_out, tma), lse, delta, dk, dv, dq,
+        _descriptor(dq, dq_tma), p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
         d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
-        p.total_q, p.num_heads, p.scale, p.length_bucket, ADD_DQ=atomic, **p.constexprs(),
+        p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma, **p.constexprs(),
     )
     if not atomic:
         _dq_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
-            q, k, v, d_out, lse, delta, dq, p.q_offsets, p.kv_offsets, table.tiles, table.index[0],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
-            d_out.stride(1), dq.stride(0), dq.stride(1), p.total_q, p.num_heads, p.scale, p.length_bucket,
-            **p.constexprs(),
+            q, k, v, _descriptor(k, tma), _descriptor(v, tma), d_out, lse, delta, dq, p.q_offsets, p.kv_offsets,
+            table.tiles, table.index[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            d_out.stride(0), d_out.stride(1), dq.stride(0), dq.stride(1), p.total_q, p.num_heads, p.scale,
+            p.length_bucket, TMA=tma, **p.constexprs(),
         )
     return dq.to(q.dtype), dk, dv
 
