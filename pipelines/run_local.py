@@ -1,11 +1,13 @@
 """Runs the pipeline end to end on the embedded defaults, recorded in the Dagster instance at
 DAGSTER_HOME (so every run shows in `dagster dev`) and in the project's MLflow store: raw_event_logs
-for each day of the window, then the `gem_pipeline` job (data and GEM training) for the last day.
+for each day of the window, then the `gem_pipeline` job (data, GEM training, knowledge transfer to the
+domain foundation models and vertical models) for the last day.
 
     python -m pipelines.run_local [--end 2026-11-14] [--days 14] [--config run_config.yaml]
 
-Unless the run config says otherwise, GEM trains for LOCAL_TRAINING's short budget, so that the whole
-path runs in minutes on a laptop CPU; set epochs / max_steps in the config for a full training.
+Unless the run config says otherwise, GEM trains for LOCAL_TRAINING's short budget and the students for
+LOCAL_STUDENTS', so that the whole path runs in minutes on a laptop CPU; set epochs / max_steps in the
+config for a full training.
 """
 
 import argparse
@@ -22,6 +24,8 @@ from pipelines.definitions import defs
 DEFAULT_END = "2026-11-14"
 LOCAL_TRAINING = {"max_steps": 100, "width": 0.5, "eval_max_examples": 20_000,
                   "model_overrides": {"sequence.max_history_len": "128"}}
+# Students (domain FMs, vertical models): short budgets too, each on its domain's newest days.
+LOCAL_STUDENTS = {"max_steps": 60, "eval_max_examples": 5_000, "model_overrides": {"sequence.max_history_len": "64"}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     run_config = yaml.safe_load(args.config.read_text()) if args.config else {}
     # Step events at INFO on the console; every event still lands in the instance for the UI.
     run_config.setdefault("loggers", {"console": {"config": {"log_level": "INFO"}}})
-    run_config.setdefault("ops", {}).setdefault("gem_foundation_model", {"config": LOCAL_TRAINING})
+    ops = run_config.setdefault("ops", {})
+    ops.setdefault("gem_foundation_model", {"config": LOCAL_TRAINING})
+    ops.setdefault("domain_foundation_models", {"config": {**LOCAL_STUDENTS, "width": 0.5}})
+    ops.setdefault("vertical_models", {"config": LOCAL_STUDENTS})
     end = date.fromisoformat(args.end)
     job = defs.get_job_def("gem_pipeline")
     with dg.DagsterInstance.get() as instance:

@@ -36,6 +36,7 @@ from gem_ops.train.acceleration import prepare_for_training
 from gem_ops.train.batches import PlanSchedule, eval_batches
 from gem_ops.train.checkpoint import is_sharded_checkpoint, latest_checkpoint, load_checkpoint
 from gem_ops.train.config import TrainConfig
+from gem_ops.train.initialization import init_output_biases
 from gem_ops.train.loop import TrainResult, autocast_context, predict_logits, seeded_model
 from gem_ops.train.optimizer import set_dense_lr
 from gem_ops.train.process_group import Topology, job_process_group
@@ -201,6 +202,8 @@ def _train(logs, plan_path, model_config, config, topology: Topology, *, embeddi
         missing, unexpected = model.load_state_dict(ckpt.state["model"], strict=False)
         say(f"warm start from {ckpt.path} (step {ckpt.step}); missing {missing}, unexpected {unexpected}")
         tracker.set_tags({"gem.warm_start": str(ckpt.path)})
+    elif latest is None and warm_start is None:
+        init_output_biases(model, logs, plan_path)  # from the whole plan: the same on every rank
     prepare_for_training(model, config, device)  # FP8, checkpointing, compile: before sharding
     mesh = device_mesh(device.type, world, topology.local_world_size)
     sharded = shard_model(model, config, embedding_sharding, mesh, device, topology.local_world_size)

@@ -30,6 +30,7 @@ from gem_ops.train.acceleration import prepare_for_training
 from gem_ops.train.batches import PlanSchedule, eval_batches
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gem_ops.train.config import TrainConfig
+from gem_ops.train.initialization import init_output_biases
 from gem_ops.train.optimizer import build_optimizer, set_dense_lr, split_parameters
 from gem_ops.train.prefetch import prefetched
 
@@ -156,6 +157,8 @@ def train(
         missing, unexpected = model.load_state_dict(ckpt.state["model"], strict=False)
         log.info("warm start from %s (step %d); missing %s, unexpected %s", ckpt.path, ckpt.step, missing, unexpected)
         tracker.set_tags({"gem.warm_start": str(ckpt.path)})
+    else:
+        init_output_biases(model, logs, plan_path)
 
     tables, dense = split_parameters(model)
     tracker.log_params({"model": model_config.to_dict(), "train": config.to_dict(), "steps": total,
