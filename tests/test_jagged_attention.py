@@ -112,3 +112,15 @@ def _assert_same_gradients(got, want, inputs):
         assert a is not None, f"no gradient for {name}"
         assert torch.isfinite(a).all(), f"non-finite gradient for {name}"
         torch.testing.assert_close(a, b, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_bf16_inputs_give_bf16_outputs_close_to_fp32(activation):
+    torch.manual_seed(0)
+    offsets = random_offsets(CASES["long_tail"])
+    q, k, v = (torch.randn(int(offsets[-1]), 2, 8) for _ in range(3))
+    want = jagged_attention(q, k, v, offsets, causal=True, activation=activation, backend="pytorch")
+    got = jagged_attention(*(t.bfloat16() for t in (q, k, v)), offsets, causal=True, activation=activation,
+                           backend="pytorch")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

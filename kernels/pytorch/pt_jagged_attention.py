@@ -69,6 +69,7 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int):
 
 def _dense_attention(q, k, v, row_valid, col_valid, kv_lengths, causal, activation, scale):
     """q [b, Lq, H, D], k [b, Lk, H, D], v [b, Lk, H, Dv] -> [b, Lq, H, Dv] on padded tensors."""
+    out_dtype = v.dtype
     compute = torch.promote_types(q.dtype, torch.float32)  # low-precision inputs accumulate in fp32
     q, k, v = (t.to(compute).transpose(1, 2) for t in (q, k, v))  # [b, H, L, D]
     allowed = col_valid[:, None, :] & row_valid[:, :, None]  # [b, Lq, Lk]
@@ -87,4 +88,4 @@ def _dense_attention(q, k, v, row_valid, col_valid, kv_lengths, causal, activati
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         weights = F.silu(scores) * (allowed / kv_lengths.clamp(min=1)[:, None, None])[:, None]
         out = torch.matmul(weights, v)
-    return out.transpose(1, 2).to(v.dtype)
+    return out.transpose(1, 2).to(out_dtype)
