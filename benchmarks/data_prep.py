@@ -7,7 +7,10 @@ in the same run, a straightforward polars version (sort by user and time, group 
 writes the same two tables. Then the BBS imbalance of the largest train split for several world
 sizes, against a random assignment.
 
-    python benchmarks/data_prep.py [--events 1000000 10000000] [--repeats 3]
+The machine may be shared: before each timed run the script waits (up to --load-wait seconds) for
+the 1-minute load average to fall below --max-load, and records the load each run started at.
+
+    python benchmarks/data_prep.py [--events 1000000 10000000] [--repeats 3] [--max-load 1.3]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
 from queue import Empty
@@ -61,15 +65,16 @@ def _prepare_warm(paths, out, queue, repeats: int = 3):
     after partition); the first, cold, run is left out."""
     from gem_ops.data.sequence_logs import SequenceLogsConfig, build_sequence_logs
 
-    seconds = []
+    seconds, loads = [], []
     for i in range(repeats + 1):
         shutil.rmtree(out, ignore_errors=True)
         os.sync()
+        loads.append(os.getloadavg()[0])
         start = time.perf_counter()
         summary = build_sequence_logs(paths, out, SequenceLogsConfig(max_history_len=1024))
         seconds.append(time.perf_counter() - start)
     queue.put({"seconds": statistics.median(seconds[1:]), "cold_seconds": seconds[0], "all_seconds": seconds,
-               "events": summary.n_events, "stage_seconds_last": summary.stage_seconds})
+               "all_load_1min": loads, "events": summary.n_events, "stage_seconds_last": summary.stage_seconds})
 
 
 def _prepare_naive(paths, out, queue):
@@ -95,7 +100,22 @@ def _prepare_naive(paths, out, queue):
     queue.put({"seconds": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "events": n})
 
 
-def in_fresh_process(target, *args) -> dict:
+@dataclass(frozen=True)
+class Quiet:
+    """Timed runs start once the 1-minute load average is below max_load, or after timeout seconds."""
+
+    max_load: float = float("inf")
+    timeout: float = 0.0
+
+    def wait(self) -> float:
+        deadline = time.monotonic() + self.timeout
+        while os.getloadavg()[0] >= self.max_load and time.monotonic() < deadline:
+            time.sleep(5)
+        return os.getloadavg()[0]
+
+
+def in_fresh_process(target, *args, quiet: Quiet = Quiet()) -> dict:
+    load = quiet.wait()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, queue))
@@ -108,10 +128,10 @@ def in_fresh_process(target, *args) -> dict:
             if not proc.is_alive():
                 raise RuntimeError(f"{target.__name__} died with exit code {proc.exitcode}") from None
     proc.join()
-    return result
+    return result | {"load_1min": load}
 
 
-def measure(target, paths, folder: Path, repeats: int) -> dict:
+def measure(target, paths, folder: Path, repeats: int, quiet: Quiet) -> dict:
     """Each run starts with no dirty pages pending (sync), and the previous run's output is removed
     (run 0's is kept for the balance figures), so one run's writeback does not slow the next."""
     runs = []
@@ -119,10 +139,11 @@ def measure(target, paths, folder: Path, repeats: int) -> dict:
         if i > 1:
             shutil.rmtree(folder / f"{target.__name__}-{i - 1}", ignore_errors=True)
         os.sync()
-        runs.append(in_fresh_process(target, paths, str(folder / f"{target.__name__}-{i}")))
+        runs.append(in_fresh_process(target, paths, str(folder / f"{target.__name__}-{i}"), quiet=quiet))
     seconds = statistics.median(r["seconds"] for r in runs)
     return {"events": runs[0]["events"], "median_seconds": seconds, "events_per_second": runs[0]["events"] / seconds,
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs), "runs": runs}
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs), "load_1min": [r["load_1min"] for r in runs],
+            "runs": runs}
 
 
 def balance(sequence_logs: str, world_sizes: list[int]) -> dict:
@@ -149,7 +170,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 8, 64])
     parser.add_argument("--skip-naive", action="store_true", help="leave out the straightforward polars baseline")
+    parser.add_argument("--max-load", type=float, default=1.3, help="start a timed run only below this 1-minute load")
+    parser.add_argument("--load-wait", type=float, default=600.0, help="seconds to wait for that before running anyway")
     args = parser.parse_args()
+    quiet = Quiet(args.max_load, args.load_wait)
 
     results = {"prepare": {}, "balance": {}}
     with tempfile.TemporaryDirectory(prefix="data_prep_") as tmp:
@@ -160,11 +184,11 @@ def main() -> None:
             paths = [str(p) for p in write_raw(folder / "raw", events)]
             generation = time.perf_counter() - start
             entry = {"generate_and_store_raw_seconds": generation,
-                     "sequence_logs": measure(_prepare, paths, folder, args.repeats)}
-            warm = in_fresh_process(_prepare_warm, paths, str(folder / "warm"))
+                     "sequence_logs": measure(_prepare, paths, folder, args.repeats, quiet)}
+            warm = in_fresh_process(_prepare_warm, paths, str(folder / "warm"), quiet=quiet)
             entry["sequence_logs_warm_process"] = warm | {"events_per_second": warm["events"] / warm["seconds"]}
             if not args.skip_naive:
-                entry["naive_polars"] = measure(_prepare_naive, paths, folder, args.repeats)
+                entry["naive_polars"] = measure(_prepare_naive, paths, folder, args.repeats, quiet)
                 entry["speedup_over_naive"] = (entry["naive_polars"]["median_seconds"]
                                                / entry["sequence_logs"]["median_seconds"])
             results["prepare"][events] = entry
@@ -175,7 +199,7 @@ def main() -> None:
         print(json.dumps(results["balance"], indent=1))
     settings = {"days": DAYS, "events_per_user_per_day": EVENTS_PER_USER_PER_DAY, "max_history_len": 1024,
                 "sub_batch_size": 128, "sub_batches_per_rank": 4, "cost": "attention", "repeats": args.repeats,
-                "events": args.events, "world_sizes": args.world_sizes}
+                "events": args.events, "world_sizes": args.world_sizes, "max_load": args.max_load}
     save("data_prep", settings, results)
 
 

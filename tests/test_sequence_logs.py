@@ -178,6 +178,19 @@ def test_overlapping_sorted_files_give_the_same_histories(tmp_path):
         assert history_items(logs, item) == expected, f"candidate {item}"
 
 
+def test_sorted_files_that_touch_in_time_keep_ties_apart(tmp_path):
+    """The last event of one declared-sorted file and the first of the next share an instant: neither
+    may see the other, so the files cannot simply be merged as disjoint runs."""
+    rows = [(5, 0, 100, 1, "feed", "ad_impression", 0, 0), (5, 0, 200, 2, "feed", "ad_impression", 1, 0),
+            (5, 0, 200, 3, "reels", "ad_impression", 0, 1), (5, 0, 300, 4, "feed", "ad_impression", 1, 1)]
+    events = hand_events(rows)
+    a = write_partition(events.filter(pl.col("item_id") <= 2), tmp_path / "a.parquet")
+    b = write_partition(events.filter(pl.col("item_id") > 2), tmp_path / "b.parquet")
+    _, logs = build([a, b], tmp_path / "seq")
+    assert [history_items(logs, item) for item in (1, 2, 3, 4)] == [[], [1], [1], [1, 2, 3]]
+    assert leakage_violations(logs) == NO_LEAKS
+
+
 def test_daily_files_equal_one_file(tmp_path, synthetic_days):
     events, daily = synthetic_days
     _, from_days = build(daily, tmp_path / "days")
