@@ -53,6 +53,8 @@ def teacher_predictions(context: dg.AssetExecutionContext, config: TeacherPredic
         run.log_metrics(flat_metrics(report, "teacher.eval") | {"examples": len(predictions)})
         if config.log_artifact:
             run.log_artifact(path, "teacher_predictions")
+        if run.run_id:  # the model version points back at what it scored
+            client.set_model_version_tag(config.registered_model_name, version, f"teacher_predictions.{day}", run.run_id)
     context.log.info(f"{config.registered_model_name} v{version} (trained on {trained_on}) scored {len(predictions)} examples")
     return dg.MaterializeResult(metadata={
         "path": dg.MetadataValue.path(str(path)), "teacher_version": version, "teacher_partition": trained_on,

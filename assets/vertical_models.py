@@ -27,7 +27,7 @@ CHECK = "challengers_not_worse_than_champions"
 class VerticalModelsConfig(StudentTrainingConfig):
     mode: str = Field("hierarchical", description="hierarchical (GEM -> domain FM -> VM), direct (GEM -> VM) or alone.")
     registered_model_prefix: str = Field("vertical", description="Each model registers as <prefix>_<domain>_<objective>.")
-    ne_tolerance: float = Field(0.0, description="A challenger is not worse when its NE <= the champion's + this.")
+    ne_tolerance: float = Field(0.0, description="A challenger is not worse when its NE <= the champion's + this (negative: it must improve by that much).")
     promotion_max_examples: int = Field(20_000, description="Eval examples per domain on which challenger and champion are compared.")
 
 

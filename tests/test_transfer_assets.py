@@ -1,6 +1,7 @@
 """The transfer assets on top of two days of gem_foundation_model (the session fixture): teacher_predictions
 with a one-day-stale GEM, domain_foundation_models, and vertical_models twice: a first challenger per
-(domain, objective) becomes champion; a barely trained second one is kept out by the blocking check."""
+(domain, objective) becomes champion; a second one that does not beat it by the required margin is kept
+out by the blocking check and the champion stays."""
 
 import dagster as dg
 import mlflow.pyfunc
@@ -33,9 +34,9 @@ def transferred(gem_asset_runs):
     }
     first = dg.materialize([teacher_predictions, domain_foundation_models, vertical_models],
                            run_config={"ops": config}, **common)
-    worse = {**config["vertical_models"]["config"], "max_steps": 1, "lr_dense": 1e-7, "lr_sparse": 1e-7,
-             "distillation_weight": 0.0, "representation": False, "shared_tables": []}
-    second = dg.materialize([vertical_models], run_config={"ops": {"vertical_models": {"config": worse}}},
+    # A second retraining that has to beat each champion's NE by 1.0 (impossible): every challenger is kept out.
+    demanding = {**config["vertical_models"]["config"], "ne_tolerance": -1.0}
+    second = dg.materialize([vertical_models], run_config={"ops": {"vertical_models": {"config": demanding}}},
                             raise_on_error=False, selection=[vertical_models], **common)
     return {**gem_asset_runs, "first": first, "second": second, "day": day}
 
@@ -63,6 +64,8 @@ def test_teacher_predictions_come_from_the_stale_gem(transferred):
     run = client.get_run(meta["mlflow_run_id"].value)
     assert run.data.tags["teacher.model_version"] == str(meta["teacher_version"].value)
     assert "teacher_predictions" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    gem_tags = client.get_model_version(MODEL_NAME, str(meta["teacher_version"].value)).tags
+    assert gem_tags[f"teacher_predictions.{transferred['day']}"] == run.info.run_id
 
 
 def test_domain_models_and_verticals_carry_their_lineage(transferred):
@@ -83,7 +86,7 @@ def test_domain_models_and_verticals_carry_their_lineage(transferred):
         assert entry["promoted"] and tags["promotion.decision"] == "promoted"
 
 
-def test_first_challengers_become_champions_and_a_worse_one_is_kept_out(transferred):
+def test_first_challengers_become_champions_and_later_ones_not_good_enough_are_kept_out(transferred):
     client = transferred["client"]
     first_check, = _check(transferred["first"])
     assert first_check.check_name == CHECK and first_check.passed
@@ -92,13 +95,14 @@ def test_first_challengers_become_champions_and_a_worse_one_is_kept_out(transfer
     second = _materialization(transferred["second"], "vertical_models").metadata["models"].value
     first = _materialization(transferred["first"], "vertical_models").metadata["models"].value
     kept_out = second_check.metadata["kept_out"].value
-    assert kept_out, second
+    assert sorted(kept_out) == sorted(first), second
     for name in kept_out:
         assert current_version(client, name, CHAMPION) == first[name]["version"]
         assert current_version(client, name, CHALLENGER) == second[name]["version"]
         tags = client.get_model_version(name, second[name]["version"]).tags
         assert tags["promotion.decision"] == "kept_out"
-        assert float(tags["promotion.challenger_ne"]) > float(tags["promotion.champion_ne"])
+        assert float(tags["promotion.challenger_ne"]) > float(tags["promotion.champion_ne"]) - 1.0
+        assert tags["promotion.champion_version"] == str(first[name]["version"])
 
 
 def test_a_vertical_with_representation_transfer_serves_from_mlflow(transferred):

@@ -144,7 +144,7 @@ def promote_if_not_worse(client: MlflowClient, name: str, logs: SequenceLogs, in
         champion = version_quality(client, name, champion_version, logs, indices, task, cache)
         promoted = _not_worse(challenger["ne"], champion["ne"], ne_tolerance)
         reason = (f"NE {challenger['ne']:.4f} {'<=' if promoted else '>'} champion's {champion['ne']:.4f}"
-                  + (f" + {ne_tolerance}" if ne_tolerance else ""))
+                  + (f" {ne_tolerance:+g}" if ne_tolerance else ""))
     decision = PromotionDecision(name, str(challenger_version), champion_version, challenger, champion, promoted, reason)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, str(challenger_version))
