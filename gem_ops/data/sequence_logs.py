@@ -309,7 +309,7 @@ class _Events:
 
     def permuted(self, order: np.ndarray) -> _Events:
         """The same events in `order`, as one part (its examples are not written from it)."""
-        return _Events({k: np.take(v, order) for k, v in self.columns.items()}, np.array([0, len(order)]), [])
+        return _Events({k: v[order] for k, v in self.columns.items()}, np.array([0, len(order)]), [])
 
 
 def _read_events(slices: list[tuple[str, int, int]], encoder: _Encoder, codes: dict[str, dict[str, np.ndarray]],
@@ -483,8 +483,10 @@ class _Runs:
         np.cumsum(pos, out=pos)
         return pos if self.is_hist is None else pos[self.is_hist[pos]]
 
-    def pointers(self, events: _Events, start: int, stop: int, user_base: int) -> tuple[np.ndarray, np.ndarray]:
-        """user_row and history_end of the events at input positions [start, stop), a whole number of runs."""
+    def pointers(self, events: _Events, start: int, stop: int, user_base: int,
+                 rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """user_row and history_end of the events at input positions [start, stop), a whole number of
+        runs, or of those of them at `rows` (offsets from start)."""
         r0, r1 = np.searchsorted(self.start, [start, stop])
         user, ts = events.columns["user_id"][start:stop], events.columns["timestamp"][start:stop]
         new_instant = np.empty(stop - start, dtype=bool)
@@ -492,11 +494,14 @@ class _Runs:
         new_instant[1:] = (ts[1:] != ts[:-1]) | (user[1:] != user[:-1])
         instant_start = np.where(new_instant, np.arange(start, stop, dtype=self.index), self.index(0))
         np.maximum.accumulate(instant_start, out=instant_start)
+        run = np.repeat(np.arange(r0, r1, dtype=self.index), self.length[r0:r1])
+        if rows is not None:
+            instant_start, run = instant_start[rows], run[rows]
         before = instant_start if self.hist_before is None else self.hist_before[instant_start]
-        length = self.length[r0:r1]
-        history_end = np.repeat(self.base[r0:r1], length)
+        history_end = self.base[run]
         history_end += before
-        user_row = np.repeat(self.row[r0:r1] + np.int32(user_base), length)
+        user_row = self.row[run]
+        user_row += np.int32(user_base)
         return user_row, history_end.astype(np.int32, copy=False)
 
 
@@ -538,7 +543,7 @@ def _build_with_inputs(events: _Events, inputs: list[Future], encoder: _Encoder,
             offsets = _arrow_view(np.concatenate([[0], np.cumsum(lengths)]))
             timelines = pl.DataFrame(
                 [pl.Series(_ArrowArray(_arrow_view(runs.user_ids[first:last]))).alias("user_id")]
-                + [pl.Series(_ArrowArray(pa.LargeListArray.from_arrays(offsets, _arrow_view(np.take(merged.columns[k], pos)))))
+                + [pl.Series(_ArrowArray(pa.LargeListArray.from_arrays(offsets, _arrow_view(merged.columns[k][pos]))))
                    .alias(k) for k in TIMELINE_FIELDS]
             )
             del pos
@@ -554,43 +559,43 @@ def _build_with_inputs(events: _Events, inputs: list[Future], encoder: _Encoder,
         start, stop = int(events.part_offsets[k]), int(events.part_offsets[k + 1])
         if start == stop:
             continue
-        if order is None:
-            with timer("pointers"):
-                rows, ends = runs.pointers(events, start, stop, user_base)
-        else:
-            rows, ends = user_row[start:stop], history_end[start:stop]
+        labelled = events.columns["labelled"][start:stop]
+        rows = None if labelled.all() else np.flatnonzero(labelled)  # gathering by index is faster than a mask
+        with timer("pointers"):  # of the labelled events only
+            if order is None:
+                user_row_k, history_end_k = runs.pointers(events, start, stop, user_base, rows)
+            else:
+                user_row_k, history_end_k = (_take(a[start:stop], rows) for a in (user_row, history_end))
         with timer("read"):
             labels_and_features = part_inputs.result()
-        frames.append(_examples(events, start, stop, rows, ends, labels_and_features, encoder, eval_start_ms, timer))
+        frames.append(_examples(events, start, stop, rows, user_row_k, history_end_k, labels_and_features, eval_start_ms, timer))
         if examples_per_part:
             writer.write_examples(frames.pop())
     if frames:
         writer.write_examples(frames[0] if len(frames) == 1 else pl.concat(frames))
 
 
-def _examples(events: _Events, start: int, stop: int, user_row: np.ndarray, history_end: np.ndarray,
-              inputs: pl.DataFrame, encoder: _Encoder, eval_start_ms: int, timer: StageTimer) -> pl.DataFrame:
-    """The labelled events of one part, in its order, with their pointers into the timelines and the
-    labels and features of those events (`inputs`)."""
+def _take(values: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    return values if rows is None else values[rows]
+
+
+def _examples(events: _Events, start: int, stop: int, rows: np.ndarray | None, user_row: np.ndarray,
+              history_end: np.ndarray, inputs: pl.DataFrame, eval_start_ms: int, timer: StageTimer) -> pl.DataFrame:
+    """The labelled events (`rows`, or all) of one part, in its order, with their pointers into the
+    timelines and their labels and features (`inputs`, read for those rows)."""
     with timer("examples"):
-        labelled = events.columns["labelled"][start:stop]
-        rows = None if labelled.all() else np.flatnonzero(labelled)  # take() by index is faster than a mask
-
-        def column(values: np.ndarray) -> np.ndarray:
-            return values if rows is None else np.take(values, rows)
-
-        if inputs.height != (len(labelled) if rows is None else len(rows)):
+        if inputs.height != (stop - start if rows is None else len(rows)):
             raise RuntimeError("labelled rows of the input changed while sequence_logs was being built")
         c = events.columns
-        ts = column(c["timestamp"][start:stop])
+        ts = _take(c["timestamp"][start:stop], rows)
         return inputs.select(
-            pl.Series("user_row", column(user_row)),
-            pl.Series("history_end", column(history_end)),
+            pl.Series("user_row", user_row),
+            pl.Series("history_end", history_end),
             pl.Series("timestamp", ts),
-            pl.Series("item_id", column(c["item_id"][start:stop])),
-            pl.Series("surface", column(c["surface"][start:stop])),
-            pl.Series("event_type", column(c["event_type"][start:stop])),
-            *encoder.example_columns,
+            pl.Series("item_id", _take(c["item_id"][start:stop], rows)),
+            pl.Series("surface", _take(c["surface"][start:stop], rows)),
+            pl.Series("event_type", _take(c["event_type"][start:stop], rows)),
+            *inputs.columns,
             pl.Series("split", (ts >= eval_start_ms).astype(np.int8)),
         )
 
@@ -614,10 +619,11 @@ class _SequenceLogsWriter:
     """Numbered part files: timelines per range of users, examples per input file (and bucket).
     The loader reads parts in name order, so example indices are row numbers in that order.
 
-    Files are written in a background thread (Parquet encoding releases the GIL, so it overlaps the
-    numpy work of the next range or part), at most `max_pending` at a time so memory stays bounded."""
+    Files are written in two background threads (Parquet encoding releases the GIL, so it overlaps
+    the numpy work of the next range or part, and the last files finish side by side), at most
+    `max_pending` at a time so memory stays bounded."""
 
-    def __init__(self, folder: Path, max_history_len: int, timer: StageTimer, max_pending: int = 2):
+    def __init__(self, folder: Path, max_history_len: int, timer: StageTimer, max_pending: int = 3):
         self.folder, self.max_history_len, self.timer, self.max_pending = folder, max_history_len, timer, max_pending
         (folder / TIMELINES).mkdir(parents=True)
         (folder / EXAMPLES).mkdir()
@@ -625,7 +631,7 @@ class _SequenceLogsWriter:
         self._timeline_files = self._example_files = self.n_timeline_parts = 0
         self._timeline_lengths: list[np.ndarray] = []
         self._history_lengths: list[np.ndarray] = []
-        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._pool = ThreadPoolExecutor(max_workers=2)
         self._pending: list[Future] = []
 
     def write_timelines(self, timelines: pl.DataFrame, timeline_lengths: np.ndarray) -> None:
