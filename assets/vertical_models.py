@@ -3,7 +3,6 @@ through their domain's foundation model; each registers as `challenger` and a bl
 only those not worse than the current `champion`."""
 
 import dagster as dg
-import numpy as np
 from pydantic import Field
 
 from assets.domain_foundation_models import domain_foundation_models, fm_predictions_path
@@ -14,12 +13,11 @@ from assets.student_training import StudentTrainingConfig
 from assets.teacher_predictions import predictions_path, teacher_predictions
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.transfer.config import TransferWindows
-from gem_ops.transfer.hierarchy import DomainData, train_vertical_model
+from gem_ops.transfer.hierarchy import DomainData
 from gem_ops.transfer.knowledge import read_predictions
-from gem_ops.transfer.registry import (CHALLENGER, lineage_tags, load_model_version, promote_if_not_worse,
-                                       register_student)
+from gem_ops.transfer.registry import load_model_version
 from gem_ops.transfer.student import Teacher
-from gem_ops.transfer.windows import labelled_tasks
+from gem_ops.transfer.verticals import VerticalSettings, domain_verticals
 
 CHECK = "challengers_not_worse_than_champions"
 
@@ -56,28 +54,17 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
     client = mlflow.get_client()
     student_days = read_predictions(predictions_path(lake, day)).teacher["student_days"]
     window = TransferWindows(student_days=student_days)
+    settings = VerticalSettings(config.model(), config.train(), config.transfer(), config.shuffling(), config.mode,
+                               config.registered_model_prefix, config.ne_tolerance, config.promotion_max_examples,
+                               config.seed)
     models, decisions = {}, []
-    rng = np.random.default_rng(config.seed)
     with mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())
         for domain in config.selected(logs.surfaces):
             data = DomainData.of(logs, domain, window)
             teacher = _teacher(config.mode, lake, day, domain, client)
-            tasks = [t for t in labelled_tasks(logs, data.train) if t in labelled_tasks(logs, data.eval)]
-            compare = data.eval if data.eval.size <= config.promotion_max_examples else \
-                np.sort(rng.choice(data.eval, config.promotion_max_examples, replace=False))
-            scored = {}  # the teachers of this domain's models, scored once for all its comparisons
-            for task in tasks:
-                name = f"{config.registered_model_prefix}_{domain}_{task}"
-                tags = lineage_tags(config.mode, teacher.identity if teacher else None) | {"domain": domain, "task": task}
-                with run.child(f"{name} [{day}]", tags) as child:
-                    vm = train_vertical_model(logs, data, task, config.model(), config.train(),
-                                              lake.path("vertical_models", day, f"{domain}_{task}"), config.transfer(),
-                                              teacher, config.shuffling(), child)
-                    version = register_student(client, child.run_id, vm.model, vm.data, data.eval, name, tags, CHALLENGER)
-                    decision = promote_if_not_worse(client, name, logs, compare, task, version, config.ne_tolerance,
-                                                    scored)
-                    child.log_dict(decision.to_dict(), "promotion.json")
+            for name, version, decision in domain_verticals(client, run, logs, data, teacher, settings,
+                                                            lake.path("vertical_models", day), day):
                 decisions.append(decision)
                 models[name] = {"version": version, "promoted": decision.promoted, "reason": decision.reason,
                                 "ne": round(decision.challenger["ne"], 4), "auc": round(decision.challenger["auc"], 4)}

@@ -1,0 +1,62 @@
+"""One domain's vertical models, one per objective: trained from their teacher, registered as challengers
+and promoted only when not worse than their champions on the same eval examples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from mlflow.tracking import MlflowClient
+
+from gem_ops.data.batch_shuffling import ShufflingConfig
+from gem_ops.data.loader import SequenceLogs
+from gem_ops.model.config import ModelConfig
+from gem_ops.tracking import RunTracker
+from gem_ops.train.config import TrainConfig
+from gem_ops.transfer.config import TransferConfig
+from gem_ops.transfer.hierarchy import DomainData, train_vertical_model
+from gem_ops.transfer.registry import CHALLENGER, PromotionDecision, lineage_tags, promote_if_not_worse, register_student
+from gem_ops.transfer.student import Teacher
+from gem_ops.transfer.windows import labelled_tasks
+
+
+@dataclass(frozen=True)
+class VerticalSettings:
+    base: ModelConfig
+    train: TrainConfig
+    transfer: TransferConfig
+    shuffling: ShufflingConfig
+    mode: str  # hierarchical, direct or alone (recorded in the lineage tags)
+    prefix: str = "vertical"  # registered as <prefix>_<domain>_<objective>
+    ne_tolerance: float = 0.0
+    promotion_max_examples: int = 20_000
+    seed: int = 0
+
+
+def comparison_examples(data: DomainData, limit: int, seed: int) -> np.ndarray:
+    """The eval examples challenger and champion are both scored on (a fixed sample above `limit`)."""
+    if data.eval.size <= limit:
+        return data.eval
+    return np.sort(np.random.default_rng(seed).choice(data.eval, limit, replace=False))
+
+
+def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLogs, data: DomainData,
+                     teacher: Teacher | None, settings: VerticalSettings, work_dir: Path,
+                     run_label: str) -> Iterator[tuple[str, str, PromotionDecision]]:
+    """(registered name, version, promotion decision) for each objective with labels in both splits; each
+    model in its own MLflow run nested under `tracker`'s."""
+    tasks = [t for t in labelled_tasks(logs, data.train) if t in labelled_tasks(logs, data.eval)]
+    compare = comparison_examples(data, settings.promotion_max_examples, settings.seed)
+    scored: dict = {}  # the teachers of this domain's models, scored once for all its comparisons
+    for task in tasks:
+        name = f"{settings.prefix}_{data.domain}_{task}"
+        tags = lineage_tags(settings.mode, teacher.identity if teacher else None) | {"domain": data.domain, "task": task}
+        with tracker.child(f"{name} [{run_label}]", tags) as child:
+            vm = train_vertical_model(logs, data, task, settings.base, settings.train, work_dir / f"{data.domain}_{task}",
+                                      settings.transfer, teacher, settings.shuffling, child)
+            version = register_student(client, child.run_id, vm.model, vm.data, data.eval, name, tags, CHALLENGER)
+            decision = promote_if_not_worse(client, name, logs, compare, task, version, settings.ne_tolerance, scored)
+            child.log_dict(decision.to_dict(), "promotion.json")
+        yield name, version, decision
