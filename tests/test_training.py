@@ -61,3 +61,27 @@ def test_warm_start_loads_the_earlier_weights(data, tmp_path):
 def test_diverging_loss_stops_with_a_clear_error(data, tmp_path):
     with pytest.raises(FloatingPointError, match="lower lr_dense"):
         train(data.open(), data.plans[1], TINY, dataclasses.replace(CONFIG, lr_dense=1e30, warmup_steps=1, clip_grad_norm=0))
+
+
+def test_output_biases_start_at_the_plan_label_rates(data):
+    from gem_ops.model.config import FeatureSpec
+    from gem_ops.train.initialization import init_output_biases, plan_examples
+    from gem_ops.train.loop import seeded_model
+
+    logs = data.open()
+    model = seeded_model(FeatureSpec.from_logs(logs), model_config("vertical"))
+    assert init_output_biases(model, logs, data.plans[1])
+    batch = logs.batch(plan_examples(data.plans[1]), max_history_len=0)
+    bias = model.towers.biases[-1].view(len(logs.surfaces), len(logs.objectives))
+    checked = 0
+    for d in range(len(logs.surfaces)):
+        for t in range(len(logs.objectives)):
+            labelled = batch.label_mask[:, t] & (batch.surface == d)
+            n = int(labelled.sum())
+            if n > 100:
+                # the label rate, shrunk toward the task's overall rate by 100 pseudo-examples
+                overall = float(batch.labels[batch.label_mask[:, t], t].mean())
+                rate = (float(batch.labels[labelled, t].sum()) + 100 * overall) / (n + 100)
+                assert torch.sigmoid(bias[d, t]).item() == pytest.approx(rate, rel=1e-4)
+                checked += 1
+    assert checked >= 4
