@@ -8,7 +8,7 @@ benchmarks/results/mfu_<device>.json with the commit, the machine and the settin
     python -m benchmarks.mfu --device cpu --data DIR --preset vertical --max-history-len 32 --steps 3 \\
         --precisions fp32 --dense-tokens 512 --dense-batch 64 --compile none    # a dry run of every stage
 
-DIR holds sequence_logs/ and plans/world_size=1.parquet (prepared elsewhere: the GPU machine has no
+DIR holds sequence_logs/ and a one-rank plan, by default plans/world_size=1.parquet (prepared elsewhere: the GPU machine has no
 polars). On a CPU, FP8 cannot run: the dense-layer stage emulates it (numbers meaningless, code checked).
 """
 
@@ -182,14 +182,80 @@ def end_to_end(logs, plan, model_config, precision: str, args, device: torch.dev
     return data
 
 
+def run_stage(stage: str, seconds_left: float) -> dict:
+    """One stage in a child process of its own: a crash, a hang or memory it keeps cannot spoil the
+    next stage, and each precision starts from a fresh allocator and compile cache."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if seconds_left < 60:
+        return {"skipped": f"time budget: {seconds_left:.0f} s left"}
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "stage.json"
+        command = [sys.executable, "-m", "benchmarks.mfu", *sys.argv[1:], "--stage", stage, "--stage-output", str(output)]
+        # Expandable segments: the jagged batches change shape every step, which fragments a fixed-block pool.
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+        try:
+            done = subprocess.run(command, env=env, timeout=None if math.isinf(seconds_left) else seconds_left)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {seconds_left:.0f} s"}
+        if output.exists():
+            return json.loads(output.read_text())
+        return {"error": f"the {stage} stage exited with code {done.returncode} and no result"}
+
+
+def run_here(args) -> None:
+    """The child's side of run_stage: runs args.stage and writes its result (or its error) as JSON."""
+    from gem_ops.data.loader import SequenceLogs
+    from gem_ops.model.config import FeatureSpec
+
+    device = torch.device(args.device)
+    logs = SequenceLogs(args.data / "sequence_logs")
+    config = model_config_of(args)
+    try:
+        if args.stage == "dense":
+            result = bench_dense_layers(config, FeatureSpec.from_logs(logs), args, device)
+        else:
+            precision = args.stage.split(":", 1)[1]
+            result = end_to_end(logs, args.data / args.plan, config, precision, args, device, args.copy_to)
+    except Exception as error:  # reported in the JSON beside the stages that ran
+        result = {"error": f"{type(error).__name__}: {error}"}
+        print(f"{args.stage} failed: {error}", flush=True)
+    args.stage_output.write_text(json.dumps(result, default=str))
+
+
+def model_config_of(args):
+    from gem_ops.model.config import model_config
+
+    overrides = {"sequence.max_history_len": args.max_history_len} if args.max_history_len else {}
+    overrides.update(_setting(item) for item in args.set)
+    return model_config(args.preset, args.depth, args.width, **overrides)
+
+
+def _setting(item: str) -> tuple[str, object]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--data", type=Path, required=True, help="a folder with sequence_logs/ and plans/world_size=1.parquet")
+    parser.add_argument("--plan", type=Path, default=Path("plans/world_size=1.parquet"),
+                        help="the batch plan, under --data (its batch size is the step's)")
     parser.add_argument("--preset", default="gem_gpu")
     parser.add_argument("--width", type=float, default=1.0)
     parser.add_argument("--depth", type=float, default=1.0)
     parser.add_argument("--max-history-len", type=int, default=0, help="0: the preset's")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="model settings over the preset's, e.g. embedding.sequence_dim=1024 (values as JSON)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per precision")
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -207,23 +273,21 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; later stages are skipped past it (0: none)")
     parser.add_argument("--copy-to", type=Path, help="also copy the JSON and figures here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stage", help=argparse.SUPPRESS)  # a child process runs one stage: end_to_end:<precision> or dense
+    parser.add_argument("--stage-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    from gem_ops.data.loader import SequenceLogs
     from gem_ops.metrics.mfu import device_name, measured_matmul_flops, peak_flops
-    from gem_ops.model.config import FeatureSpec, model_config
 
+    if args.stage:
+        run_here(args)
+        return
     began = time.perf_counter()
     left = lambda: math.inf if not args.time_budget else args.time_budget - (time.perf_counter() - began)  # noqa: E731
     device = torch.device(args.device)
-    logs = SequenceLogs(args.data / "sequence_logs")
-    plan = args.data / "plans" / "world_size=1.parquet"
-    overrides = {"sequence.max_history_len": args.max_history_len} if args.max_history_len else {}
-    config = model_config(args.preset, args.depth, args.width, **overrides)
-    spec = FeatureSpec.from_logs(logs)
-    figures = args.copy_to
-    if figures is not None:
-        figures.mkdir(parents=True, exist_ok=True)
+    config = model_config_of(args)
+    if args.copy_to is not None:
+        args.copy_to.mkdir(parents=True, exist_ok=True)
 
     import kernels.jagged_attention as attention
     import triton  # noqa: F401  (its version below; the GPU path needs it)
@@ -251,24 +315,10 @@ def main() -> None:
 
     runs = results.setdefault("end_to_end", {})
     for precision in args.precisions:
-        if left() < 60:
-            runs[precision] = {"skipped": f"time budget: {left():.0f} s left"}
-            continue
-        try:
-            runs[precision] = end_to_end(logs, plan, config, precision, args, device, figures)
-        except Exception as error:
-            runs[precision] = {"error": f"{type(error).__name__}: {error}"}
-            print(f"{precision} failed: {error}", flush=True)
+        runs[precision] = run_stage(f"end_to_end:{precision}", left())
         checkpoint_results()
-
-    if not args.skip_dense and left() < 60:
-        results["dense_layers"] = {"skipped": f"time budget: {left():.0f} s left"}
-    elif not args.skip_dense:
-        try:
-            results["dense_layers"] = bench_dense_layers(config, spec, args, device)
-        except Exception as error:
-            results["dense_layers"] = {"error": f"{type(error).__name__}: {error}"}
-            print(f"dense layers failed: {error}", flush=True)
+    if not args.skip_dense:
+        results["dense_layers"] = run_stage("dense", left())
         checkpoint_results()
 
     done = {p: r for p, r in runs.items() if "losses" in r}

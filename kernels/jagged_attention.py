@@ -31,6 +31,9 @@ def available_backends() -> list[str]:
     return list(_BACKENDS)
 
 
+# Opaque to torch.compile: a compiled caller breaks its graph here. The kernels' tile tables are
+# cached per offsets tensor on the host, and their sizes depend on the batch's lengths.
+@torch.compiler.disable
 def jagged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

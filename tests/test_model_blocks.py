@@ -72,6 +72,64 @@ def test_jagged_helpers_round_trip():
     assert jagged.segment_mean(values, offsets).flatten().tolist() == [0.0, 0.0, 2.0, 6.5]
 
 
+def _random_jagged(seed: int, device: str = "cpu"):
+    """Lengths with empties, ones, a long tail; values [N, 3] that need gradients."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.cat([torch.tensor([0, 1, 0]), torch.randint(0, 9, (6,), generator=g), torch.tensor([40])])
+    values = torch.randn(int(lengths.sum()), 3, generator=g).to(device).requires_grad_()
+    return values, jagged.offsets_of(lengths).to(device), lengths
+
+
+def _per_sequence(values, lengths):
+    return list(torch.split(values, lengths.tolist()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_jagged_ops_match_a_per_sequence_loop(seed):
+    values, offsets, lengths = _random_jagged(seed)
+    prefix = torch.randn(len(lengths), 2, 3, requires_grad=True)
+    joined, joined_offsets = jagged.prepend(prefix, values, offsets)
+    expected = torch.cat([torch.cat([p, s]) for p, s in zip(prefix, _per_sequence(values, lengths))])
+    assert torch.equal(joined, expected) and torch.equal(joined_offsets, jagged.offsets_of(lengths + 2))
+    back_prefix, back, back_offsets = jagged.split_prefix(joined * 2, joined_offsets, 2)
+    assert torch.equal(back, values * 2) and torch.equal(back_prefix, prefix * 2) and torch.equal(back_offsets, offsets)
+    (back.sum() + back_prefix.sum()).backward()
+    assert torch.equal(values.grad, torch.full_like(values, 2)) and torch.equal(prefix.grad, torch.full_like(prefix, 2))
+
+    keep = torch.rand(values.shape[0], generator=torch.Generator().manual_seed(seed)) < 0.5
+    chosen, chosen_offsets = jagged.select(values, offsets, keep, int(keep.sum()))
+    parts = [s[k] for s, k in zip(_per_sequence(values, lengths), _per_sequence(keep, lengths))]
+    assert torch.equal(chosen, torch.cat(parts))
+    assert torch.equal(chosen_offsets, jagged.offsets_of(torch.tensor([len(p) for p in parts])))
+    for n in (1, 3, 100):
+        total = int(lengths.clamp(max=n).sum())
+        last, last_offsets = jagged.keep_last(values, offsets, n, total)
+        assert torch.equal(last, torch.cat([s[-n:] for s in _per_sequence(values, lengths)]))
+        assert torch.equal(last_offsets, jagged.offsets_of(lengths.clamp(max=n)))
+
+
+def test_level_totals_are_every_pyramid_size():
+    lengths = torch.tensor([[0, 1, 7, 40], [0, 0, 3, 9]])
+    assert jagged.level_totals(lengths, [8, 2, 4]) == [[48, 16, 5, 5], [12, 11, 4, 4]]
+
+
+@pytest.mark.gpu
+def test_jagged_ops_never_wait_on_the_gpu_once_sizes_are_known():
+    values, offsets, lengths = _random_jagged(0, "cuda")
+    keep = (torch.arange(values.shape[0], device="cuda") % 3) == 0
+    n_kept = int(keep.sum())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        joined, joined_offsets = jagged.prepend(torch.randn(len(lengths), 2, 3, device="cuda"), values, offsets)
+        _, rest, rest_offsets = jagged.split_prefix(joined, joined_offsets, 2)
+        chosen, _ = jagged.select(rest, rest_offsets, keep, n_kept)
+        last, _ = jagged.keep_last(rest, rest_offsets, 3, int(lengths.clamp(max=3).sum()))
+        (chosen.sum() + last.sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_towers_route_each_example_to_its_domain():
     torch.manual_seed(0)
     towers = DomainTaskTowers(in_dim=6, domains=3, tasks=2, hidden=4, layers=1)

@@ -45,15 +45,22 @@ class SequenceBranch(nn.Module):
         self.cls_out = nn.ModuleList(nn.Linear(ds, d) for _ in n_tokens)
         self.cross = nn.ModuleList(JaggedCrossAttention(d, ds, seq.heads, d, seq.activation) for _ in n_tokens)
 
-    def select(self, history: torch.Tensor, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def keep_mask(self, x: ModelInput) -> torch.Tensor | None:
+        """[N] the history events this branch reads (None: all of them)."""
         if self.name == "all":
+            return None
+        return x.history_action != 0 if self.name == "engaged" else x.history_event_type == self._event_type
+
+    def select(self, history: torch.Tensor, x: ModelInput, keep: torch.Tensor | None,
+               total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if keep is None:
             return history, x.history_offsets
-        keep = x.history_action != 0 if self.name == "engaged" else x.history_event_type == self._event_type
-        return jagged.select(history, x.history_offsets, keep)
+        return jagged.select(history, x.history_offsets, keep, total)
 
     def forward(self, block: int, tokens: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor,
-                offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens [B, n, d] -> (summaries [B, K + 2, d], history after this level, its offsets)."""
+                offsets: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens [B, n, d] -> (summaries [B, K + 2, d], history after this level, its offsets); `kept`:
+        the history tokens left after this level's cut."""
         B = tokens.shape[0]
         prefix = self.summarize[block](tokens.flatten(1)).view(B, self.k, -1)
         values, with_prefix = jagged.prepend(prefix, history, offsets)
@@ -62,7 +69,7 @@ class SequenceBranch(nn.Module):
         # The candidate reads the whole level before the pyramid cuts it: a match far back still counts.
         queries = torch.stack([candidate, tokens.mean(1)], dim=1)
         attended = self.cross[block](queries, history, offsets)
-        history, offsets = jagged.keep_last(history, offsets, self.levels[block])
+        history, offsets = jagged.keep_last(history, offsets, self.levels[block], kept)
         return torch.cat([self.cls_out[block](cls), attended], dim=1), history, offsets
 
 
@@ -107,14 +114,31 @@ class GEMModel(nn.Module):
         if self.teacher_proj is not None:
             tokens.append(self.teacher_proj(x.teacher_representation).unsqueeze(1))
         tokens = torch.cat(tokens, dim=1)
-        states = [branch.select(history, x) for branch in self.branches]
+        states, sizes = self._branch_histories(history, x)
         for block, interaction in enumerate(self.interaction):
             extra = []
             for i, branch in enumerate(self.branches):
-                summary, *states[i] = branch(block, tokens, candidate, *states[i])
+                summary, *states[i] = branch(block, tokens, candidate, *states[i], sizes[i][block + 1])
                 extra.append(summary)
             tokens = interaction(torch.cat([tokens, *extra], dim=1))
         return self.trunk(tokens.flatten(1))
+
+    def _branch_histories(self, history: torch.Tensor, x: ModelInput) -> tuple[list, list[list[int]]]:
+        """Each branch's (history, offsets), and its token count at every level of its pyramid: the
+        one read from the device a forward needs, so that the jagged ops after it never wait."""
+        if not self.branches:
+            return [], []
+        if torch.is_autocast_enabled(history.device.type):
+            # Under mixed precision the history tokens (the residual stream of every sequence layer)
+            # are kept in the autocast dtype: half the bytes in every gather, add and norm over them.
+            history = history.to(torch.get_autocast_dtype(history.device.type))
+        keeps = [branch.keep_mask(x) for branch in self.branches]
+        lengths = torch.stack([jagged.lengths_of(x.history_offsets) if keep is None
+                               else jagged.kept_lengths(x.history_offsets, keep) for keep in keeps])
+        sizes = jagged.level_totals(lengths, self.branches[0].levels)
+        states = [list(branch.select(history, x, keep, n[0]))
+                  for branch, keep, n in zip(self.branches, keeps, sizes)]
+        return states, sizes
 
     def forward(self, x: ModelInput) -> torch.Tensor:
         """Logits [B, tasks], each example through its own domain's towers."""

@@ -1,5 +1,10 @@
 """Small ops on jagged tensors (values [N, ...] + offsets [B + 1]) in plain torch, so they run
-wherever torch does (fbgemm's jagged kernels are missing from some builds)."""
+wherever torch does (fbgemm's jagged kernels are missing from some builds).
+
+None of them reads a device value on the host when its output size is given (`total`): a GPU step
+then runs without waiting on the host. Rows move with index_select / index_copy, whose backward
+(index_add / index_select) is equally free of host reads.
+"""
 
 from __future__ import annotations
 
@@ -26,41 +31,79 @@ def positions_from_end(offsets: torch.Tensor, total: int | None = None) -> torch
     return offsets[1:][seg] - 1 - torch.arange(seg.numel(), device=offsets.device)
 
 
-def select(values: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values where `keep` [N] is true, with their new offsets (order kept)."""
-    seg = segment_ids(offsets, values.shape[0])
+def kept_lengths(offsets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[B] how many of each sequence's values `keep` [N] marks."""
     lengths = torch.zeros(offsets.numel() - 1, dtype=offsets.dtype, device=offsets.device)
-    lengths.index_add_(0, seg[keep], torch.ones_like(seg[keep]))
-    return values[keep], offsets_of(lengths)
+    return lengths.index_add_(0, segment_ids(offsets, keep.numel()), keep.to(offsets.dtype))
 
 
-def keep_last(values: torch.Tensor, offsets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's most recent n values."""
-    if offsets.numel() < 2 or int(lengths_of(offsets).max()) <= n:
+def select(values: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor,
+           total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values where `keep` [N] is true, with their new offsets (order kept); `total`: how many."""
+    if total is None:
+        total = int(keep.sum())
+    # Kept value i goes to slot cumsum(keep)[i] - 1; the others to a spare slot past the end.
+    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, total)
+    rows = torch.empty(total + 1, dtype=torch.long, device=values.device)
+    rows.scatter_(0, slot, torch.arange(keep.numel(), device=values.device))
+    return values.index_select(0, rows[:total]), offsets_of(kept_lengths(offsets, keep))
+
+
+def keep_last(values: torch.Tensor, offsets: torch.Tensor, n: int,
+              total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's most recent n values; `total`: how many that is over the batch."""
+    if offsets.numel() < 2:
         return values, offsets
-    return select(values, offsets, positions_from_end(offsets, values.shape[0]) < n)
+    lengths = lengths_of(offsets)
+    kept = lengths.clamp(max=n)
+    if total is None:
+        total = int(kept.sum())
+    if total == values.shape[0]:
+        return values, offsets
+    new_offsets = offsets_of(kept)
+    seg = segment_ids(new_offsets, total)
+    rows = torch.arange(total, device=values.device) + (offsets[:-1] + lengths - kept - new_offsets[:-1])[seg]
+    return values.index_select(0, rows), new_offsets
+
+
+def level_totals(lengths: torch.Tensor, levels: list[int]) -> list[list[int]]:
+    """For each row of sequence lengths [S, B]: the values there are, then left after keep_last(levels[0]),
+    keep_last(levels[1]), ...: every output size of S pyramids, read from the device in one go."""
+    caps = torch.tensor(levels, dtype=lengths.dtype, device=lengths.device).cummin(0).values
+    kept = torch.minimum(lengths[:, None, :], caps[None, :, None]).sum(2)  # [S, levels]
+    return torch.cat([lengths.sum(1, keepdim=True), kept], 1).tolist()
 
 
 def prepend(prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """prefix [B, K, d] placed before each sequence's values: returns values [N + B*K, d] and offsets."""
     B, K = prefix.shape[:2]
-    lengths = lengths_of(offsets)
-    new_offsets = offsets_of(lengths + K)
-    out = values.new_empty(values.shape[0] + B * K, *values.shape[1:])
-    prefix_rows = (new_offsets[:-1, None] + torch.arange(K, device=offsets.device)[None, :]).reshape(-1)
-    value_rows = torch.arange(values.shape[0], device=offsets.device) + K * (segment_ids(offsets, values.shape[0]) + 1)
-    out = out.index_put((prefix_rows,), prefix.reshape(B * K, *prefix.shape[2:]))
-    return out.index_put((value_rows,), values), new_offsets
+    N = values.shape[0]
+    new_offsets = offsets + K * torch.arange(B + 1, device=offsets.device)
+    seg = segment_ids(new_offsets, N + B * K)
+    position = torch.arange(N + B * K, device=offsets.device) - new_offsets[:-1][seg]
+    # One gather from [values, prefix rows]: position p < K of sequence b is prefix row b*K + p.
+    rows = torch.where(position < K, N + seg * K + position, offsets[:-1][seg] + position - K)
+    stacked = torch.cat([values, prefix.reshape(B * K, *prefix.shape[2:]).to(values.dtype)])
+    return stacked.index_select(0, rows), new_offsets
 
 
 def split_prefix(values: torch.Tensor, offsets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of prepend: ([B, k, d] prefix, remaining values, their offsets)."""
     B = offsets.numel() - 1
-    rows = (offsets[:-1, None] + torch.arange(k, device=offsets.device)[None, :]).reshape(-1)
-    keep = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
-    keep[rows] = False
-    rest, rest_offsets = select(values, offsets, keep)
-    return values[rows].reshape(B, k, *values.shape[1:]), rest, rest_offsets
+    rest_offsets = offsets - k * torch.arange(B + 1, device=offsets.device)
+    prefix = values.index_select(0, _prefix_rows(offsets, k)).reshape(B, k, *values.shape[1:])
+    rest = values.index_select(0, _value_rows(rest_offsets, k, values.shape[0] - B * k))
+    return prefix, rest, rest_offsets
+
+
+def _prefix_rows(offsets: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of the k values at the start of each sequence."""
+    return (offsets[:-1, None] + torch.arange(k, device=offsets.device)[None, :]).reshape(-1)
+
+
+def _value_rows(offsets: torch.Tensor, k: int, total: int) -> torch.Tensor:
+    """Where each of `total` values of `offsets` lands once k values are put before every sequence."""
+    return torch.arange(total, device=offsets.device) + k * (segment_ids(offsets, total) + 1)
 
 
 def segment_mean(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Training speed settings applied to a built model (TrainConfig): FP8 for the large linear layers
 (torchao float8), torch.compile of the dense blocks, activation checkpointing of the sequence layers.
 
-Applied in torchtitan's order, before sharding: FP8 swaps nn.Linear for torchao's Float8Linear (same
-parameters, same state_dict keys), then checkpointing and compilation replace the instance's `forward`
-(module hooks, FSDP2's and the profiler scopes' alike, stay outside the compiled code).
+Applied before sharding: FP8 swaps nn.Linear for torchao's Float8Linear (same parameters, same
+state_dict keys), then compilation and checkpointing replace the instance's `forward` (module hooks,
+FSDP2's and the profiler scopes' alike, stay outside the compiled code).
 """
 
 from __future__ import annotations
@@ -72,15 +72,12 @@ def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", *, emulate: boo
 
 
 def dense_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """The dense blocks that torch.compile takes one by one: each Wukong layer, the trunk and towers, and
-    the sequence layers' and cross attentions' large projections and FFNs (not the jagged attention
-    itself, whose Triton kernel and data-dependent offsets stay outside the compiled code)."""
-    blocks = {}
-    for name, module in model.named_modules():
-        if (re.fullmatch(r"interaction\.\d+|trunk|towers|distillation_towers", name)
-                or re.fullmatch(r"branches\.\d+\.layers\.\d+\.(qkv|proj|ffn)|branches\.\d+\.cross\.\d+\.kv", name)):
-            blocks[name] = module
-    return blocks
+    """The blocks that torch.compile takes one by one: each Wukong layer, the trunk and towers, each
+    jagged transformer layer and each cross attention whole. The jagged attention inside the last two
+    stays out of the compiled graphs (kernels.jagged_attention is opaque to torch.compile): compiled are
+    the norms, projections, FFN and residual adds around it, fused with their dtype casts."""
+    pattern = re.compile(r"interaction\.\d+|trunk|towers|distillation_towers|branches\.\d+\.(layers|cross)\.\d+")
+    return {name: module for name, module in model.named_modules() if pattern.fullmatch(name)}
 
 
 def compile_dense_blocks(model: nn.Module) -> list[str]:
@@ -89,7 +86,8 @@ def compile_dense_blocks(model: nn.Module) -> list[str]:
     import torch._dynamo.config as dynamo_config
 
     blocks = dense_blocks(model)
-    # Blocks share forward code objects (every Linear, every Sequential), so each gets its own graphs.
+    # Blocks share forward code objects (every layer of a kind), and a graph break at the attention
+    # splits each sequence layer in two: every piece gets its own graphs, static then dynamic.
     limit = max(64, 8 * len(blocks))
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
@@ -126,8 +124,10 @@ def prepare_for_training(model: nn.Module, config, device: torch.device | str) -
     if config.precision == "fp8":
         check_fp8_device(device)
         applied["fp8"] = convert_to_fp8(model, config.fp8_recipe)
-    if config.activation_checkpointing == "sequence":
-        applied["activation_checkpointing"] = checkpoint_sequence_layers(model)
+    # Compiled first, so that a checkpointed layer recomputes its compiled forward (a checkpoint
+    # region cannot hold the graph break at the attention).
     if config.compile == "dense":
         applied["compile"] = compile_dense_blocks(model)
+    if config.activation_checkpointing == "sequence":
+        applied["activation_checkpointing"] = checkpoint_sequence_layers(model)
     return applied

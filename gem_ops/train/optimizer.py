@@ -31,6 +31,8 @@ def dense_optimizer(dense: dict[str, nn.Parameter], config: TrainConfig) -> Keye
             [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": config.weight_decay},
              {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}],
             lr=config.lr_dense,
+            # One kernel over all parameters on a GPU (the default, foreach, takes several per step).
+            fused=bool(params) and all(p.is_cuda for p in params) or None,
         )
 
     return KeyedOptimizerWrapper(dense, adamw)
