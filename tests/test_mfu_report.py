@@ -82,3 +82,17 @@ def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
     # The loop's own per-step figures (logged by every training run) agree with the report's inputs.
     assert math.isclose(report["model_flops"] / sum(report["step_seconds"]) / 1e12, metrics["mfu.model_tflops"],
                         rel_tol=1e-6)
+
+
+def test_host_waits_on_a_full_launch_queue_are_not_device_time():
+    """The CUDA profiler gives "Command Buffer Full" (a launch that waited for queue room) device time;
+    a phase's device time leaves it out, however deep it sits under the phase's range."""
+    from types import SimpleNamespace as Event
+
+    from gem_ops.metrics.mfu import _device_time
+
+    wait = Event(name="Command Buffer Full", device_time_total=300.0, cpu_children=[])
+    launch = Event(name="cudaLaunchKernel", device_time_total=340.0, cpu_children=[wait])
+    kernel_op = Event(name="aten::mm", device_time_total=50.0, cpu_children=[])
+    phase = Event(name="optimizer", device_time_total=390.0, cpu_children=[launch, kernel_op])
+    assert _device_time(phase) == 90.0

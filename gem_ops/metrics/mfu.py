@@ -41,6 +41,10 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("A10G", 70e12),
 )
 
+# What the CUDA profiler lists with device time that is no GPU work: a kernel launch that waited for
+# room in a full launch queue. Left out of every phase, module and busy figure.
+HOST_WAITS = frozenset({"Command Buffer Full"})
+
 # Step phases, as scoped by the training loop (record_function), and the model's module scopes.
 PHASES = ("data", "data.load", "forward", "backward", "optimizer")  # data.load: the prefetch thread's
 # Nested: sequence.branch (one sequence's layer of a block, with its jagged bookkeeping) holds the
@@ -252,10 +256,22 @@ def _scope_seconds(profile, device: torch.device, scopes: tuple[str, ...], steps
         if event.name not in cpu:
             continue
         if event.device_type == torch.autograd.DeviceType.CPU:
-            cpu[event.name] += (event.device_time_total if device.type == "cuda" else event.cpu_time_total) / 1e6
+            cpu[event.name] += (_device_time(event) if device.type == "cuda" else event.cpu_time_total) / 1e6
         elif device.type == "cuda":  # the range's mirror on the GPU timeline (gpu_user_annotation)
             gpu[event.name] += event.time_range.elapsed_us() / 1e6
     return {k: (cpu[k] or gpu[k]) / max(1, steps) for k in scopes}
+
+
+def _device_time(event) -> float:
+    """A host range's device time (us), less the host waits (HOST_WAITS) within it."""
+    waits, stack = 0.0, list(event.cpu_children)
+    while stack:
+        child = stack.pop()
+        if child.name in HOST_WAITS:
+            waits += child.device_time_total
+        else:
+            stack.extend(child.cpu_children)
+    return event.device_time_total - waits
 
 
 def _set_compiler_stance(stance: str) -> None:
@@ -333,7 +349,8 @@ def measure_mfu(logs, plan_path, model_config, train_config, *, steps: int = 20,
             # "backward" scope: it is the device's busy time less the other phases'.
             scopes = {*PHASES, *MODULE_SCOPES}  # their mirrors on the GPU timeline span kernels, not add to them
             busy = sum(e.time_range.elapsed_us() for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in scopes) / 1e6 / profile_steps
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in scopes
+                       and e.name not in HOST_WAITS) / 1e6 / profile_steps
             others = sum(v for k, v in report.phase_seconds.items() if k != "backward")
             report.phase_seconds["backward"] = max(0.0, busy - others)
             report.phase_seconds["device_busy"] = busy
