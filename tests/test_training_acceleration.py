@@ -145,3 +145,22 @@ def test_compiled_dense_blocks_match_eager():
         for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
             if p_eager.grad is not None:
                 torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_checkpointed_compiled_layers_give_eager_gradients():
+    """prepare_for_training compiles first, then checkpoints: a checkpointed layer recomputes its
+    compiled forward (the graph break at the attention stays outside the checkpoint region)."""
+    config = model_config("gem", width=0.5, blocks=2, **SMALL_TABLES)
+    x = model_input(random_batch([0, 1, 40, 9, 70]), SPEC, config)
+    grads = []
+    for settings in ({}, {"compile": "dense", "activation_checkpointing": "sequence"}):
+        model = seeded_model(SPEC, config)
+        applied = prepare_for_training(model, TrainConfig(**settings), "cpu")
+        assert len(applied.get("activation_checkpointing", [])) == (len(config.sequence.branches) * config.blocks
+                                                                    if settings else 0)
+        model.loss(x)[0].backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-3, atol=1e-5, msg=name)
