@@ -89,9 +89,9 @@ def dense_layer(widths: list[int], device: torch.device) -> nn.Module:
 def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
     """Forward and forward+backward time of each dense shape in bf16 (autocast, as training runs) and
     in FP8 (each recipe), compiled as training compiles them; the backward is their difference."""
-    import dataclasses
+    from torchao.float8 import convert_to_float8_training
 
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from gem_ops.train.acceleration import fp8_linear_config
 
     out = {}
     emulate = device.type != "cuda"
@@ -106,8 +106,7 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
             torch.manual_seed(0)
             module = dense_layer(widths, device)
             if variant != "bf16":
-                config = dataclasses.replace(Float8LinearConfig.from_recipe_name(variant[4:]), emulate=emulate)
-                convert_to_float8_training(module, config=config)
+                convert_to_float8_training(module, config=fp8_linear_config(variant[4:], emulate=emulate))
             run = torch.compile(module) if args.compile == "dense" else module
 
             def forward():

@@ -94,6 +94,23 @@ def test_bf16_autocast_keeps_the_sequence_stream_in_bf16():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def test_fp8_recipes_set_the_accumulation_of_each_product():
+    from gem_ops.train.acceleration import fp8_linear_config
+
+    fast = lambda config: [getattr(config, f"gemm_config_{g}").use_fast_accum  # noqa: E731
+                           for g in ("output", "grad_input", "grad_weight")]
+    assert fast(fp8_linear_config("tensorwise")) == [True, False, False]
+    assert fast(fp8_linear_config("tensorwise_fast_accum")) == [True, True, True]
+    assert fp8_linear_config("rowwise").cast_config_input.scaling_granularity.value == "axiswise"
+    with pytest.raises(ValueError, match="fp8 recipe must be one of"):
+        fp8_linear_config("blockwise")
+    model = seeded_model(SPEC, GPU_SMALL)
+    names = convert_to_fp8(model, "tensorwise_fast_accum", emulate=True)
+    loss, _, _ = model.loss(model_input(random_batch([0, 3, 20]), SPEC, GPU_SMALL))
+    loss.backward()
+    assert torch.isfinite(loss) and dict(model.named_modules())[names[0]].weight.grad is not None
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     config = model_config("gem", width=0.5, blocks=2, **SMALL_TABLES)
     x = model_input(random_batch([0, 1, 40, 9, 70]), SPEC, config)
