@@ -11,27 +11,14 @@ from pydantic import Field
 from assets.partitions import daily_partitions
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs_path
+from assets.model_training import ModelTrainingConfig
 from assets.shuffled_batches import shuffled_batches
-from gem_ops.train.config import TrainConfig
 from gem_ops.train.checkpoint import previous_checkpoint
 
 
-class GEMTrainingConfig(dg.Config):
-    preset: str = Field("gem", description="Model preset: gem, domain_fm or vertical.")
-    depth: float = Field(1.0, description="Scales the number of InterFormer blocks.")
-    width: float = Field(1.0, description="Scales embedding and hidden widths.")
-    model_overrides: dict[str, str] = Field(
-        default_factory=dict, description='Dotted model settings, values in YAML, e.g. {"sequence.max_history_len": "256"}.'
-    )
-    epochs: int = 1
-    max_steps: int | None = None
-    lr_dense: float = 1e-3
-    lr_sparse: float = 0.05
+class GEMTrainingConfig(ModelTrainingConfig):
     eval_every: int = 0
-    eval_max_examples: int = 20_000
     checkpoint_every: int = Field(50, description="Steps between sharded checkpoints (a restarted job resumes there).")
-    precision: str = "auto"
-    seed: int = 0
     nproc_per_node: int = Field(1, description="Training processes (torchrun ranks); a plan for this world size must exist.")
     max_restarts: int = Field(2, description="torchrun restarts of the whole job when a rank dies.")
     embedding_sharding: str = Field("auto", description="table_wise, row_wise, auto (TorchRec planner) or fsdp.")
@@ -40,11 +27,10 @@ class GEMTrainingConfig(dg.Config):
     registered_model_name: str = "gem_foundation_model"
 
     def train_arguments(self) -> list[str]:
-        """TrainConfig's fields as the command line's flags."""
+        """The training settings as the command line's flags."""
         args = []
-        for name in TrainConfig.__dataclass_fields__:
-            value = getattr(self, name, None)
-            if value is not None and name in type(self).model_fields:
+        for name, value in self.train_settings().items():
+            if value is not None:
                 args += [f"--{name.replace('_', '-')}", str(value)]
         return args
 

@@ -2,32 +2,20 @@
 (gem_ops.metrics.mfu), logged to MLflow with its plot and profile."""
 
 import dagster as dg
-import yaml
 from pydantic import Field
 
+from assets.model_training import ModelTrainingConfig
 from assets.partitions import daily_partitions
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs, sequence_logs_path
 from assets.shuffled_batches import plan_path, shuffled_batches
 
 
-class MFUReportConfig(dg.Config):
-    preset: str = Field("gem", description="Model preset: gem, gem_gpu, domain_fm or vertical.")
-    depth: float = 1.0
-    width: float = 1.0
-    model_overrides: dict[str, str] = Field(
-        default_factory=dict, description='Dotted model settings, values in YAML, e.g. {"sequence.max_history_len": "256"}.'
-    )
+class MFUReportConfig(ModelTrainingConfig):
     steps: int = Field(20, description="Timed training steps.")
     warmup_steps: int = Field(5, description="Untimed steps first (lazy initialisation, compilation, autotuning).")
     profile_steps: int = Field(3, description="Profiled steps after the timed ones (per-module time breakdown).")
     device: str = Field("cpu", description="cpu or cuda.")
-    precision: str = Field("auto", description="auto, fp32, bf16 or fp8 (CUDA GPUs with FP8 tensor cores).")
-    fp8_recipe: str = "tensorwise"
-    compile: str = Field("none", description="none or dense (torch.compile of the dense blocks).")
-    activation_checkpointing: str = Field("none", description="none or sequence.")
-    lr_dense: float = 1e-3
-    seed: int = 0
 
 
 @dg.asset(partitions_def=daily_partitions, deps=[sequence_logs, shuffled_batches], group_name="reports",
@@ -37,18 +25,11 @@ def mfu_report(context: dg.AssetExecutionContext, config: MFUReportConfig, lake:
     samples/s and where a step's time goes, for the configured model on one device."""
     from gem_ops.data.loader import SequenceLogs
     from gem_ops.metrics.mfu import log_mfu_report, measure_mfu
-    from gem_ops.model.config import model_config
-    from gem_ops.train.config import TrainConfig
 
     day = context.partition_key
-    overrides = {key: yaml.safe_load(value) for key, value in config.model_overrides.items()}
-    model = model_config(config.preset, config.depth, config.width, **overrides)
-    train = TrainConfig(lr_dense=config.lr_dense, precision=config.precision, fp8_recipe=config.fp8_recipe,
-                        compile=config.compile, activation_checkpointing=config.activation_checkpointing,
-                        seed=config.seed)
     with mlflow.asset_run(context) as run:
-        report = measure_mfu(SequenceLogs(sequence_logs_path(lake, day)), plan_path(lake, day, 1), model, train,
-                             steps=config.steps, warmup_steps=config.warmup_steps,
+        report = measure_mfu(SequenceLogs(sequence_logs_path(lake, day)), plan_path(lake, day, 1), config.model(),
+                             config.train(), steps=config.steps, warmup_steps=config.warmup_steps,
                              profile_steps=config.profile_steps, device=config.device)
         log_mfu_report(run, report)
     figures = report.metrics()

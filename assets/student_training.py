@@ -1,42 +1,22 @@
 """Run config shared by the assets that train students (domain foundation models, vertical models)."""
 
-import dagster as dg
-import yaml
 from pydantic import Field
 
+from assets.model_training import ModelTrainingConfig
 from gem_ops.data.batch_shuffling import ShufflingConfig
-from gem_ops.model.config import ModelConfig, model_config
-from gem_ops.train.config import TrainConfig
 from gem_ops.transfer.config import TransferConfig
 
 
-class StudentTrainingConfig(dg.Config):
+class StudentTrainingConfig(ModelTrainingConfig):
     preset: str = Field("vertical", description="Model preset of the student (domain_fm, vertical, ...).")
-    depth: float = 1.0
-    width: float = 1.0
-    model_overrides: dict[str, str] = Field(default_factory=dict, description="Dotted model settings, values in YAML.")
     domains: list[str] = Field(default_factory=list, description="Domains (surfaces) to train; empty: every domain.")
-    epochs: int = 1
-    max_steps: int | None = None
-    lr_dense: float = 1e-3
-    lr_sparse: float = 0.05
-    eval_max_examples: int = 20_000
     sub_batch_size: int = 128
     sub_batches_per_rank: int = Field(4, description="A step's batch is sub_batches_per_rank x sub_batch_size examples.")
-    seed: int = 0
     distillation_weight: float = Field(1.0, description="Weight of the auxiliary head's loss on teacher targets; 0: none.")
     student_adapter: bool = Field(True, description="Map teacher logits to fresh-label-calibrated targets first.")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")
     freeze_shared: bool = False
-
-    def model(self) -> ModelConfig:
-        overrides = {key: yaml.safe_load(value) for key, value in self.model_overrides.items()}
-        return model_config(self.preset, self.depth, self.width, **overrides)
-
-    def train(self) -> TrainConfig:
-        return TrainConfig(epochs=self.epochs, max_steps=self.max_steps, lr_dense=self.lr_dense, lr_sparse=self.lr_sparse,
-                           eval_max_examples=self.eval_max_examples, seed=self.seed)
 
     def transfer(self) -> TransferConfig:
         return TransferConfig(distillation_weight=self.distillation_weight, student_adapter=self.student_adapter,

@@ -75,3 +75,19 @@ def test_registered_model_loads_back_and_predicts_the_same(gem_asset_runs):
     assert list(got.columns) == ["p_click", "p_conversion"]
     np.testing.assert_allclose(got.to_numpy(), expected.to_numpy(), rtol=1e-5, atol=1e-6)
     assert torch.all(torch.isfinite(torch.from_numpy(got.to_numpy())))
+
+
+def test_training_settings_of_the_run_config_reach_the_torchrun_job(tmp_path):
+    """Every TrainConfig field the Dagster config sets becomes a flag the training job accepts."""
+    from assets.gem_foundation_model import GEMTrainingConfig, training_command
+    from assets.resources import LakeResource
+    from gem_ops.train.__main__ import parse_args
+
+    config = GEMTrainingConfig(preset="gem_gpu", precision="fp8", fp8_recipe="tensorwise_fast_accum", compile="dense",
+                               activation_checkpointing="sequence", lr_dense=2e-3, max_steps=7)
+    command = training_command(config, LakeResource(base_dir=str(tmp_path)), "2026-11-01", None, "sqlite:///x.db", None)
+    args = parse_args(command[command.index("gem_ops.train") + 1:])
+    assert (args.precision, args.fp8_recipe, args.compile, args.activation_checkpointing) == (
+        "fp8", "tensorwise_fast_accum", "dense", "sequence")
+    assert (args.lr_dense, args.max_steps, args.preset) == (2e-3, 7, "gem_gpu")
+    assert config.train().checkpoint_every == 50

@@ -1,0 +1,39 @@
+"""Run config shared by every asset that trains a model: the model (a preset, scaled, with dotted
+overrides) and the training settings (TrainConfig's fields of the same names)."""
+
+import dagster as dg
+import yaml
+from pydantic import Field
+
+from gem_ops.model.config import ModelConfig, model_config
+from gem_ops.train.config import TrainConfig
+
+
+class ModelTrainingConfig(dg.Config):
+    preset: str = Field("gem", description="Model preset: gem, gem_gpu, domain_fm or vertical.")
+    depth: float = Field(1.0, description="Scales the number of InterFormer blocks.")
+    width: float = Field(1.0, description="Scales embedding and hidden widths.")
+    model_overrides: dict[str, str] = Field(
+        default_factory=dict, description='Dotted model settings, values in YAML, e.g. {"sequence.max_history_len": "256"}.'
+    )
+    epochs: int = 1
+    max_steps: int | None = None
+    lr_dense: float = 1e-3
+    lr_sparse: float = 0.05
+    eval_max_examples: int = 20_000
+    precision: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp8.")
+    fp8_recipe: str = Field("tensorwise", description="With precision fp8: tensorwise, tensorwise_fast_accum or rowwise.")
+    compile: str = Field("none", description="dense: torch.compile of the dense blocks and sequence layers.")
+    activation_checkpointing: str = Field("none", description="sequence: recompute the sequence layers in the backward.")
+    seed: int = 0
+
+    def model(self) -> ModelConfig:
+        overrides = {key: yaml.safe_load(value) for key, value in self.model_overrides.items()}
+        return model_config(self.preset, self.depth, self.width, **overrides)
+
+    def train_settings(self) -> dict:
+        """TrainConfig's fields that this config sets."""
+        return {name: getattr(self, name) for name in TrainConfig.__dataclass_fields__ if name in type(self).model_fields}
+
+    def train(self) -> TrainConfig:
+        return TrainConfig(**self.train_settings())
