@@ -85,6 +85,21 @@ def test_predictions_round_trip_and_join(logs, stale_teacher, tmp_path):
         read_predictions(tmp_path / "missing.parquet")
 
 
+def test_prediction_quality_reads_columns_by_objective(logs, stale_teacher):
+    """Predictions of one objective (a vertical model's) are judged against that objective's labels."""
+    from gem_ops.transfer.knowledge import predictions_quality
+
+    both = stale_teacher.predictions
+    conversion = replace(both, logits=both.logits[:, [both.objectives.index("conversion")]], objectives=("conversion",))
+    eval_rows = windows.eval_examples(logs)
+    single = predictions_quality(logs, conversion, eval_rows, ("conversion",))
+    assert single["all/conversion"] == predictions_quality(logs, both, eval_rows, ("conversion",))["all/conversion"]
+    with pytest.raises(ValueError, match=r"tasks \['click'\] are not objectives of both"):
+        predictions_quality(logs, conversion, eval_rows, ("click",))
+    with pytest.raises(ValueError, match="do not cover"):
+        predictions_quality(logs, conversion, windows.teacher_examples(logs, WINDOWS)[:5], ("conversion",))
+
+
 def test_student_adapter_recalibrates_a_stale_teacher(logs, stale_teacher):
     fresh, held_out = windows.student_examples(logs, WINDOWS), windows.eval_examples(logs)
     adapter = fit_adapter(logs, stale_teacher.predictions, fresh, steps=300)

@@ -16,6 +16,8 @@ import torch
 
 from gem_ops.data.atomic import atomic_path
 from gem_ops.data.loader import SequenceBatch, SequenceLogs
+from gem_ops.metrics.quality import quality_report
+from gem_ops.model.config import FeatureSpec
 from gem_ops.model.features import model_input
 from gem_ops.model.gem import GEMModel
 from gem_ops.train.loop import autocast_context
@@ -49,6 +51,27 @@ class TeacherPredictions:
     def with_logits(self, logits: np.ndarray) -> TeacherPredictions:
         """The same examples with other logits (e.g. the Student Adapter's)."""
         return replace(self, logits=np.asarray(logits, dtype=np.float32))
+
+
+def predictions_quality(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray,
+                        tasks: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Quality (per domain and task, and over all) of stored predictions on `indices`, rows of the logs'
+    examples, for `tasks`: objectives of both the predictions and the data."""
+    spec = FeatureSpec.from_logs(logs)
+    missing = [t for t in tasks if t not in predictions.objectives or t not in spec.objectives]
+    if missing:
+        raise ValueError(f"tasks {missing} are not objectives of both the predictions {list(predictions.objectives)} "
+                         f"and the data {list(spec.objectives)}")
+    position = np.full(len(logs), -1, dtype=np.int64)
+    position[predictions.example_index] = np.arange(len(predictions))
+    rows = position[np.asarray(indices, dtype=np.int64)]
+    if (rows < 0).any():
+        raise ValueError(f"the predictions do not cover {int((rows < 0).sum())} of the examples to report on")
+    logits = predictions.logits[rows][:, [predictions.objectives.index(t) for t in tasks]]
+    columns = [spec.objectives.index(t) for t in tasks]
+    batch = logs.batch(indices, max_history_len=0)
+    return quality_report(torch.from_numpy(logits), batch.labels[:, columns], batch.label_mask[:, columns],
+                          batch.surface, spec.surfaces, tuple(tasks))
 
 
 @torch.no_grad()

@@ -15,11 +15,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gem_ops.data.loader import SequenceLogs
-from gem_ops.metrics.quality import quality_report
-from gem_ops.model.config import FeatureSpec
 from gem_ops.model.gem import GEMModel
 from gem_ops.train.loop import model_from_state
-from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions, score_examples
+from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions, predictions_quality, score_examples
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 TEACHER_NAME, TEACHER_VERSION, TEACHER_KIND = "teacher.model_name", "teacher.model_version", "teacher.kind"
@@ -90,15 +88,8 @@ def _full_objectives(predictions: TeacherPredictions, logs: SequenceLogs) -> Tea
 def version_quality(client: MlflowClient, name: str, version: str, logs: SequenceLogs, indices: np.ndarray,
                     task: str, cache: dict | None = None) -> dict[str, float]:
     """AUC, NE, calibration... of one registered model on one task over the given examples."""
-    model, predictions = score_version(client, name, version, logs, indices, cache)
-    spec = FeatureSpec.from_logs(logs)
-    column = list(model.objectives).index(task)
-    order = predictions.example_index
-    batch = logs.batch(order, max_history_len=0)
-    t = spec.objectives.index(task)
-    report = quality_report(torch.from_numpy(predictions.logits[:, [column]]), batch.labels[:, [t]],
-                            batch.label_mask[:, [t]], batch.surface, spec.surfaces, (task,))
-    return report[f"all/{task}"]
+    _, predictions = score_version(client, name, version, logs, indices, cache)
+    return predictions_quality(logs, predictions, predictions.example_index, (task,))[f"all/{task}"]
 
 
 @dataclass

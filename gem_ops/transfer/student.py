@@ -8,11 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from gem_ops.data.batch_shuffling import ShufflingConfig, plan_base_batch_shuffling, write_plan
 from gem_ops.data.loader import SequenceLogs
-from gem_ops.metrics.quality import quality_report
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import RunTracker
@@ -20,7 +18,7 @@ from gem_ops.train.config import TrainConfig
 from gem_ops.train.loop import TrainResult, seeded_model, train
 from gem_ops.transfer.adapter import adapt, fit_adapter
 from gem_ops.transfer.config import TransferConfig
-from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions
+from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions, predictions_quality
 from gem_ops.transfer.sharing import share_tables, sharing_config
 
 
@@ -105,14 +103,4 @@ def train_student(
 def prediction_report(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray,
                       config: ModelConfig) -> dict[str, dict[str, float]]:
     """Quality of stored predictions on `indices`, for the tasks of `config`."""
-    position = np.full(len(logs), -1, dtype=np.int64)
-    position[predictions.example_index] = np.arange(len(predictions))
-    rows = position[np.asarray(indices, dtype=np.int64)]
-    if (rows < 0).any():
-        raise ValueError("the predictions do not cover every example to report on")
-    spec = FeatureSpec.from_logs(logs)
-    columns = config.task_columns(spec)
-    batch = logs.batch(indices, max_history_len=0)
-    logits = torch.from_numpy(predictions.logits[rows][:, columns])
-    return quality_report(logits, batch.labels[:, columns], batch.label_mask[:, columns], batch.surface,
-                          spec.surfaces, config.objectives(spec))
+    return predictions_quality(logs, predictions, indices, config.objectives(FeatureSpec.from_logs(logs)))
