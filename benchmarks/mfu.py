@@ -147,11 +147,25 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
     return out
 
 
-def end_to_end(logs, plan, model_config, precision: str, args, device: torch.device, figures: Path | None) -> dict:
+def precision_variant(name: str) -> tuple[str, str | None, bool]:
+    """An end-to-end run's name: precision[:fp8 recipe][+row_amax], e.g. fp8:tensorwise_fast_accum+row_amax
+    -> ("fp8", "tensorwise_fast_accum", True); the recipe defaults to --fp8-recipes' first."""
+    name, plus, option = name.partition("+")
+    if plus and option != "row_amax":
+        raise SystemExit(f"--precisions {name}+{option}: the only option is +row_amax")
+    precision, _, recipe = name.partition(":")
+    return precision, recipe or None, bool(plus)
+
+
+def end_to_end(logs, plan, model_config, variant: str, args, device: torch.device, figures: Path | None) -> dict:
     from gem_ops.metrics.mfu import measure_mfu, mfu_figure
+    from gem_ops.train.acceleration import use_row_first_amax
     from gem_ops.train.config import TrainConfig
 
-    train_config = TrainConfig(precision=precision, fp8_recipe=args.fp8_recipes[0], compile=args.compile,
+    precision, recipe, row_amax = precision_variant(variant)
+    if row_amax:
+        use_row_first_amax()
+    train_config = TrainConfig(precision=precision, fp8_recipe=recipe or args.fp8_recipes[0], compile=args.compile,
                                activation_checkpointing=args.activation_checkpointing, seed=args.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -166,9 +180,9 @@ def end_to_end(logs, plan, model_config, precision: str, args, device: torch.dev
         import matplotlib.pyplot as plt
 
         fig = mfu_figure(report)
-        fig.savefig(figures / f"mfu_{device.type}_{precision}.png", dpi=110)
+        fig.savefig(figures / f"mfu_{device.type}_{variant.replace(':', '_').replace('+', '_')}.png", dpi=110)
         plt.close(fig)
-    print(f"{precision}: MFU {100 * report.mfu:.1f}% (median step {100 * report.metrics()['mfu_median_step']:.1f}%; {report.model_flops_per_second / 1e12:.1f} model TFLOP/s, "
+    print(f"{variant}: MFU {100 * report.mfu:.1f}% (median step {100 * report.metrics()['mfu_median_step']:.1f}%; {report.model_flops_per_second / 1e12:.1f} model TFLOP/s, "
           f"{report.peak_source} peak {report.peak_flops / 1e12:.0f}; measured GEMM {report.gemm_flops / 1e12:.0f}), "
           f"{report.samples_per_second:.0f} samples/s, median step {report.median_step_seconds * 1e3:.1f} ms, "
           f"final loss {report.losses[-1]:.4f}", flush=True)
@@ -258,7 +272,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per precision")
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--precisions", nargs="*", default=["bf16", "fp8"], help="end-to-end runs (none: the other stages alone)")
+    parser.add_argument("--precisions", nargs="*", default=["bf16", "fp8"],
+                        help="end-to-end runs, each precision[:fp8 recipe][+row_amax] (none: the other stages alone)")
     parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise", "rowwise"],
                         help="the first is the end-to-end run's; the dense-layer stage times each")
     parser.add_argument("--compile", choices=("none", "dense"), default="dense")
@@ -321,12 +336,16 @@ def main() -> None:
         checkpoint_results()
 
     done = {p: r for p, r in runs.items() if "losses" in r}
-    if "bf16" in done and "fp8" in done:
-        n = min(len(done["bf16"]["losses"]), len(done["fp8"]["losses"]))
-        last = slice(n - LOSS_STEPS, n)
-        bf16, fp8 = (statistics.mean(done[p]["losses"][last]) for p in ("bf16", "fp8"))
-        results["loss_comparison"] = {"steps": n, "bf16_loss": bf16, "fp8_loss": fp8,
-                                      "relative_difference": (fp8 - bf16) / bf16}
+    if "bf16" in done:  # each FP8 run's loss against bf16's, over the last steps both ran
+        comparisons = {}
+        for variant in (v for v in done if precision_variant(v)[0] == "fp8"):
+            n = min(len(done["bf16"]["losses"]), len(done[variant]["losses"]))
+            last = slice(n - LOSS_STEPS, n)
+            bf16, fp8 = (statistics.mean(done[p]["losses"][last]) for p in ("bf16", variant))
+            comparisons[variant] = {"steps": n, "bf16_loss": bf16, "fp8_loss": fp8, "relative_difference": (fp8 - bf16) / bf16}
+        results["loss_comparisons"] = comparisons
+        if "fp8" in comparisons:
+            results["loss_comparison"] = comparisons["fp8"]
     dense = results.get("dense_layers", {}).get("all_shapes", {})
     recipe = args.fp8_recipes[0]
     results["targets"] = {
