@@ -18,7 +18,6 @@ from gem_ops.train.checkpoint import previous_checkpoint
 
 class GEMTrainingConfig(ModelTrainingConfig):
     eval_every: int = 0
-    checkpoint_every: int = Field(50, description="Steps between sharded checkpoints (a restarted job resumes there).")
     nproc_per_node: int = Field(1, description="Training processes (torchrun ranks); a plan for this world size must exist.")
     max_restarts: int = Field(2, description="torchrun restarts of the whole job when a rank dies.")
     embedding_sharding: str = Field("auto", description="table_wise, row_wise, auto (TorchRec planner) or fsdp.")

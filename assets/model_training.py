@@ -21,6 +21,7 @@ class ModelTrainingConfig(dg.Config):
     lr_dense: float = 1e-3
     lr_sparse: float = 0.05
     eval_max_examples: int = 20_000
+    checkpoint_every: int = Field(50, description="Steps between checkpoints: a killed or restarted job resumes there.")
     precision: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp8.")
     fp8_recipe: str = Field("tensorwise", description="With precision fp8: tensorwise, tensorwise_fast_accum or rowwise.")
     compile: str = Field("none", description="dense: torch.compile of the dense blocks and sequence layers.")

@@ -179,6 +179,46 @@ def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_pat
     assert (logs.column("surface")[held_out] == feed).all()
 
 
+def test_killed_student_resumes_from_its_checkpoint(logs, stale_teacher, tmp_path, monkeypatch):
+    """A student killed mid-training resumes where its last checkpoint was and ends where an unbroken run
+    would; a different training in the same folder starts afresh; a finished one leaves no checkpoints."""
+    import gem_ops.transfer.student as student
+
+    fresh, held_out = windows.student_examples(logs, WINDOWS, "feed"), windows.eval_examples(logs, "feed")
+    config = replace(QUICK, max_steps=12, checkpoint_every=5)
+
+    def run(train_config=config):
+        return train_student(logs, fresh, held_out, SMALL, ("click",), train_config, tmp_path, TransferConfig(),
+                             stale_teacher, SHUFFLING)
+
+    unbroken = run()
+    assert not (tmp_path / "checkpoints").exists()
+
+    real_train = student.train
+
+    def killed_at_step_7(*args, **kwargs):
+        def on_step(step, loss):
+            if step == 7:
+                raise KeyboardInterrupt("killed")
+        return real_train(*args, on_step=on_step, **kwargs)
+
+    monkeypatch.setattr(student, "train", killed_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(student, "train", real_train)
+    assert (tmp_path / "checkpoints" / "step_00000005").is_dir()
+    resumed = run()
+    assert resumed.result.resumed_from == 5 and resumed.result.steps == 12
+    np.testing.assert_allclose(resumed.result.losses, unbroken.result.losses, rtol=1e-4)
+
+    monkeypatch.setattr(student, "train", killed_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(student, "train", real_train)
+    changed = run(replace(config, lr_dense=config.lr_dense / 2))  # another training: the checkpoint is not its
+    assert changed.result.resumed_from is None and changed.result.steps == 12
+
+
 def test_promotion_keeps_out_a_worse_challenger_and_records_lineage(logs, stale_teacher, tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("transfer", artifact_location=str(tmp_path / "artifacts"))

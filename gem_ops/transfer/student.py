@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field, replace
+import shutil
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gem_ops.data.atomic import atomic_path
 from gem_ops.data.batch_shuffling import ShufflingConfig, plan_base_batch_shuffling, write_plan
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import FeatureSpec, ModelConfig
@@ -96,8 +99,27 @@ def train_student(
     model = seeded_model(FeatureSpec.from_logs(logs), config, "cpu", train_config.seed)
     if teacher is not None and transfer.shared_tables:
         share_tables(model, teacher.model, transfer.shared_tables, transfer.freeze_shared)
-    model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices, tracker=tracker)
+    training = {"model": config.to_dict(), "train": train_config.to_dict(), "transfer": asdict(transfer),
+                "shuffling": asdict(shuffling), "teacher": teacher.identity if teacher else None,
+                "train_examples": int(len(train_indices)), "eval_examples": int(len(eval_indices))}
+    checkpoints = resumable_checkpoints(work_dir, training)
+    model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices, tracker=tracker,
+                          checkpoint_dir=checkpoints)
+    shutil.rmtree(checkpoints, ignore_errors=True)  # only a killed run resumes: a finished one is registered
     return StudentRun(model, result, data, adapter_report)
+
+
+def resumable_checkpoints(work_dir: str | os.PathLike, training: dict[str, Any]) -> Path:
+    """The student's checkpoint folder: a killed run of the same training (same settings, teacher and
+    example counts) resumes from what it holds; checkpoints of any other training are cleared first."""
+    folder = Path(work_dir) / "checkpoints"
+    stamp, text = folder / "training.json", json.dumps(training, sort_keys=True, default=str)
+    if folder.exists() and not (stamp.exists() and stamp.read_text() == text):
+        shutil.rmtree(folder)
+    if not stamp.exists():
+        with atomic_path(stamp) as tmp:
+            tmp.write_text(text)
+    return folder
 
 
 def prediction_report(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray,
