@@ -31,7 +31,7 @@ from gem_ops.train.batches import PlanSchedule, eval_batches
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.initialization import init_output_biases
-from gem_ops.train.optimizer import build_optimizer, set_dense_lr, split_parameters
+from gem_ops.train.optimizer import build_optimizer, set_dense_lr, sparse_table_gradients, split_parameters
 from gem_ops.train.prefetch import prefetched
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ def train(
     spec = FeatureSpec.from_logs(logs)
     model = seeded_model(spec, model_config, device, config.seed) if model is None else model.to(device)
     accelerated = prepare_for_training(model, config, device)
+    sparse_table_gradients(model)  # the optimizer then touches only the rows each batch looked up
     optimizer = build_optimizer(model, config)
     schedule = PlanSchedule(plan_path, rank, config.epochs, config.seed)
     total = min(schedule.total_steps, config.max_steps or schedule.total_steps)

@@ -38,8 +38,53 @@ def dense_optimizer(dense: dict[str, nn.Parameter], config: TrainConfig) -> Keye
     return KeyedOptimizerWrapper(dense, adamw)
 
 
+class SparseRowWiseAdagrad(RowWiseAdagrad):
+    """TorchRec's row-wise Adagrad (same state: one accumulator per row, "sum" and "step"), which also
+    takes sparse gradients: then only the rows a batch looked up are read and written, as FBGEMM's
+    fused optimizer does for sharded tables, instead of the whole table every step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update(param, group)
+        return loss
+
+    def _update(self, param: torch.Tensor, group: dict) -> None:
+        state = self.state[param]
+        state["step"] += 1
+        lr = group["lr"] / (1 + (float(state["step"]) - 1) * group["lr_decay"])
+        grad = param.grad.coalesce() if param.grad.is_sparse else param.grad
+        rows, values = (grad.indices()[0], grad.values()) if grad.is_sparse else (None, grad)
+        if group["maximize"]:
+            values = -values
+        if group["weight_decay"]:
+            values = values + group["weight_decay"] * (param if rows is None else param[rows])
+        square = values.pow(2).mean(1, keepdim=True)
+        if rows is None:
+            state["sum"] += square
+            param.addcdiv_(values, state["sum"].sqrt().add_(group["eps"]), value=-lr)
+        else:
+            state["sum"].index_add_(0, rows, square)
+            param.index_add_(0, rows, values / state["sum"][rows].sqrt().add_(group["eps"]), alpha=-lr)
+
+
+def sparse_table_gradients(model: nn.Module) -> list[str]:
+    """Makes the unsharded embedding tables (TorchRec's nn.Embedding / nn.EmbeddingBag modules) return
+    sparse gradients: the rows looked up, not a dense table-sized gradient. For one-process training;
+    sharded tables (DMP) have FBGEMM's fused sparse update already. Returns the modules' names."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.weight.requires_grad:
+            module.sparse = True
+            names.append(name)
+    return names
+
+
 def table_optimizer(tables: dict[str, nn.Parameter], config: TrainConfig, **adagrad: float) -> KeyedOptimizerWrapper:
-    return KeyedOptimizerWrapper(tables, lambda ps: RowWiseAdagrad(ps, lr=config.lr_sparse, **adagrad))
+    return KeyedOptimizerWrapper(tables, lambda ps: SparseRowWiseAdagrad(ps, lr=config.lr_sparse, **adagrad))
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig, **adagrad: float) -> CombinedOptimizer:
