@@ -8,6 +8,8 @@ then runs without waiting on the host. Rows move with index_select / index_copy,
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -69,9 +71,9 @@ def keep_last(values: torch.Tensor, offsets: torch.Tensor, n: int,
 def level_totals(lengths: torch.Tensor, levels: list[int]) -> list[list[int]]:
     """For each row of sequence lengths [S, B]: the values there are, then left after keep_last(levels[0]),
     keep_last(levels[1]), ...: every output size of S pyramids, read from the device in one go."""
-    caps = torch.tensor(levels, dtype=lengths.dtype, device=lengths.device).cummin(0).values
-    kept = torch.minimum(lengths[:, None, :], caps[None, :, None]).sum(2)  # [S, levels]
-    return torch.cat([lengths.sum(1, keepdim=True), kept], 1).tolist()
+    caps = itertools.accumulate(levels, min)  # on the host: no copy to the device to wait on
+    kept = [lengths.clamp(max=cap).sum(1) for cap in caps]
+    return torch.stack([lengths.sum(1), *kept], 1).tolist()
 
 
 def prepend(prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
