@@ -51,11 +51,11 @@ class SequenceBranch(nn.Module):
             return None
         return x.history_action != 0 if self.name == "engaged" else x.history_event_type == self._event_type
 
-    def select(self, history: torch.Tensor, x: ModelInput, keep: torch.Tensor | None,
-               total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, history: torch.Tensor, x: ModelInput, keep: torch.Tensor | None, total: int,
+               lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if keep is None:
             return history, x.history_offsets
-        return jagged.select(history, x.history_offsets, keep, total)
+        return jagged.select(history, x.history_offsets, keep, total, lengths)
 
     def forward(self, block: int, tokens: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor,
                 offsets: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,8 +136,8 @@ class GEMModel(nn.Module):
         lengths = torch.stack([jagged.lengths_of(x.history_offsets) if keep is None
                                else jagged.kept_lengths(x.history_offsets, keep) for keep in keeps])
         sizes = jagged.level_totals(lengths, self.branches[0].levels)
-        states = [list(branch.select(history, x, keep, n[0]))
-                  for branch, keep, n in zip(self.branches, keeps, sizes)]
+        states = [list(branch.select(history, x, keep, n[0], kept))
+                  for branch, keep, n, kept in zip(self.branches, keeps, sizes, lengths)]
         return states, sizes
 
     def forward(self, x: ModelInput) -> torch.Tensor:

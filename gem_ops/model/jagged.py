@@ -39,16 +39,18 @@ def kept_lengths(offsets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return lengths.index_add_(0, segment_ids(offsets, keep.numel()), keep.to(offsets.dtype))
 
 
-def select(values: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor,
-           total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values where `keep` [N] is true, with their new offsets (order kept); `total`: how many."""
+def select(values: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor, total: int | None = None,
+           lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values where `keep` [N] is true, with their new offsets (order kept); `total`: how many,
+    `lengths`: kept_lengths(offsets, keep), where the caller has them already."""
     if total is None:
         total = int(keep.sum())
     # Kept value i goes to slot cumsum(keep)[i] - 1; the others to a spare slot past the end.
     slot = torch.where(keep, torch.cumsum(keep, 0) - 1, total)
     rows = torch.empty(total + 1, dtype=torch.long, device=values.device)
     rows.scatter_(0, slot, torch.arange(keep.numel(), device=values.device))
-    return values.index_select(0, rows[:total]), offsets_of(kept_lengths(offsets, keep))
+    lengths = kept_lengths(offsets, keep) if lengths is None else lengths
+    return values.index_select(0, rows[:total]), offsets_of(lengths)
 
 
 def keep_last(values: torch.Tensor, offsets: torch.Tensor, n: int,
