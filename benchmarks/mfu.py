@@ -89,9 +89,7 @@ def dense_layer(widths: list[int], device: torch.device) -> nn.Module:
 def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
     """Forward and forward+backward time of each dense shape in bf16 (autocast, as training runs) and
     in FP8 (each recipe), compiled as training compiles them; the backward is their difference."""
-    from torchao.float8 import convert_to_float8_training
-
-    from gem_ops.train.acceleration import fp8_linear_config
+    from gem_ops.train.acceleration import convert_to_fp8
 
     out = {}
     emulate = device.type != "cuda"
@@ -106,7 +104,7 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
             torch.manual_seed(0)
             module = dense_layer(widths, device)
             if variant != "bf16":
-                convert_to_float8_training(module, config=fp8_linear_config(variant[4:], emulate=emulate))
+                convert_to_fp8(module, variant[4:], emulate=emulate, module_filter=lambda m, _: isinstance(m, nn.Linear))
             run = torch.compile(module) if args.compile == "dense" else module
 
             def forward():

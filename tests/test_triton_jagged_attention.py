@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.jagged_attention import available_backends, jagged_attention
+from tests.triton_interpreter import run_interpreter_cases
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -187,15 +185,7 @@ def test_kernel_matches_reference_on_gpu(case):
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
-    """The CPU cases in a fresh interpreter: TRITON_INTERPRET must be set before Triton is imported."""
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).relative_to(root)), "-q", "-p", "no:cacheprovider",
-         "-k", "on_cpu_interpreter"],
-        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert f"{len(CPU_CASES) + len(ATOMIC_DQ_CASES) + 1} passed" in result.stdout, result.stdout[-2000:]
+    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + len(ATOMIC_DQ_CASES) + 1)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter lets the kernel take CPU tensors")

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-FP8_RECIPES = ("tensorwise", "tensorwise_fast_accum", "rowwise")
+# torchao's recipes, and tensorwise_triton: tensorwise scaling with this project's casts (fp8_linear.py).
+FP8_RECIPES = ("tensorwise", "tensorwise_fast_accum", "rowwise", "tensorwise_triton")
 FP8_MIN_FEATURES = 128  # smaller layers gain nothing from FP8 and lose precision
 # The large products of the dense blocks, whose rows are history tokens (hundreds of thousands a
 # step): the sequence layers' projections and FFN and the cross attention's key/value projection.
@@ -59,8 +60,8 @@ def fp8_linear_config(recipe: str = "tensorwise", *, emulate: bool = False):
     """torchao's Float8LinearConfig for a recipe of FP8_RECIPES (dynamic scaling). torchao accumulates
     the forward product in the tensor cores' fast mode and the two gradient products in the precise
     one; tensorwise_fast_accum takes the fast mode for all three (faster backward, coarser sums)."""
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"fp8 recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    if recipe not in FP8_RECIPES or recipe == "tensorwise_triton":
+        raise ValueError(f"torchao fp8 recipe must be one of {FP8_RECIPES[:3]}, got {recipe!r}")
     try:
         from torchao.float8 import Float8LinearConfig
         from torchao.float8.config import Float8GemmConfig
@@ -99,17 +100,23 @@ def use_row_first_amax(enabled: bool = True) -> None:
     float8_utils.tensor_to_amax = tensor_to_amax
 
 
-def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", *, emulate: bool = False) -> list[str]:
-    """Swaps the layers fp8_module_filter picks for torchao Float8Linear (`recipe` of FP8_RECIPES).
-    `emulate` computes in high precision (tests on CPU). Returns their names."""
+def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", *, emulate: bool = False,
+                   module_filter: Callable[[nn.Module, str], bool] = fp8_module_filter) -> list[str]:
+    """Swaps the layers module_filter picks for FP8 ones: torchao's Float8Linear, or with
+    "tensorwise_triton" fp8_linear.Float8TrainingLinear. `emulate` computes torchao's recipes in high
+    precision (tests on CPU; tensorwise_triton runs on CPU as it is). Returns their names."""
+    if recipe == "tensorwise_triton":
+        from gem_ops.train.fp8_linear import convert_to_float8_linear
+
+        return convert_to_float8_linear(model, module_filter)
     config = fp8_linear_config(recipe, emulate=emulate)
     if os.environ.get("GEM_FP8_ROW_AMAX") == "1":
         use_row_first_amax()
-    names = fp8_layer_names(model)
+    names = [name for name, module in model.named_modules() if module_filter(module, name)]
     if names:
         from torchao.float8 import convert_to_float8_training
 
-        convert_to_float8_training(model, config=config, module_filter_fn=fp8_module_filter)
+        convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
     return names
 
 

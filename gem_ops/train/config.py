@@ -19,8 +19,9 @@ class TrainConfig:
     # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: bf16 autocast with the large linear layers in FP8
     # (torchao float8, fp8_recipe scaling; CUDA GPUs with FP8 tensor cores only; see train/acceleration.py)
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
-    # tensorwise_fast_accum: tensorwise with the gradient products in the tensor cores' fast accumulation too
-    fp8_recipe: Literal["tensorwise", "tensorwise_fast_accum", "rowwise"] = "tensorwise"
+    # tensorwise_fast_accum: tensorwise with the gradient products in the tensor cores' fast accumulation too;
+    # tensorwise_triton: tensorwise, all products in fast accumulation, casts by kernels.fp8_cast
+    fp8_recipe: Literal["tensorwise", "tensorwise_fast_accum", "rowwise", "tensorwise_triton"] = "tensorwise"
     compile: Literal["none", "dense"] = "none"  # dense: torch.compile of the dense blocks
     activation_checkpointing: Literal["none", "sequence"] = "none"  # sequence: recompute the sequence layers
     prefetch_batches: int = 1  # batches loaded ahead in a background thread while a step runs; 0: none

@@ -1,0 +1,73 @@
+"""FP8 linear layers with this project's casts (the "tensorwise_triton" recipe of acceleration.py).
+
+Y = X W^T + b with X and W cast to float8_e4m3 and the output gradient to float8_e5m2, one scale per
+tensor from its absolute maximum, all three products on the FP8 tensor cores (torch._scaled_mm) in
+fast accumulation. Against torchao's tensorwise recipe (same scaling, same products), what changes is
+the memory traffic around the products, which decided FP8's backward on the H200:
+- kernels.fp8_cast writes both layouts a product needs in one pass, after one reduction pass;
+- the input is kept for the backward as its transposed FP8 copy (a quarter of fp32's bytes, half of
+  bf16's), so the backward neither re-reads nor re-scales it;
+- the bias gradient is the column sums that the output gradient's reduction pass computes anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.fp8_cast import cast_to_fp8
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+class _Float8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        need_x_grad, need_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x8, x8_t, x_inverse, _ = cast_to_fp8(x, E4M3, transposed=need_w_grad)
+        w8, w8_t, w_inverse, _ = cast_to_fp8(weight, E4M3, transposed=need_x_grad)
+        out = torch._scaled_mm(x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse,
+                               bias=None if bias is None else bias.to(torch.bfloat16),
+                               out_dtype=torch.bfloat16, use_fast_accum=True)
+        ctx.save_for_backward(x8_t, w8_t, x_inverse, w_inverse)
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x8_t, w8_t, x_inverse, w_inverse = ctx.saved_tensors
+        need_x_grad, need_w_grad, need_b_grad = ctx.needs_input_grad
+        g8, g8_t, g_inverse, g_sums = cast_to_fp8(grad_out.contiguous(), E5M2, transposed=need_w_grad,
+                                                  column_sums=need_b_grad)
+        grad_x = grad_w = grad_b = None
+        if need_x_grad:
+            grad_x = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inverse, scale_b=w_inverse,
+                                      out_dtype=torch.bfloat16, use_fast_accum=True)
+        if need_w_grad:  # the padded token columns are zeros in both operands
+            grad_w = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inverse, scale_b=x_inverse,
+                                      out_dtype=torch.float32, use_fast_accum=True).to(ctx.weight_dtype)
+        if need_b_grad:
+            grad_b = g_sums.to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b
+
+
+class Float8TrainingLinear(nn.Linear):
+    """nn.Linear whose forward and backward products run in FP8 (same parameters and state_dict).
+    Outputs bf16, as autocast's bf16 linear would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = _Float8Linear.apply(rows, self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def convert_to_float8_linear(model: nn.Module, module_filter) -> list[str]:
+    """Turns every nn.Linear that module_filter(module, name) accepts into a Float8TrainingLinear in
+    place (its class only: parameters, hooks and state_dict keys stay). Returns their names."""
+    names = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and module_filter(module, name):
+            module.__class__ = Float8TrainingLinear
+            names.append(name)
+    return names

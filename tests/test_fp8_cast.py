@@ -1,0 +1,94 @@
+"""kernels.fp8_cast: the Triton casts against the PyTorch reference (layouts, padding, scale, column
+sums), on CPU under the Triton interpreter and on a GPU (marked gpu), and the reference's own contract.
+
+The interpreter's float32 -> float8 conversion mishandles a rounding that carries into the exponent
+(127.2 -> 64 in e4m3), so the interpreter cases use values exact in FP8 once scaled: there the cast
+involves no rounding, and everything else (scale, saturation, both layouts, zero padding, sums) must
+match bit for bit. The GPU cases take random values and compare every rounding too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.fp8_cast import cast_to_fp8
+from kernels.pytorch.pt_fp8_cast import FP8_MAX, pt_cast_to_fp8
+from tests.triton_interpreter import run_interpreter_cases
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SHAPES = [(1, 16), (37, 50), (100, 33), (64, 128), (300, 20)]
+
+
+def _exact_in_fp8(rows: int, cols: int, dtype: torch.dtype, in_dtype: torch.dtype) -> torch.Tensor:
+    """Values whose scaled copies are FP8 numbers: FP8 values over a power of two, with the format's
+    maximum among them, so the scale is exactly that power of two."""
+    grid = torch.randn(rows, cols).mul(FP8_MAX[dtype] / 8).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).float()
+    grid.view(-1)[torch.randint(rows * cols, ())] = -FP8_MAX[dtype]
+    return (grid / 64).to(in_dtype)
+
+
+def _check_against_reference(x: torch.Tensor, dtype: torch.dtype):
+    got = cast_to_fp8(x, dtype, transposed=True, column_sums=True)
+    want = pt_cast_to_fp8(x.cpu(), dtype, True, True)
+    names = ("x8", "x8_t", "inverse scale")
+    for name, a, b in zip(names, got[:3], want[:3]):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.cpu().float(), b.float()), name
+    torch.testing.assert_close(got[3].cpu(), want[3], rtol=1e-5, atol=1e-4 * x.shape[0])
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference_on_cpu_interpreter(shape, dtype, in_dtype):
+    from kernels.triton.triton_fp8_cast import supports
+
+    torch.manual_seed(hash((shape, str(dtype), str(in_dtype))) % 2**31)
+    x = _exact_in_fp8(*shape, dtype, in_dtype)
+    assert supports(x)
+    _check_against_reference(x, dtype)
+
+
+@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
+def test_interpreter_cases():
+    run_interpreter_cases(__file__, expected_passed=len(SHAPES) * 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", SHAPES + [(4099, 2048), (65536, 384)])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_kernel_matches_reference_on_gpu(shape, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(*shape, device="cuda") * 3).to(torch.bfloat16)
+    _check_against_reference(x, dtype)
+
+
+def test_reference_scales_to_the_format_maximum_and_pads_with_zeros():
+    x = torch.tensor([[1.0, -2.0], [0.5, 0.25], [4.0, 0.0]])
+    x8, x8_t, inverse, sums = pt_cast_to_fp8(x, E4M3, True, True)
+    assert x8.float().abs().max() == 448.0  # the absolute maximum lands on e4m3's largest value
+    assert inverse.item() == pytest.approx(4.0 / 448.0)
+    assert x8_t.shape == (2, 16) and torch.equal(x8_t[:, :3].float(), x8.t().float())
+    assert not x8_t[:, 3:].float().any()
+    torch.testing.assert_close(sums, torch.tensor([5.5, -1.75]))
+    torch.testing.assert_close(x8.float() * inverse, x, rtol=0.07, atol=0)  # e4m3 keeps 3 mantissa bits
+
+
+def test_all_zero_and_empty_tensors_get_finite_scales():
+    x8, _, inverse, _ = cast_to_fp8(torch.zeros(4, 16))
+    assert torch.isfinite(inverse) and not x8.float().any()
+    x8, x8_t, inverse, sums = cast_to_fp8(torch.zeros(0, 16), column_sums=True)
+    assert x8.shape == (0, 16) and x8_t.shape == (16, 0) and torch.isfinite(inverse) and not sums.any()
+
+
+def test_bad_input_names_what_is_wrong():
+    with pytest.raises(ValueError, match="2-D"):
+        cast_to_fp8(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        cast_to_fp8(torch.zeros(2, 16), torch.bfloat16)

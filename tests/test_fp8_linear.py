@@ -1,0 +1,115 @@
+"""gem_ops.train.fp8_linear: the tensorwise_triton FP8 layer. Its outputs and gradients against the
+same products computed in fp32 from the same FP8 operands (tight: this checks layouts, scales and
+padding), against the full-precision layer (loose: FP8's own error), and under torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gem_ops.train.acceleration import convert_to_fp8, fp8_layer_names
+from gem_ops.train.fp8_linear import Float8TrainingLinear, convert_to_float8_linear
+from kernels.pytorch.pt_fp8_cast import pt_cast_to_fp8
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t8, _, inverse, _ = pt_cast_to_fp8(t.detach(), dtype, False, False)
+    return t8.float() * inverse
+
+
+def _layer(in_features=64, out_features=48, bias=True, seed=0):
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    convert_to_float8_linear(layer, lambda m, name: True)
+    assert type(layer) is Float8TrainingLinear
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 37, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_products_are_the_fp8_operands_products(rows, bias):
+    layer = _layer(bias=bias)
+    x = torch.randn(rows, 64, requires_grad=True)
+    g = torch.randn(rows, 48)
+    out = layer(x)
+    out.backward(g)
+    xq, wq, gq = _dequantized(x, E4M3), _dequantized(layer.weight, E4M3), _dequantized(g.to(torch.bfloat16), E5M2)
+    expected = xq @ wq.t() + (layer.bias.to(torch.bfloat16).float() if bias else 0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(x.grad.float(), gq @ wq, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(layer.weight.grad, gq.t() @ xq, rtol=1e-4, atol=1e-4)
+    assert layer.weight.grad.dtype == layer.weight.dtype
+    if bias:  # the bias gradient is exact: the output gradient's sums, not an FP8 product
+        torch.testing.assert_close(layer.bias.grad, g.to(torch.bfloat16).float().sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_a_converted_block_trains_like_the_full_precision_one():
+    torch.manual_seed(1)
+    ref = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    fp8 = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    fp8.load_state_dict(ref.state_dict())
+    assert convert_to_float8_linear(fp8, lambda m, name: True) == ["0", "2"]
+    assert fp8.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randn(3, 41, 64)
+    outs = []
+    for model in (ref, fp8):
+        xi = x.clone().requires_grad_()
+        y = model(xi)
+        y.float().square().mean().backward()
+        outs.append((y.float(), xi.grad.float(), [p.grad for p in model.parameters()]))
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert outs[1][0].shape == (3, 41, 64)
+    assert rel(outs[1][0], outs[0][0]) < 0.08
+    assert rel(outs[1][1], outs[0][1]) < 0.15
+    for got, want in zip(outs[1][2], outs[0][2]):
+        assert rel(got, want) < 0.15
+
+
+def test_frozen_weights_and_inference_skip_the_gradient_layouts():
+    layer = _layer()
+    layer.weight.requires_grad_(False)
+    x = torch.randn(20, 64, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is None and layer.bias.grad is not None
+    with torch.no_grad():
+        assert layer(torch.randn(5, 64)).shape == (5, 48)
+
+
+def test_compiled_matches_eager_with_changing_row_counts():
+    layer = _layer()
+    compiled = torch.compile(layer, dynamic=True)
+    for rows in (19, 64, 131):
+        x = torch.randn(rows, 64)
+        grads = []
+        for run in (layer, compiled):
+            xi = x.clone().requires_grad_()
+            layer.zero_grad(set_to_none=True)
+            run(xi).float().sum().backward()
+            grads.append((xi.grad, layer.weight.grad.clone()))
+        torch.testing.assert_close(grads[1][0], grads[0][0])
+        torch.testing.assert_close(grads[1][1], grads[0][1])
+
+
+def test_recipe_converts_the_models_fp8_layers_and_trains_on_cpu():
+    from gem_ops.model.config import model_config
+    from gem_ops.model.features import model_input
+    from gem_ops.train.loop import seeded_model
+    from tests.model_inputs import SPEC, random_batch
+
+    config = model_config("gem_gpu", width=0.25, **{"embedding.item_buckets": 1024, "embedding.user_buckets": 1024})
+    model = seeded_model(SPEC, config)
+    keys, expected = set(model.state_dict()), fp8_layer_names(model)
+    assert convert_to_fp8(model, "tensorwise_triton") == expected and expected
+    assert [n for n, m in model.named_modules() if isinstance(m, Float8TrainingLinear)] == expected
+    assert set(model.state_dict()) == keys
+    x = model_input(random_batch([0, 1, 20, 300, 7]), SPEC, config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.loss(x)[0]
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [dict(model.named_modules())[n].weight.grad for n in expected]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
