@@ -137,7 +137,8 @@ def train(
     spec = FeatureSpec.from_logs(logs)
     model = seeded_model(spec, model_config, device, config.seed) if model is None else model.to(device)
     accelerated = prepare_for_training(model, config, device)
-    sparse_table_gradients(model)  # the optimizer then touches only the rows each batch looked up
+    if config.sparse_table_gradients:
+        sparse_table_gradients(model)  # the optimizer then touches only the rows each batch looked up
     optimizer = build_optimizer(model, config)
     schedule = PlanSchedule(plan_path, rank, config.epochs, config.seed)
     total = min(schedule.total_steps, config.max_steps or schedule.total_steps)
