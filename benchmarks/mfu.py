@@ -272,7 +272,7 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--precisions", nargs="*", default=["bf16", "fp8"],
                         help="end-to-end runs, each precision[:fp8 recipe][+row_amax] (none: the other stages alone)")
-    parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise", "rowwise"],
+    parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise_triton", "tensorwise"],
                         help="the first is the end-to-end run's; the dense-layer stage times each")
     parser.add_argument("--compile", choices=("none", "dense"), default="dense")
     parser.add_argument("--activation-checkpointing", choices=("none", "sequence"), default="none")

@@ -1,8 +1,8 @@
 """Training speed settings applied to a built model (TrainConfig): FP8 for the large linear layers
-(torchao float8), torch.compile of the dense blocks, activation checkpointing of the sequence layers.
+(fp8_linear.py's layer, or torchao float8), torch.compile of the dense blocks, activation
+checkpointing of the sequence layers.
 
-Applied before sharding: FP8 swaps nn.Linear for torchao's Float8Linear (same parameters, same
-state_dict keys), then compilation and checkpointing replace the instance's `forward` (module hooks,
+Applied before sharding: FP8 swaps nn.Linear for an FP8 linear (same parameters, same state_dict keys), then compilation and checkpointing replace the instance's `forward` (module hooks,
 FSDP2's and the profiler scopes' alike, stay outside the compiled code).
 """
 
@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 # torchao's recipes, and tensorwise_triton: tensorwise scaling with this project's casts (fp8_linear.py).
 FP8_RECIPES = ("tensorwise", "tensorwise_fast_accum", "rowwise", "tensorwise_triton")
+TORCHAO_RECIPES = FP8_RECIPES[:3]
 FP8_MIN_FEATURES = 128  # smaller layers gain nothing from FP8 and lose precision
 # The large products of the dense blocks, whose rows are history tokens (hundreds of thousands a
 # step): the sequence layers' projections and FFN and the cross attention's key/value projection.
@@ -60,8 +61,8 @@ def fp8_linear_config(recipe: str = "tensorwise", *, emulate: bool = False):
     """torchao's Float8LinearConfig for a recipe of FP8_RECIPES (dynamic scaling). torchao accumulates
     the forward product in the tensor cores' fast mode and the two gradient products in the precise
     one; tensorwise_fast_accum takes the fast mode for all three (faster backward, coarser sums)."""
-    if recipe not in FP8_RECIPES or recipe == "tensorwise_triton":
-        raise ValueError(f"torchao fp8 recipe must be one of {FP8_RECIPES[:3]}, got {recipe!r}")
+    if recipe not in TORCHAO_RECIPES:
+        raise ValueError(f"torchao fp8 recipe must be one of {TORCHAO_RECIPES}, got {recipe!r}")
     try:
         from torchao.float8 import Float8LinearConfig
         from torchao.float8.config import Float8GemmConfig
@@ -100,11 +101,13 @@ def use_row_first_amax(enabled: bool = True) -> None:
     float8_utils.tensor_to_amax = tensor_to_amax
 
 
-def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise", *, emulate: bool = False,
+def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise_triton", *, emulate: bool = False,
                    module_filter: Callable[[nn.Module, str], bool] = fp8_module_filter) -> list[str]:
     """Swaps the layers module_filter picks for FP8 ones: torchao's Float8Linear, or with
     "tensorwise_triton" fp8_linear.Float8TrainingLinear. `emulate` computes torchao's recipes in high
     precision (tests on CPU; tensorwise_triton runs on CPU as it is). Returns their names."""
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8 recipe must be one of {FP8_RECIPES}, got {recipe!r}")
     if recipe == "tensorwise_triton":
         from gem_ops.train.fp8_linear import convert_to_float8_linear
 

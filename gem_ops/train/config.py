@@ -19,9 +19,10 @@ class TrainConfig:
     # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: bf16 autocast with the large linear layers in FP8
     # (torchao float8, fp8_recipe scaling; CUDA GPUs with FP8 tensor cores only; see train/acceleration.py)
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
-    # tensorwise_fast_accum: tensorwise with the gradient products in the tensor cores' fast accumulation too;
-    # tensorwise_triton: tensorwise, all products in fast accumulation, casts by kernels.fp8_cast
-    fp8_recipe: Literal["tensorwise", "tensorwise_fast_accum", "rowwise", "tensorwise_triton"] = "tensorwise"
+    # tensorwise_triton (the fastest on the H200): tensorwise scales, all products in fast accumulation,
+    # casts by kernels.fp8_cast (train/fp8_linear.py); the others are torchao's, tensorwise_fast_accum
+    # being tensorwise with the gradient products in fast accumulation too
+    fp8_recipe: Literal["tensorwise_triton", "tensorwise", "tensorwise_fast_accum", "rowwise"] = "tensorwise_triton"
     compile: Literal["none", "dense"] = "none"  # dense: torch.compile of the dense blocks
     # One-process training: embedding tables with sparse gradients, updated only in the rows looked up.
     # Off by default: on the H200 it cut the GPU preset's bf16 MFU from 45% to 31% (coalescing the
