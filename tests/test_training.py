@@ -85,3 +85,16 @@ def test_output_biases_start_at_the_plan_label_rates(data):
                 assert torch.sigmoid(bias[d, t]).item() == pytest.approx(rate, rel=1e-4)
                 checked += 1
     assert checked >= 4
+
+
+def test_sparse_table_gradients_option_trains_the_same(data):
+    """TrainConfig.sparse_table_gradients: the tables return sparse gradients and only the rows looked
+    up are updated; the same training as whole-table updates (off by default: slower on the H200)."""
+    logs = data.open()
+    config = dataclasses.replace(CONFIG, max_steps=3)
+    dense_model, dense = train(logs, data.plans[1], TINY, config)
+    sparse_model, sparse = train(logs, data.plans[1], TINY, dataclasses.replace(config, sparse_table_gradients=True))
+    tables = [m for m in sparse_model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+    assert tables and all(m.sparse for m in tables)
+    assert not any(m.sparse for m in dense_model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
+    assert sparse.losses == pytest.approx(dense.losses, rel=1e-4)
