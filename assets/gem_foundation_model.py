@@ -29,8 +29,11 @@ class GEMTrainingConfig(ModelTrainingConfig):
         """The training settings as the command line's flags."""
         args = []
         for name, value in self.train_settings().items():
-            if value is not None:
-                args += [f"--{name.replace('_', '-')}", str(value)]
+            flag = name.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(f"--{flag}" if value else f"--no-{flag}")
+            elif value is not None:
+                args += [f"--{flag}", str(value)]
         return args
 
 

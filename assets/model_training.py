@@ -27,6 +27,8 @@ class ModelTrainingConfig(dg.Config):
         "tensorwise_triton", description="With precision fp8: tensorwise_triton (the fastest), or torchao's tensorwise, "
         "tensorwise_fast_accum or rowwise.")
     compile: str = Field("none", description="dense: torch.compile of the dense blocks and sequence layers.")
+    sparse_table_gradients: bool = Field(
+        False, description="One-process training: update only the embedding rows a batch looked up (slower on the H200).")
     activation_checkpointing: str = Field("none", description="sequence: recompute the sequence layers in the backward.")
     seed: int = 0
 

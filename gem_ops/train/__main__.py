@@ -68,6 +68,8 @@ def _add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
             base = next(t for t in typing.get_args(base) if t is not type(None))
         if typing.get_origin(base) is typing.Literal:
             group.add_argument(f"--{f.name.replace('_', '-')}", choices=typing.get_args(base), default=f.default)
+        elif base is bool:  # --name / --no-name: bool("False") would be True
+            group.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=f.default)
         else:
             group.add_argument(f"--{f.name.replace('_', '-')}", type=base, default=f.default)
 
