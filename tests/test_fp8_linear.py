@@ -34,7 +34,8 @@ def test_products_are_the_fp8_operands_products(rows, bias):
     layer = _layer(bias=bias)
     x = torch.randn(rows, 64, requires_grad=True)
     g = torch.randn(rows, 48)
-    out = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
     out.backward(g)
     xq, wq, gq = _dequantized(x, E4M3), _dequantized(layer.weight, E4M3), _dequantized(g.to(torch.bfloat16), E5M2)
     expected = xq @ wq.t() + (layer.bias.to(torch.bfloat16).float() if bias else 0)
@@ -67,6 +68,22 @@ def test_a_converted_block_trains_like_the_full_precision_one():
     assert rel(outs[1][1], outs[0][1]) < 0.15
     for got, want in zip(outs[1][2], outs[0][2]):
         assert rel(got, want) < 0.15
+
+
+def test_output_dtype_follows_autocast_and_empty_inputs_pass():
+    layer = _layer()
+    x = torch.randn(7, 64)
+    full = layer(x)
+    assert full.dtype == torch.float32  # as nn.Linear, outside autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = layer(x)
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), full, rtol=2e-2, atol=2e-2)  # the same FP8 product, rounded
+        empty = torch.zeros(0, 3, 64, requires_grad=True)
+        out = layer(empty)
+    assert out.shape == (0, 3, 48) and out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert empty.grad.shape == empty.shape and not layer.weight.grad.any()
 
 
 def test_frozen_weights_and_inference_skip_the_gradient_layouts():

@@ -22,13 +22,17 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+                ) -> torch.Tensor:
         need_x_grad, need_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x8, x8_t, x_inverse, _ = cast_to_fp8(x, E4M3, transposed=need_w_grad)
         w8, w8_t, w_inverse, _ = cast_to_fp8(weight, E4M3, transposed=need_x_grad)
+        fused_bias = bias is not None and out_dtype == torch.bfloat16  # the product adds a bf16 bias only
         out = torch._scaled_mm(x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse,
-                               bias=None if bias is None else bias.to(torch.bfloat16),
-                               out_dtype=torch.bfloat16, use_fast_accum=True)
+                               bias=bias.to(out_dtype) if fused_bias else None, out_dtype=out_dtype,
+                               use_fast_accum=True)
+        if bias is not None and not fused_bias:
+            out = out + bias.to(out_dtype)
         ctx.save_for_backward(x8_t, w8_t, x_inverse, w_inverse)
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -37,7 +41,7 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x8_t, w8_t, x_inverse, w_inverse = ctx.saved_tensors
-        need_x_grad, need_w_grad, need_b_grad = ctx.needs_input_grad
+        need_x_grad, need_w_grad, need_b_grad = ctx.needs_input_grad[:3]
         g8, g8_t, g_inverse, g_sums = cast_to_fp8(grad_out.contiguous(), E5M2, transposed=need_w_grad,
                                                   column_sums=need_b_grad)
         grad_x = grad_w = grad_b = None
@@ -49,16 +53,21 @@ class _Float8Linear(torch.autograd.Function):
                                       out_dtype=torch.float32, use_fast_accum=True).to(ctx.weight_dtype)
         if need_b_grad:
             grad_b = g_sums.to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 class Float8TrainingLinear(nn.Linear):
     """nn.Linear whose forward and backward products run in FP8 (same parameters and state_dict).
-    Outputs bf16, as autocast's bf16 linear would."""
+    The output has autocast's dtype under autocast (bf16 in training), else the input's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        if x.numel() == 0:  # no rows to scale: an empty output, and zero gradients
+            return nn.functional.linear(x.to(out_dtype), self.weight.to(out_dtype),
+                                        None if self.bias is None else self.bias.to(out_dtype))
         rows = x.reshape(-1, x.shape[-1])
-        out = _Float8Linear.apply(rows, self.weight, self.bias)
+        out = _Float8Linear.apply(rows, self.weight, self.bias, out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
