@@ -1,7 +1,9 @@
 """Row-wise Adagrad on sparse table gradients: the same update as TorchRec's on the dense gradient,
 touching only the rows a batch looked up; a model trained with sparse table gradients matches one
-trained with dense ones."""
+trained with dense ones; AdamW on the dense parameters is fused on a GPU and leaves biases and norms
+undecayed."""
 
+import pytest
 import torch
 from torch import nn
 from torchrec.optim import RowWiseAdagrad
@@ -61,3 +63,24 @@ def test_model_trains_the_same_with_sparse_table_gradients(steps=3):
     # Summation order differs (1e-7 after one step); AdamW's normalised steps carry it to about 1e-5.
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def _adamw(model: nn.Module) -> torch.optim.AdamW:
+    optimizer = build_optimizer(model, TrainConfig())
+    (adamw,) = [o for _, o in optimizer.optimizers if isinstance(o._optimizer, torch.optim.AdamW)]
+    return adamw._optimizer
+
+
+def test_adamw_is_fused_on_a_gpu_only_and_skips_decay_on_biases_and_norms():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Embedding(10, 4))
+    adamw = _adamw(model)
+    assert adamw.defaults["fused"] is None  # CPU: PyTorch's default implementation
+    decayed, not_decayed = adamw.param_groups
+    assert [p.shape for p in decayed["params"]] == [(4, 4)] and decayed["weight_decay"] == 0.01
+    assert len(not_decayed["params"]) == 3 and not_decayed["weight_decay"] == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adamw_is_fused_on_a_gpu():
+    assert _adamw(nn.Sequential(nn.Linear(4, 4)).cuda()).defaults["fused"] is True
