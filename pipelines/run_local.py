@@ -57,8 +57,28 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"{day}: {'ok' if result.success else 'FAILED'} (run {result.run_id})", flush=True)
             if not result.success:
+                for line in failed_checks(result):
+                    print(line, flush=True)
                 raise SystemExit(1)
     print("done: open the Dagster UI with `make dagster` and MLflow with `make mlflow-ui`")
+
+
+def failed_checks(result) -> list[str]:
+    """A line per asset check that did not pass in the run, with what it reported: the promotion gate
+    is the one a second run of the same day can fail, when a retrained challenger is not better than
+    the champion the first run promoted."""
+    lines = []
+    for event in result.all_events:
+        if event.event_type_value != "ASSET_CHECK_EVALUATION" or event.asset_check_evaluation_data.passed:
+            continue
+        check = event.asset_check_evaluation_data
+        reported = {key: value.value for key, value in check.metadata.items() if key != "decisions"}
+        lines.append(f"  check {check.asset_key.to_user_string()}:{check.check_name} did not pass: {reported}")
+        if check.check_name == "challengers_not_worse_than_champions":
+            lines.append("  The champions stay registered. To accept challengers up to a margin, set "
+                         "ops.vertical_models.config.ne_tolerance in --config; to start over, use a fresh "
+                         "DAGSTER_HOME, lake (GEM_LAKE_DIR) and MLflow store (MLFLOW_TRACKING_URI).")
+    return lines
 
 
 if __name__ == "__main__":

@@ -140,3 +140,23 @@ def test_movielens_source_through_the_assets(tmp_path):
     example_types = set(np.unique(logs.column("event_type")))
     assert example_types == {rating, logs.event_types.index("sampled_negative")}
     assert set(logs.surfaces) <= {"action", "comedy", "drama", "other"}
+
+
+def test_local_runner_explains_a_failed_promotion_gate():
+    """A second run of the same day can fail the vertical models' gate: the runner says which models
+    were kept out and which setting accepts them."""
+    from pipelines.run_local import failed_checks
+
+    check = "challengers_not_worse_than_champions"
+
+    @dg.asset(check_specs=[dg.AssetCheckSpec(check, asset="verticals", blocking=True)])
+    def verticals():
+        return dg.MaterializeResult(check_results=[dg.AssetCheckResult(
+            check_name=check, passed=False, severity=dg.AssetCheckSeverity.ERROR,
+            metadata={"kept_out": ["vertical_feed_click"], "decisions": "[...]"})])
+
+    result = dg.materialize([verticals], raise_on_error=False)
+    assert not result.success
+    lines = failed_checks(result)
+    assert "verticals:challengers_not_worse_than_champions" in lines[0] and "vertical_feed_click" in lines[0]
+    assert "decisions" not in lines[0] and "ne_tolerance" in lines[1]
