@@ -39,8 +39,7 @@ def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFo
     identity = gem_predictions.teacher
     gem = Teacher(load_model_version(client, identity["name"], identity["version"]), gem_predictions, identity)
     window = TransferWindows(student_days=identity["student_days"])
-    settings = DomainModelSettings(config.model(), config.train(), config.transfer(), config.shuffling(),
-                                   config.registered_model_prefix)
+    settings = DomainModelSettings(**config.student_settings(), prefix=config.registered_model_prefix)
     summary = {}
     with mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())

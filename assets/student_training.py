@@ -26,6 +26,10 @@ class StudentTrainingConfig(ModelTrainingConfig):
     def shuffling(self) -> ShufflingConfig:
         return ShufflingConfig(self.sub_batch_size, self.sub_batches_per_rank, seed=self.seed)
 
+    def student_settings(self) -> dict:
+        """The StudentSettings fields (gem_ops.transfer.config) this config sets."""
+        return {"base": self.model(), "train": self.train(), "transfer": self.transfer(), "shuffling": self.shuffling()}
+
     def selected(self, domains) -> list[str]:
         unknown = sorted(set(self.domains) - set(domains))
         if unknown:

@@ -54,9 +54,9 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
     client = mlflow.get_client()
     student_days = read_predictions(predictions_path(lake, day)).teacher["student_days"]
     window = TransferWindows(student_days=student_days)
-    settings = VerticalSettings(config.model(), config.train(), config.transfer(), config.shuffling(), config.mode,
-                               config.registered_model_prefix, config.ne_tolerance, config.promotion_max_examples,
-                               config.seed)
+    settings = VerticalSettings(**config.student_settings(), mode=config.mode, prefix=config.registered_model_prefix,
+                                ne_tolerance=config.ne_tolerance, promotion_max_examples=config.promotion_max_examples,
+                                seed=config.seed)
     models, decisions = {}, []
     with mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())

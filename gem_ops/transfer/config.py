@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from gem_ops.data.batch_shuffling import ShufflingConfig
+    from gem_ops.model.config import ModelConfig
+    from gem_ops.train.config import TrainConfig
 
 Mode = Literal["alone", "direct", "hierarchical"]
 MODES: tuple[str, ...] = ("alone", "direct", "hierarchical")
@@ -49,3 +54,13 @@ class TransferWindows:
         if self.student_days < 1 or self.staleness_days < 0:
             raise ValueError(f"TransferWindows: student_days must be >= 1 and staleness_days >= 0, "
                              f"got {self.student_days} and {self.staleness_days}")
+
+
+@dataclass(frozen=True)
+class StudentSettings:
+    """What every student model (domain FM, vertical model) trains with."""
+
+    base: ModelConfig  # the student's architecture (its transfer inputs are added from `transfer`)
+    train: TrainConfig
+    transfer: TransferConfig
+    shuffling: ShufflingConfig

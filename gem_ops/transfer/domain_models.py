@@ -9,13 +9,10 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from gem_ops.data.batch_shuffling import ShufflingConfig
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.metrics.quality import flat_metrics
-from gem_ops.model.config import ModelConfig
 from gem_ops.tracking import RunTracker
-from gem_ops.train.config import TrainConfig
-from gem_ops.transfer.config import TransferConfig
+from gem_ops.transfer.config import StudentSettings
 from gem_ops.transfer.hierarchy import DomainData, as_teacher, train_domain_foundation_model
 from gem_ops.transfer.knowledge import write_predictions
 from gem_ops.transfer.registry import lineage_tags, model_identity, register_student
@@ -23,11 +20,7 @@ from gem_ops.transfer.student import Teacher
 
 
 @dataclass(frozen=True)
-class DomainModelSettings:
-    base: ModelConfig
-    train: TrainConfig
-    transfer: TransferConfig
-    shuffling: ShufflingConfig
+class DomainModelSettings(StudentSettings):
     prefix: str = "domain_fm"  # registered as <prefix>_<domain>
 
 

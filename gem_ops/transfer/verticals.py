@@ -10,12 +10,9 @@ from pathlib import Path
 import numpy as np
 from mlflow.tracking import MlflowClient
 
-from gem_ops.data.batch_shuffling import ShufflingConfig
 from gem_ops.data.loader import SequenceLogs
-from gem_ops.model.config import ModelConfig
 from gem_ops.tracking import RunTracker
-from gem_ops.train.config import TrainConfig
-from gem_ops.transfer.config import TransferConfig
+from gem_ops.transfer.config import StudentSettings
 from gem_ops.transfer.hierarchy import DomainData, train_vertical_model
 from gem_ops.transfer.registry import CHALLENGER, PromotionDecision, lineage_tags, promote_if_not_worse, register_student
 from gem_ops.transfer.student import Teacher
@@ -23,12 +20,8 @@ from gem_ops.transfer.windows import labelled_tasks
 
 
 @dataclass(frozen=True)
-class VerticalSettings:
-    base: ModelConfig
-    train: TrainConfig
-    transfer: TransferConfig
-    shuffling: ShufflingConfig
-    mode: str  # hierarchical, direct or alone (recorded in the lineage tags)
+class VerticalSettings(StudentSettings):
+    mode: str = "hierarchical"  # hierarchical, direct or alone (recorded in the lineage tags)
     prefix: str = "vertical"  # registered as <prefix>_<domain>_<objective>
     ne_tolerance: float = 0.0
     promotion_max_examples: int = 20_000
