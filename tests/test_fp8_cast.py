@@ -54,9 +54,35 @@ def test_kernel_matches_reference_on_cpu_interpreter(shape, dtype, in_dtype):
     _check_against_reference(x, dtype)
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")] if INTERPRETING else [])
+def test_non_finite_values_come_out_nan_on_cpu_interpreter(bad):
+    _non_finite_comes_out_nan(bad)
+
+
+def _non_finite_comes_out_nan(bad: float, device: str = "cpu"):
+    """A gradient that overflowed must reach the training loop's divergence check as NaN, not as zeros."""
+    x = torch.randn(20, 16, device=device)
+    x[3, 5] = bad
+    for x8, x8_t, _, _ in (cast_to_fp8(x, E5M2), pt_cast_to_fp8(x, E5M2, True, False)):
+        assert x8.float()[3, 5].isnan() and x8_t.float()[5, 3].isnan()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_come_out_nan_on_gpu(bad):
+    _non_finite_comes_out_nan(bad, "cuda")
+
+
+def test_reference_turns_non_finite_values_into_nan():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        _non_finite_comes_out_nan(bad)
+
+
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(SHAPES) * 4)
+    run_interpreter_cases(__file__, expected_passed=len(SHAPES) * 4 + 2)
 
 
 @pytest.mark.gpu
