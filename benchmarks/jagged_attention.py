@@ -185,9 +185,32 @@ def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
 
 
+def kernel_times(fn, reps: int = 5) -> dict[str, float]:
+    """Device milliseconds per call of each kernel `fn` launches, from the profiler (after one warm call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out) -> dict[str, float]:
+    """FlexAttention's kernels on the same batch (block mask prebuilt), forward and backward, for the
+    comparison kernel by kernel."""
+    prepare, call = _flex(lengths, offsets, causal)["flex"]
+    inputs = [x.requires_grad_() for x in prepare(q, k, v)]
+    grad = d_out.transpose(0, 1)[None].contiguous()
+    return kernel_times(lambda: call(*inputs).backward(grad))
+
+
 def overhead(tokens: int) -> None:
-    """Where a call's time goes: one tile-list build vs the kernels alone (lists built beforehand), the kernels
-    with pointer loads instead of tensor descriptors (JAGGED_ATTENTION_TMA=0), and the backward with dq added
+    """Where a call's time goes: one tile-list build vs the kernels alone (lists built beforehand); each
+    backward kernel's share (profiled) beside FlexAttention's kernels on the same batch; the kernels with
+    pointer loads instead of tensor descriptors (JAGGED_ATTENTION_TMA=0); and the backward with dq added
     by the dk/dv kernel (JAGGED_ATTENTION_ATOMIC_DQ=1, one TMA reduce per block) instead of a separate dq kernel."""
     from kernels.triton import triton_jagged_attention as kernel
 
@@ -215,6 +238,9 @@ def overhead(tokens: int) -> None:
             if not atomic:
                 row[f"kernel_fwd{suffix}_ms"] = timed(lambda: kernel._forward(built, q, k, v))
             row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
+            if not suffix:  # the backward's share per kernel (delta, dk/dv, dq, the zero fills)
+                row["bwd_kernel_ms"] = kernel_times(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
+        row["flex_fwd_bwd_kernel_ms"] = _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out)
         kernel.ATOMIC_DQ, kernel.TMA = defaults
         print(row, flush=True)
         results.append(row)
