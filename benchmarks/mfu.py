@@ -8,8 +8,8 @@ benchmarks/results/mfu_<device>.json with the commit, the machine and the settin
     python -m benchmarks.mfu --device cpu --data DIR --preset vertical --max-history-len 32 --steps 3 \\
         --precisions fp32 --dense-tokens 512 --dense-batch 64 --compile none    # a dry run of every stage
 
-DIR holds sequence_logs/ and a one-rank plan, by default plans/world_size=1.parquet (prepared elsewhere: the GPU machine has no
-polars). On a CPU, FP8 cannot run: the dense-layer stage emulates it (numbers meaningless, code checked).
+DIR holds sequence_logs/ and a one-rank plan, by default plans/world_size=1.parquet (prepared by
+benchmarks/mfu_data.py: the GPU machine has no polars). On a CPU, FP8 cannot run: the dense-layer stage emulates it (numbers meaningless, code checked).
 """
 
 from __future__ import annotations
@@ -145,24 +145,18 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
     return out
 
 
-def precision_variant(name: str) -> tuple[str, str | None, bool]:
-    """An end-to-end run's name: precision[:fp8 recipe][+row_amax], e.g. fp8:tensorwise_fast_accum+row_amax
-    -> ("fp8", "tensorwise_fast_accum", True); the recipe defaults to --fp8-recipes' first."""
-    name, plus, option = name.partition("+")
-    if plus and option != "row_amax":
-        raise SystemExit(f"--precisions {name}+{option}: the only option is +row_amax")
+def precision_variant(name: str) -> tuple[str, str | None]:
+    """An end-to-end run's name: precision[:fp8 recipe], e.g. fp8:tensorwise_fast_accum -> ("fp8",
+    "tensorwise_fast_accum"); the recipe defaults to --fp8-recipes' first."""
     precision, _, recipe = name.partition(":")
-    return precision, recipe or None, bool(plus)
+    return precision, recipe or None
 
 
 def end_to_end(logs, plan, model_config, variant: str, args, device: torch.device, figures: Path | None) -> dict:
     from gem_ops.metrics.mfu import measure_mfu, mfu_figure
-    from gem_ops.train.acceleration import use_row_first_amax
     from gem_ops.train.config import TrainConfig
 
-    precision, recipe, row_amax = precision_variant(variant)
-    if row_amax:
-        use_row_first_amax()
+    precision, recipe = precision_variant(variant)
     train_config = TrainConfig(precision=precision, fp8_recipe=recipe or args.fp8_recipes[0], compile=args.compile,
                                activation_checkpointing=args.activation_checkpointing, seed=args.seed)
     if device.type == "cuda":
@@ -178,7 +172,7 @@ def end_to_end(logs, plan, model_config, variant: str, args, device: torch.devic
         import matplotlib.pyplot as plt
 
         fig = mfu_figure(report)
-        fig.savefig(figures / f"mfu_{device.type}_{variant.replace(':', '_').replace('+', '_')}.png", dpi=110)
+        fig.savefig(figures / f"mfu_{device.type}_{variant.replace(':', '_')}.png", dpi=110)
         plt.close(fig)
     print(f"{variant}: MFU {100 * report.mfu:.1f}% (median step {100 * report.metrics()['mfu_median_step']:.1f}%; {report.model_flops_per_second / 1e12:.1f} model TFLOP/s, "
           f"{report.peak_source} peak {report.peak_flops / 1e12:.0f}; measured GEMM {report.gemm_flops / 1e12:.0f}), "
@@ -271,7 +265,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--precisions", nargs="*", default=["bf16", "fp8"],
-                        help="end-to-end runs, each precision[:fp8 recipe][+row_amax] (none: the other stages alone)")
+                        help="end-to-end runs, each precision[:fp8 recipe] (none: the other stages alone)")
     parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise_triton", "tensorwise"],
                         help="the first is the end-to-end run's; the dense-layer stage times each")
     parser.add_argument("--compile", choices=("none", "dense"), default="dense")

@@ -111,28 +111,6 @@ def test_fp8_recipes_set_the_accumulation_of_each_product():
     assert torch.isfinite(loss) and dict(model.named_modules())[names[0]].weight.grad is not None
 
 
-def test_row_first_amax_gives_torchaos_scales_and_can_be_undone():
-    from torchao.float8 import float8_utils
-    from torchao.float8.config import ScalingGranularity
-
-    from gem_ops.train.acceleration import use_row_first_amax
-
-    x = torch.randn(37, 24) * torch.logspace(-3, 3, 24)
-    expected = float8_utils.tensor_to_scale(x, torch.float8_e4m3fn)
-    rows = float8_utils.tensor_to_amax(x, False, None, ScalingGranularity.AXISWISE, -1)
-    use_row_first_amax()
-    try:
-        assert float8_utils.tensor_to_amax.original is not None
-        assert torch.equal(float8_utils.tensor_to_scale(x, torch.float8_e4m3fn), expected)
-        assert torch.equal(float8_utils.tensor_to_amax(x, False, None, ScalingGranularity.AXISWISE, -1), rows)
-        model = seeded_model(SPEC, GPU_SMALL)
-        convert_to_fp8(model, "tensorwise", emulate=True)
-        model.loss(model_input(random_batch([0, 3, 20]), SPEC, GPU_SMALL))[0].backward()
-    finally:
-        use_row_first_amax(False)
-    assert not hasattr(float8_utils.tensor_to_amax, "original")
-
-
 def test_activation_checkpointing_gives_the_same_gradients():
     config = model_config("gem", width=0.5, blocks=2, **SMALL_TABLES)
     x = model_input(random_batch([0, 1, 40, 9, 70]), SPEC, config)

@@ -2,15 +2,15 @@
 (fp8_linear.py's layer, or torchao float8), torch.compile of the dense blocks, activation
 checkpointing of the sequence layers.
 
-Applied before sharding: FP8 swaps nn.Linear for an FP8 linear (same parameters, same state_dict keys), then compilation and checkpointing replace the instance's `forward` (module hooks,
-FSDP2's and the profiler scopes' alike, stay outside the compiled code).
+Applied before sharding: FP8 swaps nn.Linear for an FP8 linear (same parameters, same state_dict
+keys), then compilation and checkpointing replace the instance's `forward` (module hooks, FSDP2's and
+the profiler scopes' alike, stay outside the compiled code).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
 from collections.abc import Callable
 
@@ -77,30 +77,6 @@ def fp8_linear_config(recipe: str = "tensorwise", *, emulate: bool = False):
     return dataclasses.replace(config, emulate=emulate, pad_inner_dim=True)
 
 
-def use_row_first_amax(enabled: bool = True) -> None:
-    """Tensorwise FP8 scales from the absolute maximum of each row first, then of those: the same value.
-    With the token count dynamic under torch.compile, one reduction over a whole activation came out
-    as a slow kernel (about 8 ms for 262144 x 8192 on the H200); row maxima run along the static width,
-    in parallel over rows, fused with the op before. Patches torchao's tensor_to_amax (0.17), which its
-    scale computation looks up at call time. Opt-in (GEM_FP8_ROW_AMAX=1) until measured end to end."""
-    from torchao.float8 import float8_utils
-    from torchao.float8.config import ScalingGranularity
-
-    tensorwise = ScalingGranularity.TENSORWISE
-    original = getattr(float8_utils.tensor_to_amax, "original", float8_utils.tensor_to_amax)
-    if not enabled:
-        float8_utils.tensor_to_amax = original
-        return
-
-    def tensor_to_amax(x, reduce_amax=False, device_mesh=None, scaling_granularity=tensorwise, axiswise_dim=None):
-        if x.dim() >= 2 and not reduce_amax and scaling_granularity is tensorwise:
-            return torch.abs(x).amax(dim=-1).max()
-        return original(x, reduce_amax, device_mesh, scaling_granularity, axiswise_dim)
-
-    tensor_to_amax.original = original
-    float8_utils.tensor_to_amax = tensor_to_amax
-
-
 def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise_triton", *, emulate: bool = False,
                    module_filter: Callable[[nn.Module, str], bool] = fp8_module_filter) -> list[str]:
     """Swaps the layers module_filter picks for FP8 ones: torchao's Float8Linear, or with
@@ -113,8 +89,6 @@ def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise_triton", *, emula
 
         return convert_to_float8_linear(model, module_filter)
     config = fp8_linear_config(recipe, emulate=emulate)
-    if os.environ.get("GEM_FP8_ROW_AMAX") == "1":
-        use_row_first_amax()
     names = [name for name, module in model.named_modules() if module_filter(module, name)]
     if names:
         from torchao.float8 import convert_to_float8_training

@@ -17,7 +17,7 @@ class TrainConfig:
     warmup_steps: int = 20  # linear warm-up of the dense learning rate
     clip_grad_norm: float = 1.0  # dense parameters; 0 disables
     # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: bf16 autocast with the large linear layers in FP8
-    # (torchao float8, fp8_recipe scaling; CUDA GPUs with FP8 tensor cores only; see train/acceleration.py)
+    # (fp8_recipe; CUDA GPUs with FP8 tensor cores only; see train/acceleration.py)
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     # tensorwise_triton (the fastest on the H200): tensorwise scales, all products in fast accumulation,
     # casts by kernels.fp8_cast (train/fp8_linear.py); the others are torchao's, tensorwise_fast_accum

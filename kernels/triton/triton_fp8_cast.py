@@ -3,9 +3,8 @@ its column sums: a bias gradient on the way), then one pass that writes the FP8 
 layouts torch._scaled_mm wants, row-major and transposed (the transpose through registers, so both
 stores are coalesced), the transposed one padded with zero rows to a multiple of 16.
 
-Two reads and two narrow writes of the tensor: torch.compile's code for the same casts ran at about
-a quarter of the H200's memory bandwidth on the FFN's gradient (262144 x 8192). Contract:
-kernels.fp8_cast.cast_to_fp8. Launches need CUDA or TRITON_INTERPRET=1 set before import.
+Two reads and two narrow writes of the tensor, at any row count (benchmarks/mfu.py's dense-layer
+stage compares it with torchao's casts under torch.compile). Contract: kernels.fp8_cast.cast_to_fp8. Launches need CUDA or TRITON_INTERPRET=1 set before import.
 """
 
 from __future__ import annotations
