@@ -207,7 +207,7 @@ def _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out) -> dict[str, fl
     return kernel_times(lambda: call(*inputs).backward(grad))
 
 
-def overhead(tokens: int) -> None:
+def overhead(tokens: int, max_lens: list[int] | None) -> None:
     """Where a call's time goes: one tile-list build vs the kernels alone (lists built beforehand); each
     backward kernel's share (profiled) beside FlexAttention's kernels on the same batch; the kernels with
     pointer loads instead of tensor descriptors (JAGGED_ATTENTION_TMA=0); and the backward with dq added
@@ -218,6 +218,8 @@ def overhead(tokens: int) -> None:
     for mix, max_len, dim, causal in [("uniform", 512, 128, True), ("long_tail", 2048, 128, True),
                                       ("long_tail", 8192, 128, True), ("long_tail", 8192, 64, True),
                                       ("uniform", 8192, 128, False)]:
+        if max_lens and max_len not in max_lens:
+            continue
         lengths = long_tail_lengths(tokens, max_len, seed=max_len) if mix == "long_tail" else \
             uniform_lengths(tokens, max_len)
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
@@ -240,11 +242,24 @@ def overhead(tokens: int) -> None:
             row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
             if not suffix:  # the backward's share per kernel (delta, dk/dv, dq, the zero fills)
                 row["bwd_kernel_ms"] = kernel_times(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
+                row["config_ms"] = {tuner.base_fn.__name__: _config_timings(tuner) for tuner in
+                                    (kernel._forward_kernel, kernel._dkdv_kernel, kernel._dq_kernel)}
         row["flex_fwd_bwd_kernel_ms"] = _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out)
         kernel.ATOMIC_DQ, kernel.TMA = defaults
         print(row, flush=True)
         results.append(row)
-    save("jagged_attention_overhead", {"tokens": tokens, "source_commit": _source_commit()}, results)
+    results_name = "jagged_attention_overhead" + "".join(f"_L{n}" for n in max_lens or ())
+    save(results_name, {"tokens": tokens, "max_lens": max_lens, "source_commit": _source_commit()}, results)
+
+
+def _config_timings(tuner) -> dict[str, float]:
+    """Median ms of every config the autotuner last benchmarked (this case's key: each case is a new key)."""
+    def name(config):
+        sizes = ", ".join(f"{k}={v}" for k, v in config.kwargs.items())
+        return f"{sizes}, warps={config.num_warps}, stages={config.num_stages}"
+
+    timings = getattr(tuner, "configs_timings", None) or {}
+    return {name(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
 
 
 def _source_commit() -> str:
@@ -258,9 +273,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two cases, to check before a full run")
     parser.add_argument("--with-reference", action="store_true", help="also time the PyTorch reference")
     parser.add_argument("--overhead", action="store_true", help="split call time into tile tables and kernels")
+    parser.add_argument("--max-len", type=int, action="append", dest="max_lens",
+                        help="only the cases of this maximum length (repeatable); the results file is named after them")
     args = parser.parse_args()
     if args.overhead:
-        return overhead(args.tokens)
+        return overhead(args.tokens, args.max_lens)
 
     # (mix, max_len, head_dim, causal); the cases of the two targets first, as results are saved as they come.
     cases = [("long_tail", max_len, dim, True) for dim in (128, 64) for max_len in (512, 2048, 8192)]
@@ -268,9 +285,12 @@ def main() -> None:
     cases += [("uniform", max_len, dim, True) for max_len in (512, 2048) for dim in (128, 64)]
     if args.quick:
         cases = [("long_tail", 2048, 128, True), ("uniform", 8192, 128, False)]
+    if args.max_lens:
+        cases = [case for case in cases if case[1] in args.max_lens]
 
     methods = METHODS + ((REFERENCE,) if args.with_reference else ())
     settings = _settings(args, methods)
+    results_name = "jagged_attention" + "".join(f"_L{n}" for n in args.max_lens or ())
     results = []
     for mix, max_len, dim, causal in cases:
         lengths = long_tail_lengths(args.tokens, max_len, seed=max_len) if mix == "long_tail" else \
@@ -288,14 +308,15 @@ def main() -> None:
                 **{name: value for name, value in t.items() if name.endswith("rel_error_vs_flex")},
             })
         print_rows(results[-len(row):])
-        save("jagged_attention", settings | {"complete": False}, results)  # kept if a later case dies
+        save(results_name, settings | {"complete": False}, results)  # kept if a later case dies
 
-    save("jagged_attention", settings | {"complete": True}, results)
+    save(results_name, settings | {"complete": True}, results)
     print_summary(results)
 
 
 def _settings(args, methods) -> dict:
     return {"tokens": args.tokens, "dtype": "bfloat16", "heads_times_dim": 1024, "quick": args.quick,
+            "max_lens": args.max_lens,
             "methods": list(methods),
             "flop_convention": "forward 4*P*H*D (P = visible real pairs, causal exact), backward 2.5x forward",
             "torch": torch.__version__, "triton": __import__("triton").__version__,

@@ -183,6 +183,23 @@ def test_kernel_matches_reference_on_gpu(case):
     check_against_reference(case, "cuda", torch.bfloat16, tolerance=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("head_dim,activation", [(64, "softmax"), (128, "softmax"), (64, "silu")])
+def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, monkeypatch):
+    """Autotuning runs one config per shape, so each backward config is checked here, not only the winners."""
+    from kernels.triton import triton_jagged_attention as kernel
+
+    tuners = (kernel._dq_kernel, kernel._dkdv_kernel)
+    configs = [list(tuner.configs) for tuner in tuners]
+    case = Case(_long_tail(4, 16, 200, 1500), None, True, activation, 2, head_dim)
+    for round_ in range(max(map(len, configs))):
+        for tuner, options in zip(tuners, configs):
+            monkeypatch.setattr(tuner, "configs", [options[round_ % len(options)]])
+            monkeypatch.setattr(tuner, "cache", {})
+        check_against_reference(case, "cuda", torch.bfloat16, tolerance=2e-2)
+
+
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + len(ATOMIC_DQ_CASES) + 1)

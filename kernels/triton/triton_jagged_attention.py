@@ -71,10 +71,12 @@ if INTERPRETING:
 else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
     _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N",
                             _KV_BLOCKS)
-    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
-                           "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
-    _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)],
-                             "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    # Backward tiles of 128 rows at D=128 hold two fp32 accumulators near the 255-register limit: the narrow
+    # inner blocks (32) leave the scores fewer registers and the loads more pipeline stages.
+    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 32, 8, 4), (128, 128, 8, 2),
+                            (64, 128, 4, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
+                              (128, 32, 8, 3), (128, 32, 8, 4), (64, 32, 4, 4)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
 
 if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
     _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
