@@ -28,6 +28,7 @@ Run on a GPU: python -m benchmarks.jagged_attention [--quick]. Writes benchmarks
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
 
@@ -186,7 +187,9 @@ def tflops(flops: float, ms: float) -> float:
 
 
 def kernel_times(fn, reps: int = 5) -> dict[str, float]:
-    """Device milliseconds per call of each kernel `fn` launches, from the profiler (after one warm call)."""
+    """Device milliseconds per call of each kernel `fn` launches, from the profiler (after one warm call). A kernel
+    launched twice in a call is listed per launch ("name #2"), when every call launches the same kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -195,7 +198,19 @@ def kernel_times(fn, reps: int = 5) -> dict[str, float]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+    launches = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    per_call = len(launches) // reps
+    calls = [launches[i * per_call:(i + 1) * per_call] for i in range(reps)]
+    if not per_call or len(launches) % reps or any([e.name for e in c] != [e.name for e in calls[0]] for c in calls):
+        return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+    times: dict[str, float] = {}
+    for call in calls:
+        seen: collections.Counter = collections.Counter()
+        for e in call:
+            seen[e.name] += 1
+            name = e.name if seen[e.name] == 1 else f"{e.name} #{seen[e.name]}"
+            times[name] = times.get(name, 0.0) + e.time_range.elapsed_us() / reps / 1e3
+    return times
 
 
 def _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out) -> dict[str, float]:
@@ -228,9 +243,10 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
         d_out = torch.randn_like(q)
         scale = 1 / math.sqrt(dim)
         row = {"mix": mix, "max_len": max_len, "head_dim": dim, "causal": causal}
-        defaults = kernel.ATOMIC_DQ, kernel.TMA
-        for suffix, atomic, tma in [("", False, True), ("_pointer", False, False), ("_atomic_dq", True, True)]:
-            kernel.ATOMIC_DQ, kernel.TMA = atomic, tma
+        defaults = kernel.ATOMIC_DQ, kernel.TMA, kernel.SPLIT_DKDV
+        for suffix, atomic, tma, split in [("", False, True, False), ("_pointer", False, False, False),
+                                           ("_atomic_dq", True, True, False), ("_split_dkdv", False, True, True)]:
+            kernel.ATOMIC_DQ, kernel.TMA, kernel.SPLIT_DKDV = atomic, tma, split
             kernel.clear_tile_cache()
             built = kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)  # lists for this dq mode
             out, lse = kernel._forward(built, q, k, v)
@@ -240,12 +256,16 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
             if not atomic:
                 row[f"kernel_fwd{suffix}_ms"] = timed(lambda: kernel._forward(built, q, k, v))
             row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
-            if not suffix:  # the backward's share per kernel (delta, dk/dv, dq, the zero fills)
-                row["bwd_kernel_ms"] = kernel_times(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
+            if suffix in ("", "_split_dkdv"):  # the backward's share per kernel (delta, dk/dv, dq, the zero fills)
+                row[f"bwd{suffix}_kernel_ms"] = kernel_times(
+                    lambda: kernel._backward(built, q, k, v, out, lse, d_out))
+            if not suffix:
                 row["config_ms"] = {tuner.base_fn.__name__: _config_timings(tuner) for tuner in
                                     (kernel._forward_kernel, kernel._dkdv_kernel, kernel._dq_kernel)}
+        # The dk/dv configs picked for every key so far, the split passes' (DK, DV flags in the key) among them.
+        row["dkdv_chosen_configs"] = {str(key): _config_name(config) for key, config in kernel._dkdv_kernel.cache.items()}
         row["flex_fwd_bwd_kernel_ms"] = _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out)
-        kernel.ATOMIC_DQ, kernel.TMA = defaults
+        kernel.ATOMIC_DQ, kernel.TMA, kernel.SPLIT_DKDV = defaults
         print(row, flush=True)
         results.append(row)
     results_name = "jagged_attention_overhead" + "".join(f"_L{n}" for n in max_lens or ())
@@ -254,12 +274,13 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
 
 def _config_timings(tuner) -> dict[str, float]:
     """Median ms of every config the autotuner last benchmarked (this case's key: each case is a new key)."""
-    def name(config):
-        sizes = ", ".join(f"{k}={v}" for k, v in config.kwargs.items())
-        return f"{sizes}, warps={config.num_warps}, stages={config.num_stages}"
-
     timings = getattr(tuner, "configs_timings", None) or {}
-    return {name(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+    return {_config_name(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+
+
+def _config_name(config) -> str:
+    sizes = ", ".join(f"{k}={v}" for k, v in config.kwargs.items())
+    return f"{sizes}, warps={config.num_warps}, stages={config.num_stages}"
 
 
 def _source_commit() -> str:

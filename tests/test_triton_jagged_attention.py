@@ -130,17 +130,19 @@ def test_kernel_matches_reference_on_cpu_interpreter(case):
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
-# The backward that adds dq atomically from the dk/dv kernel, on a few of the CPU cases.
-ATOMIC_DQ_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
-                                                      "cross-causal-softmax", "self-mixed-d16-causal-silu")]
+# The other backward layouts on a few of the CPU cases: dq added atomically by the dk/dv kernel, and dk and dv
+# from two separate passes.
+OTHER_BACKWARD_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
+                                                           "cross-causal-softmax", "self-mixed-d16-causal-silu")]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("case", ATOMIC_DQ_CASES if INTERPRETING else [])
-def test_atomic_dq_matches_reference_on_cpu_interpreter(case, monkeypatch):
+@pytest.mark.parametrize("layout", ["ATOMIC_DQ", "SPLIT_DKDV"])
+@pytest.mark.parametrize("case", OTHER_BACKWARD_CASES if INTERPRETING else [])
+def test_other_backward_layouts_match_reference_on_cpu_interpreter(case, layout, monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
 
-    monkeypatch.setattr(kernel, "ATOMIC_DQ", True)
+    monkeypatch.setattr(kernel, layout, True)
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
@@ -185,10 +187,13 @@ def test_kernel_matches_reference_on_gpu(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("head_dim,activation", [(64, "softmax"), (128, "softmax"), (64, "silu")])
-def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, monkeypatch):
+@pytest.mark.parametrize("head_dim,activation,split", [(64, "softmax", False), (128, "softmax", False),
+                                                       (64, "silu", False), (128, "softmax", True)])
+def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, split, monkeypatch):
     """Autotuning runs one config per shape, so each backward config is checked here, not only the winners."""
     from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "SPLIT_DKDV", split)
 
     tuners = (kernel._dq_kernel, kernel._dkdv_kernel)
     configs = [list(tuner.configs) for tuner in tuners]
@@ -202,7 +207,7 @@ def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, mo
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + len(ATOMIC_DQ_CASES) + 1)
+    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(OTHER_BACKWARD_CASES) + 1)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter lets the kernel take CPU tensors")

@@ -95,6 +95,9 @@ ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
 # rows; otherwise, and with JAGGED_ATTENTION_TMA=0, pointer loads. The interpreter runs the descriptor
 # loads but not the reduce.
 TMA = os.environ.get("JAGGED_ATTENTION_TMA") != "0"
+# JAGGED_ATTENTION_SPLIT_DKDV=1: dk and dv from two passes over the key blocks (dv: S, P, P^T dO; dk: S, dP,
+# dS^T Q), each holding one fp32 accumulator instead of two: one matmul more per block pair, fewer registers.
+SPLIT_DKDV = os.environ.get("JAGGED_ATTENTION_SPLIT_DKDV") == "1"
 
 
 def _short_bench(kernel_call, quantiles):
@@ -511,7 +514,7 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q
                  dq_base, stride_qt, stride_dot, stride_dqt, cols, lo, hi, q_len, shift, scale, inv_len,
                  HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr, ADD_DQ: tl.constexpr,
-                 TMA: tl.constexpr, DQ_TMA: tl.constexpr):
+                 TMA: tl.constexpr, DQ_TMA: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
     # Rows past q_len get an empty-row logsumexp, so (softmax) their probabilities are 0 without a mask. Through
     # pointers they also load as zeros; through TMA they hold the next sequence's queries, which SiLU must mask.
     for m0 in range(lo, hi, BLOCK_M):
@@ -520,33 +523,41 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q
         q = _load_block(q_desc, q_base, m0, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M, True, TMA)
         do = _load_block(do_desc, do_base, m0, q_row, do_col, stride_dot, q_len, VALUE_DIM, DV_PAD, BLOCK_M, True, TMA)
         s_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
-        dp_t = tl.dot(v, tl.trans(do))
+        if DK:
+            dp_t = tl.dot(v, tl.trans(do))
         if MASKED:
             visible = cols[:, None] <= rows[None, :] + shift
         if SILU:
             x = s_t * scale
             sig = tl.sigmoid(x)
-            w_t = x * sig * inv_len
-            ds_t = dp_t * sig * (1.0 + x * (1.0 - sig)) * inv_len
             if MASKED or TMA:
                 keep = row_ok[None, :]
                 if MASKED:
                     keep = keep & visible
                 keep = keep.to(tl.float32)
-                w_t = w_t * keep
-                ds_t = ds_t * keep
-            dv = tl.dot(w_t.to(do.dtype), do, dv)
+            if DV:
+                w_t = x * sig * inv_len
+                if MASKED or TMA:
+                    w_t = w_t * keep
+                dv = tl.dot(w_t.to(do.dtype), do, dv)
+            if DK:
+                ds_t = dp_t * sig * (1.0 + x * (1.0 - sig)) * inv_len
+                if MASKED or TMA:
+                    ds_t = ds_t * keep
         else:
             lse = tl.load(lse_base + rows, mask=row_ok, other=_EMPTY_ROW_LSE)
-            delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
             s_t = s_t * (scale * _LOG2E)
             if MASKED:
                 s_t = s_t + tl.where(visible, 0.0, _NEG_LARGE)
             p_t = tl.exp2(s_t - lse[None, :])
-            dv = tl.dot(p_t.to(do.dtype), do, dv)
-            ds_t = p_t * (dp_t - delta[None, :])
-        ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q, dk)
+            if DV:
+                dv = tl.dot(p_t.to(do.dtype), do, dv)
+            if DK:
+                delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+                ds_t = p_t * (dp_t - delta[None, :])
+        if DK:
+            ds_t = ds_t.to(q.dtype)
+            dk = tl.dot(ds_t, q, dk)
         if ADD_DQ:
             # dS^T K of this key block, added to the query rows' fp32 sums: five matmuls per block pair
             # instead of seven with a separate dq pass that recomputes S and dP.
@@ -563,7 +574,7 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA"], do_bench=_short_bench,
+@triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA", "DK", "DV"], do_bench=_short_bench,
                  reset_to_zero=["dq_ptr"])
 @triton.jit
 def _dkdv_kernel(
@@ -572,7 +583,7 @@ def _dkdv_kernel(
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
     num_heads, scale, length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, ADD_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DQ_TMA: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16) + 1) * num_heads
@@ -599,15 +610,17 @@ def _dkdv_kernel(
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, head * HEAD_DIM, head * VALUE_DIM, q_base,
                               do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt, cols, lo,
                               unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, True,
-                              SILU, ADD_DQ, TMA, DQ_TMA)
+                              SILU, ADD_DQ, TMA, DQ_TMA, DK, DV)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, head * HEAD_DIM, head * VALUE_DIM, q_base,
                               do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt, cols, unmasked,
                               q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, False,
-                              SILU, ADD_DQ, TMA, DQ_TMA)
-        _store_rows(dk_ptr + kv_start * stride_dkt + head * stride_dkh, (dk * scale).to(dk_ptr.dtype.element_ty),
-                    cols, stride_dkt, col_ok, HEAD_DIM, D_PAD)
-        _store_rows(dv_ptr + kv_start * stride_dvt + head * stride_dvh, dv.to(dv_ptr.dtype.element_ty), cols,
-                    stride_dvt, col_ok, VALUE_DIM, DV_PAD)
+                              SILU, ADD_DQ, TMA, DQ_TMA, DK, DV)
+        if DK:
+            _store_rows(dk_ptr + kv_start * stride_dkt + head * stride_dkh, (dk * scale).to(dk_ptr.dtype.element_ty),
+                        cols, stride_dkt, col_ok, HEAD_DIM, D_PAD)
+        if DV:
+            _store_rows(dv_ptr + kv_start * stride_dvt + head * stride_dvh, dv.to(dv_ptr.dtype.element_ty), cols,
+                        stride_dvt, col_ok, VALUE_DIM, DV_PAD)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -722,13 +735,15 @@ def _backward(p: _Problem, q, k, v, out, lse, d_out):
     dq_tma = atomic and tma and not INTERPRETING  # the interpreter has no descriptor reduce
     table = p.table
     # dk/dv first: autotuning it zeroes dq (reset_to_zero), which the separate dq kernel then writes.
-    _dkdv_kernel[_persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device)](
-        q, k, v, d_out, _descriptor(q, tma), _descriptor(d_out, tma), lse, delta, dk, dv, dq,
-        _descriptor(dq, dq_tma), p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
-        d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
-        p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma, **p.constexprs(),
-    )
+    for dk_part, dv_part in ((True, False), (False, True)) if SPLIT_DKDV and not atomic else ((True, True),):
+        _dkdv_kernel[_persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device)](
+            q, k, v, d_out, _descriptor(q, tma), _descriptor(d_out, tma), lse, delta, dk, dv, dq,
+            _descriptor(dq, dq_tma), p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
+            d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
+            p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma, DK=dk_part,
+            DV=dv_part, **p.constexprs(),
+        )
     if not atomic:
         _dq_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
             q, k, v, _descriptor(k, tma), _descriptor(v, tma), d_out, lse, delta, dq, p.q_offsets, p.kv_offsets,
