@@ -243,10 +243,9 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
         d_out = torch.randn_like(q)
         scale = 1 / math.sqrt(dim)
         row = {"mix": mix, "max_len": max_len, "head_dim": dim, "causal": causal}
-        defaults = kernel.ATOMIC_DQ, kernel.TMA, kernel.SPLIT_DKDV
-        for suffix, atomic, tma, split in [("", False, True, False), ("_pointer", False, False, False),
-                                           ("_atomic_dq", True, True, False), ("_split_dkdv", False, True, True)]:
-            kernel.ATOMIC_DQ, kernel.TMA, kernel.SPLIT_DKDV = atomic, tma, split
+        defaults = kernel.ATOMIC_DQ, kernel.TMA
+        for suffix, atomic, tma in [("", False, True), ("_pointer", False, False), ("_atomic_dq", True, True)]:
+            kernel.ATOMIC_DQ, kernel.TMA = atomic, tma
             kernel.clear_tile_cache()
             built = kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)  # lists for this dq mode
             out, lse = kernel._forward(built, q, k, v)
@@ -256,16 +255,12 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
             if not atomic:
                 row[f"kernel_fwd{suffix}_ms"] = timed(lambda: kernel._forward(built, q, k, v))
             row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
-            if suffix in ("", "_split_dkdv"):  # the backward's share per kernel (delta, dk/dv, dq, the zero fills)
-                row[f"bwd{suffix}_kernel_ms"] = kernel_times(
-                    lambda: kernel._backward(built, q, k, v, out, lse, d_out))
-            if not suffix:
+            if not suffix:  # the backward's share per kernel (delta, dk/dv, dq, the zero fills), every config's time
+                row["bwd_kernel_ms"] = kernel_times(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
                 row["config_ms"] = {tuner.base_fn.__name__: _config_timings(tuner) for tuner in
                                     (kernel._forward_kernel, kernel._dkdv_kernel, kernel._dq_kernel)}
-        # The dk/dv configs picked for every key so far, the split passes' (DK, DV flags in the key) among them.
-        row["dkdv_chosen_configs"] = {str(key): _config_name(config) for key, config in kernel._dkdv_kernel.cache.items()}
         row["flex_fwd_bwd_kernel_ms"] = _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out)
-        kernel.ATOMIC_DQ, kernel.TMA, kernel.SPLIT_DKDV = defaults
+        kernel.ATOMIC_DQ, kernel.TMA = defaults
         print(row, flush=True)
         results.append(row)
     results_name = "jagged_attention_overhead" + "".join(f"_L{n}" for n in max_lens or ())

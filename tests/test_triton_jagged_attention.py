@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
 
 from kernels.jagged_attention import available_backends, jagged_attention
 from tests.triton_interpreter import run_interpreter_cases
@@ -130,19 +131,26 @@ def test_kernel_matches_reference_on_cpu_interpreter(case):
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
-# The other backward layouts on a few of the CPU cases: dq added atomically by the dk/dv kernel, and dk and dv
-# from two separate passes.
+# The other backward layouts on a few of the CPU cases: dq added atomically by the dk/dv kernel, and the dk/dv
+# kernel's hand-pipelined loop (a config option, so the one interpreter config is swapped for its pipelined twin).
 OTHER_BACKWARD_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
                                                            "cross-causal-softmax", "self-mixed-d16-causal-silu")]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("layout", ["ATOMIC_DQ", "SPLIT_DKDV"])
+@pytest.mark.parametrize("layout", ["atomic_dq", "pipelined"])
 @pytest.mark.parametrize("case", OTHER_BACKWARD_CASES if INTERPRETING else [])
 def test_other_backward_layouts_match_reference_on_cpu_interpreter(case, layout, monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
 
-    monkeypatch.setattr(kernel, layout, True)
+    if layout == "atomic_dq":
+        monkeypatch.setattr(kernel, "ATOMIC_DQ", True)
+    else:
+        (plain,) = kernel._dkdv_kernel.configs
+        pipelined = triton.Config({**plain.kwargs, "PIPELINED": True}, num_warps=plain.num_warps,
+                                  num_stages=plain.num_stages, pre_hook=plain.pre_hook)
+        monkeypatch.setattr(kernel._dkdv_kernel, "configs", [pipelined])
+        monkeypatch.setattr(kernel._dkdv_kernel, "cache", {})
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
@@ -187,13 +195,10 @@ def test_kernel_matches_reference_on_gpu(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("head_dim,activation,split", [(64, "softmax", False), (128, "softmax", False),
-                                                       (64, "silu", False), (128, "softmax", True)])
-def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, split, monkeypatch):
+@pytest.mark.parametrize("head_dim,activation", [(64, "softmax"), (128, "softmax"), (64, "silu")])
+def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, monkeypatch):
     """Autotuning runs one config per shape, so each backward config is checked here, not only the winners."""
     from kernels.triton import triton_jagged_attention as kernel
-
-    monkeypatch.setattr(kernel, "SPLIT_DKDV", split)
 
     tuners = (kernel._dq_kernel, kernel._dkdv_kernel)
     configs = [list(tuner.configs) for tuner in tuners]

@@ -8,7 +8,8 @@ round-robin over (tile, head) items, so short sequences cost neither launches no
 forward keeps an online softmax in fp32 and saves the base-2 logsumexp; the backward computes
 delta = rowsum(dO * O) in one small kernel, then recomputes the scores in two kernels without atomics:
 one per key block (dk, dv), one per query block (dq) (or, with JAGGED_ATTENTION_ATOMIC_DQ=1, the first
-also adds dq in fp32, one TMA reduce per block on Hopper, and the second is skipped). Key blocks that
+also adds dq in fp32, one TMA reduce per block on Hopper, and the second is skipped); the dk/dv loop may also
+run software-pipelined by hand (a config option, autotuned). Key blocks that
 causality rules out are never visited, and blocks that need no mask skip the masking arithmetic. With
 power-of-two head dims the inner loops read their blocks through tensor descriptors (TMA), which keeps
 per-element addresses out of the registers.
@@ -41,10 +42,10 @@ EMPTY_ROW_LSE = 1.0e30
 PROGRAMS_PER_SM = 4
 
 
-def _configs(shapes: list[tuple[int, int, int, int]], tile_name: str, inner_name: str,
-             pre_hook=None) -> list[triton.Config]:
-    return [triton.Config({tile_name: t, inner_name: i}, num_warps=w, num_stages=s, pre_hook=pre_hook)
-            for t, i, w, s in shapes]
+def _configs(shapes: list[tuple], tile_name: str, inner_name: str, pre_hook=None) -> list[triton.Config]:
+    """Configs from (tile block, inner block, warps, stages[, extra constexprs])."""
+    return [triton.Config({tile_name: t, inner_name: i, **(extra[0] if extra else {})}, num_warps=w, num_stages=s,
+                          pre_hook=pre_hook) for t, i, w, s, *extra in shapes]
 
 
 def _block_shapes(*descriptors: tuple[str, str, str]):
@@ -62,26 +63,36 @@ _KV_BLOCKS = _block_shapes(("k_desc", "BLOCK_N", "D_PAD"), ("v_desc", "BLOCK_N",
 _Q_BLOCKS = _block_shapes(("q_desc", "BLOCK_M", "D_PAD"), ("do_desc", "BLOCK_M", "DV_PAD"), ("dq_desc", "BLOCK_M", "D_PAD"))
 
 
+_PLAIN, _PIPELINED = {"PIPELINED": False}, {"PIPELINED": True}
+
 # (tile block, inner block, warps, stages). Under the interpreter one small config keeps tests fast and
 # still spreads a sequence over several blocks.
 if INTERPRETING:
     _FWD_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DQ_CONFIGS = _configs([(32, 16, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
-    _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    _DKDV_CONFIGS = _configs([(16, 32, 4, 1, _PLAIN)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
 else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
     _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N",
                             _KV_BLOCKS)
-    # Backward tiles of 128 rows at D=128 hold two fp32 accumulators near the 255-register limit: the narrow
-    # inner blocks (32) leave the scores fewer registers and the loads more pipeline stages.
-    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 32, 8, 4), (128, 128, 8, 2),
-                            (64, 128, 4, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
-    _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                              (128, 32, 8, 3), (128, 32, 8, 4), (64, 32, 4, 4)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
+                           "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    # The hand-pipelined loop (see _dkdv_blocks_pipelined) holds one more score block: it wins where registers are
+    # left for it (D=64 on the H200), and spills at D=128, where the plain loop wins.
+    _DKDV_CONFIGS = _configs([(128, 64, 8, 3, _PLAIN), (64, 64, 8, 3, _PLAIN), (64, 64, 4, 3, _PLAIN),
+                              (128, 64, 8, 2, _PLAIN), (128, 128, 8, 2, _PLAIN), (64, 64, 4, 3, _PIPELINED),
+                              (128, 64, 8, 3, _PIPELINED)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
 
 if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
     _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
 
 _AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU", "TMA"]
+
+
+def _prune_pipelined(configs, named_args, **kwargs):
+    """The pipelined dk/dv loop is for softmax without atomic dq; elsewhere its configs repeat the plain ones."""
+    if kwargs.get("SILU") or kwargs.get("ADD_DQ"):
+        return [c for c in configs if not c.kwargs.get("PIPELINED")]
+    return configs
 
 # JAGGED_ATTENTION_ATOMIC_DQ=1: the dk/dv kernel also adds dS^T K into an fp32 dq with atomics
 # (FlashAttention-2's split: five matmuls per block pair instead of seven, sums in a run-dependent
@@ -95,9 +106,6 @@ ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
 # rows; otherwise, and with JAGGED_ATTENTION_TMA=0, pointer loads. The interpreter runs the descriptor
 # loads but not the reduce.
 TMA = os.environ.get("JAGGED_ATTENTION_TMA") != "0"
-# JAGGED_ATTENTION_SPLIT_DKDV=1: dk and dv from two passes over the key blocks (dv: S, P, P^T dO; dk: S, dP,
-# dS^T Q), each holding one fp32 accumulator instead of two: one matmul more per block pair, fewer registers.
-SPLIT_DKDV = os.environ.get("JAGGED_ATTENTION_SPLIT_DKDV") == "1"
 
 
 def _short_bench(kernel_call, quantiles):
@@ -514,7 +522,7 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q
                  dq_base, stride_qt, stride_dot, stride_dqt, cols, lo, hi, q_len, shift, scale, inv_len,
                  HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr, ADD_DQ: tl.constexpr,
-                 TMA: tl.constexpr, DQ_TMA: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+                 TMA: tl.constexpr, DQ_TMA: tl.constexpr):
     # Rows past q_len get an empty-row logsumexp, so (softmax) their probabilities are 0 without a mask. Through
     # pointers they also load as zeros; through TMA they hold the next sequence's queries, which SiLU must mask.
     for m0 in range(lo, hi, BLOCK_M):
@@ -523,41 +531,33 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q
         q = _load_block(q_desc, q_base, m0, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M, True, TMA)
         do = _load_block(do_desc, do_base, m0, q_row, do_col, stride_dot, q_len, VALUE_DIM, DV_PAD, BLOCK_M, True, TMA)
         s_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
-        if DK:
-            dp_t = tl.dot(v, tl.trans(do))
+        dp_t = tl.dot(v, tl.trans(do))
         if MASKED:
             visible = cols[:, None] <= rows[None, :] + shift
         if SILU:
             x = s_t * scale
             sig = tl.sigmoid(x)
+            w_t = x * sig * inv_len
+            ds_t = dp_t * sig * (1.0 + x * (1.0 - sig)) * inv_len
             if MASKED or TMA:
                 keep = row_ok[None, :]
                 if MASKED:
                     keep = keep & visible
                 keep = keep.to(tl.float32)
-            if DV:
-                w_t = x * sig * inv_len
-                if MASKED or TMA:
-                    w_t = w_t * keep
-                dv = tl.dot(w_t.to(do.dtype), do, dv)
-            if DK:
-                ds_t = dp_t * sig * (1.0 + x * (1.0 - sig)) * inv_len
-                if MASKED or TMA:
-                    ds_t = ds_t * keep
+                w_t = w_t * keep
+                ds_t = ds_t * keep
+            dv = tl.dot(w_t.to(do.dtype), do, dv)
         else:
             lse = tl.load(lse_base + rows, mask=row_ok, other=_EMPTY_ROW_LSE)
+            delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
             s_t = s_t * (scale * _LOG2E)
             if MASKED:
                 s_t = s_t + tl.where(visible, 0.0, _NEG_LARGE)
             p_t = tl.exp2(s_t - lse[None, :])
-            if DV:
-                dv = tl.dot(p_t.to(do.dtype), do, dv)
-            if DK:
-                delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-                ds_t = p_t * (dp_t - delta[None, :])
-        if DK:
-            ds_t = ds_t.to(q.dtype)
-            dk = tl.dot(ds_t, q, dk)
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
+            ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = ds_t.to(q.dtype)
+        dk = tl.dot(ds_t, q, dk)
         if ADD_DQ:
             # dS^T K of this key block, added to the query rows' fp32 sums: five matmuls per block pair
             # instead of seven with a separate dq pass that recomputes S and dP.
@@ -574,7 +574,40 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA", "DK", "DV"], do_bench=_short_bench,
+@triton.jit
+def _dkdv_blocks_pipelined(dk, dv, k, v, q_desc, do_desc, q_row, q_col, do_col, q_base, do_base, lse_base, delta_base,
+                           stride_qt, stride_dot, lo, hi, q_len, scale, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                           D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr):
+    """The unmasked softmax range of _dkdv_blocks, software-pipelined by hand: Triton waits for a product that does
+    not accumulate right after issuing it, so arithmetic overlaps only the accumulating dV and dK products. Here
+    dS of block i runs under block i's dV product, and block i+1's exponentials under block i's dK product. The
+    last iteration's look-ahead reads the block past `hi` and is discarded."""
+    if lo < hi:
+        rows = lo + tl.arange(0, BLOCK_M)
+        q = _load_block(q_desc, q_base, lo, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M, True, TMA)
+        lse = tl.load(lse_base + rows, mask=rows < q_len, other=_EMPTY_ROW_LSE)
+        p_t = tl.exp2(tl.dot(k, tl.trans(q)) * (scale * _LOG2E) - lse[None, :])
+        for m0 in range(lo, hi, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            q = _load_block(q_desc, q_base, m0, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M, True, TMA)
+            do = _load_block(do_desc, do_base, m0, q_row, do_col, stride_dot, q_len, VALUE_DIM, DV_PAD, BLOCK_M, True,
+                             TMA)
+            dp_t = tl.dot(v, tl.trans(do))
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
+            delta = tl.load(delta_base + rows, mask=rows < q_len, other=0.0)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+            next_rows = rows + BLOCK_M
+            q_next = _load_block(q_desc, q_base, m0 + BLOCK_M, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M,
+                                 True, TMA)
+            lse = tl.load(lse_base + next_rows, mask=next_rows < q_len, other=_EMPTY_ROW_LSE)
+            s_next = tl.dot(k, tl.trans(q_next))
+            dk = tl.dot(ds_t, q, dk)
+            p_t = tl.exp2(s_next * (scale * _LOG2E) - lse[None, :])
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA"], do_bench=_short_bench,
+                 prune_configs_by={"early_config_prune": _prune_pipelined},
                  reset_to_zero=["dq_ptr"])
 @triton.jit
 def _dkdv_kernel(
@@ -583,7 +616,7 @@ def _dkdv_kernel(
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
     num_heads, scale, length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, ADD_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINED: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16) + 1) * num_heads
@@ -610,17 +643,20 @@ def _dkdv_kernel(
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, head * HEAD_DIM, head * VALUE_DIM, q_base,
                               do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt, cols, lo,
                               unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, True,
-                              SILU, ADD_DQ, TMA, DQ_TMA, DK, DV)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, head * HEAD_DIM, head * VALUE_DIM, q_base,
-                              do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt, cols, unmasked,
-                              q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, False,
-                              SILU, ADD_DQ, TMA, DQ_TMA, DK, DV)
-        if DK:
-            _store_rows(dk_ptr + kv_start * stride_dkt + head * stride_dkh, (dk * scale).to(dk_ptr.dtype.element_ty),
-                        cols, stride_dkt, col_ok, HEAD_DIM, D_PAD)
-        if DV:
-            _store_rows(dv_ptr + kv_start * stride_dvt + head * stride_dvh, dv.to(dv_ptr.dtype.element_ty), cols,
-                        stride_dvt, col_ok, VALUE_DIM, DV_PAD)
+                              SILU, ADD_DQ, TMA, DQ_TMA)
+        if PIPELINED and not SILU and not ADD_DQ:
+            dk, dv = _dkdv_blocks_pipelined(dk, dv, k, v, q_desc, do_desc, q_row, head * HEAD_DIM, head * VALUE_DIM,
+                                            q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, unmasked,
+                                            q_len, q_len, scale, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, TMA)
+        else:
+            dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, head * HEAD_DIM, head * VALUE_DIM,
+                                  q_base, do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt, cols,
+                                  unmasked, q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
+                                  BLOCK_M, False, SILU, ADD_DQ, TMA, DQ_TMA)
+        _store_rows(dk_ptr + kv_start * stride_dkt + head * stride_dkh, (dk * scale).to(dk_ptr.dtype.element_ty),
+                    cols, stride_dkt, col_ok, HEAD_DIM, D_PAD)
+        _store_rows(dv_ptr + kv_start * stride_dvt + head * stride_dvh, dv.to(dv_ptr.dtype.element_ty), cols,
+                    stride_dvt, col_ok, VALUE_DIM, DV_PAD)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -735,15 +771,13 @@ def _backward(p: _Problem, q, k, v, out, lse, d_out):
     dq_tma = atomic and tma and not INTERPRETING  # the interpreter has no descriptor reduce
     table = p.table
     # dk/dv first: autotuning it zeroes dq (reset_to_zero), which the separate dq kernel then writes.
-    for dk_part, dv_part in ((True, False), (False, True)) if SPLIT_DKDV and not atomic else ((True, True),):
-        _dkdv_kernel[_persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device)](
-            q, k, v, d_out, _descriptor(q, tma), _descriptor(d_out, tma), lse, delta, dk, dv, dq,
-            _descriptor(dq, dq_tma), p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
-            d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
-            p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma, DK=dk_part,
-            DV=dv_part, **p.constexprs(),
-        )
+    _dkdv_kernel[_persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device)](
+        q, k, v, d_out, _descriptor(q, tma), _descriptor(d_out, tma), lse, delta, dk, dv, dq,
+        _descriptor(dq, dq_tma), p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
+        d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
+        p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma, **p.constexprs(),
+    )
     if not atomic:
         _dq_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
             q, k, v, _descriptor(k, tma), _descriptor(v, tma), d_out, lse, delta, dq, p.q_offsets, p.kv_offsets,
