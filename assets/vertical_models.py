@@ -26,6 +26,10 @@ class VerticalModelsConfig(StudentTrainingConfig):
     mode: str = Field("hierarchical", description="hierarchical (GEM -> domain FM -> VM), direct (GEM -> VM) or alone.")
     registered_model_prefix: str = Field("vertical", description="Each model registers as <prefix>_<domain>_<objective>.")
     ne_tolerance: float = Field(0.0, description="A challenger is not worse when its NE <= the champion's + this (negative: it must improve by that much).")
+    ne_standard_errors: float = Field(
+        1.645, description="Standard errors of the paired NE difference (challenger minus champion, same examples) "
+                           "allowed on top of ne_tolerance: 1.645 keeps a challenger out only when it is worse at 95% "
+                           "one-sided confidence; 0 keeps out any excess, however small the sample.")
     promotion_max_examples: int = Field(20_000, description="Eval examples per domain on which challenger and champion are compared.")
 
 
@@ -55,7 +59,8 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
     student_days = read_predictions(predictions_path(lake, day)).teacher["student_days"]
     window = TransferWindows(student_days=student_days)
     settings = VerticalSettings(**config.student_settings(), mode=config.mode, prefix=config.registered_model_prefix,
-                                ne_tolerance=config.ne_tolerance, promotion_max_examples=config.promotion_max_examples,
+                                ne_tolerance=config.ne_tolerance, ne_standard_errors=config.ne_standard_errors,
+                                promotion_max_examples=config.promotion_max_examples,
                                 seed=config.seed)
     models, decisions = {}, []
     with mlflow.asset_run(context) as run:

@@ -76,7 +76,8 @@ def failed_checks(result) -> list[str]:
         lines.append(f"  check {check.asset_key.to_user_string()}:{check.check_name} did not pass: {reported}")
         if check.check_name == "challengers_not_worse_than_champions":
             lines.append("  The champions stay registered. To accept challengers up to a margin, set "
-                         "ops.vertical_models.config.ne_tolerance in --config; to start over, use a fresh "
+                         "ops.vertical_models.config.ne_tolerance (or ne_standard_errors) in --config; to start "
+                         "over, use a fresh "
                          "DAGSTER_HOME, lake (GEM_LAKE_DIR) and MLflow store (MLFLOW_TRACKING_URI).")
     return lines
 

@@ -34,9 +34,26 @@ def test_better_predictions_lower_ne_and_overprediction_shows_in_calibration():
     assert high["calibration"] == pytest.approx(2.0)
 
 
+def test_auc_standard_error_matches_the_bootstrap():
+    """DeLong's standard error against the spread of the AUC over bootstrap resamples of the same examples, on a
+    large sample and on a tenth of it (a few positives)."""
+    g = torch.Generator().manual_seed(0)
+    labels = (torch.rand(3000, generator=g) < 0.05).double()
+    logits = labels + torch.randn(3000, generator=g, dtype=torch.float64)  # informative: AUC near 0.78
+    for n in (3000, 300):
+        q = binary_quality(logits[:n], labels[:n])
+        boot = []
+        for _ in range(400):
+            i = torch.randint(0, n, (n,), generator=g)
+            boot.append(binary_quality(logits[i], labels[i])["auc"])
+        assert q["positives"] == labels[:n].sum().item()
+        assert q["auc_stderr"] == pytest.approx(torch.tensor(boot).std().item(), rel=0.15), n
+
+
 def test_undefined_metrics_are_nan():
     q = binary_quality(torch.tensor([0.1, 0.2]), torch.tensor([0.0, 0.0]))
     assert math.isnan(q["auc"]) and math.isnan(q["ne"]) and math.isnan(q["calibration"])
+    assert math.isnan(q["auc_stderr"]) and q["positives"] == 0
     assert binary_quality(torch.tensor([]), torch.tensor([]))["count"] == 0
 
 

@@ -19,9 +19,11 @@ from gem_ops.train.optimizer import build_optimizer, split_parameters
 from gem_ops.transfer import windows
 from gem_ops.transfer.adapter import adapt, fit_adapter
 from gem_ops.transfer.config import TransferConfig, TransferWindows
-from gem_ops.transfer.knowledge import TeacherJoinedLogs, read_predictions, score_examples, write_predictions
+from gem_ops.transfer.knowledge import (TeacherJoinedLogs, predictions_quality, read_predictions, score_examples,
+                                       write_predictions)
 from gem_ops.transfer.registry import (CHALLENGER, CHAMPION, TEACHER_NAME, TEACHER_VERSION, current_version,
-                                       lineage_tags, model_identity, promote_if_not_worse, register_student)
+                                       lineage_tags, model_identity, paired_ne_delta, promote_if_not_worse,
+                                       register_student)
 from gem_ops.transfer.sharing import embedding_tables, share_tables, sharing_config
 from gem_ops.transfer.student import Teacher, prediction_report, student_config, train_student, write_student_plan
 from tests.training_data import learnable_data
@@ -237,9 +239,37 @@ def test_promotion_keeps_out_a_worse_challenger_and_records_lineage(logs, stale_
     second = promote_if_not_worse(client, name, logs, held_out, "click", bad)
     assert not second.promoted and second.champion_version == good
     assert second.challenger["ne"] > second.champion["ne"]
+    assert second.ne_delta == pytest.approx(second.challenger["ne"] - second.champion["ne"], rel=1e-6)
+    # Far worse than the sample's noise: kept out with the default allowance of 1.645 standard errors too.
+    assert second.ne_delta > 1.645 * second.ne_delta_stderr
+    assert not promote_if_not_worse(client, name, logs, held_out, "click", bad, ne_standard_errors=1.645).promoted
     assert current_version(client, name, CHAMPION) == good and current_version(client, name, CHALLENGER) == bad
     recorded = client.get_model_version(name, bad).tags
     assert recorded["promotion.decision"] == "kept_out"
+    assert float(recorded["promotion.ne_delta"]) == pytest.approx(second.ne_delta, abs=1e-6)  # tags keep 6 decimals
+    assert float(recorded["promotion.ne_delta_stderr"]) == pytest.approx(second.ne_delta_stderr, abs=1e-6)
     assert float(recorded["promotion.champion_ne"]) == pytest.approx(second.champion["ne"], rel=1e-5)
     assert recorded[TEACHER_NAME] == "teacher_test" and recorded[TEACHER_VERSION] == "1"
     assert recorded["transfer.mode"] == "direct"
+
+
+def test_paired_ne_delta_is_the_ne_difference_with_its_paired_standard_error(logs, stale_teacher):
+    """Scored on the same examples, the difference of two models' NE is the mean of per-example differences, and
+    their spread gives its standard error: a change at the noise level stays within a few standard errors, a
+    real degradation lies far outside, and identical predictions differ by exactly nothing."""
+    champion, held_out = stale_teacher.predictions, windows.eval_examples(logs)
+    noise = np.random.default_rng(0).normal(size=champion.logits.shape).astype(np.float32)
+    jittered = champion.with_logits(champion.logits + 0.01 * noise)
+    uninformed = champion.with_logits(np.zeros_like(champion.logits))  # p = 0.5 everywhere
+
+    def ne(predictions):
+        return predictions_quality(logs, predictions, held_out, ("click",))["all/click"]["ne"]
+
+    for challenger in (jittered, uninformed):
+        delta, stderr = paired_ne_delta(logs, challenger, champion, held_out, "click")
+        assert delta == pytest.approx(ne(challenger) - ne(champion), rel=1e-6, abs=1e-9) and stderr > 0
+    delta, stderr = paired_ne_delta(logs, jittered, champion, held_out, "click")
+    assert abs(delta) < 3 * stderr
+    delta, stderr = paired_ne_delta(logs, uninformed, champion, held_out, "click")
+    assert delta > 10 * stderr
+    assert paired_ne_delta(logs, champion, champion, held_out, "click") == (0.0, 0.0)

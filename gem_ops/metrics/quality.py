@@ -2,7 +2,9 @@
 
 NE (He et al., "Practical Lessons from Predicting Clicks on Ads at Facebook") is the mean log loss
 divided by the entropy of the labels' base rate: 1.0 is no better than always predicting the base
-rate; lower is better. Calibration is mean prediction over mean label: 1.0 is calibrated.
+rate; lower is better. Calibration is mean prediction over mean label: 1.0 is calibrated. The AUC's
+standard error (DeLong et al., Biometrics 1988) and the count of positives say how far a figure can be
+trusted: an AUC from a handful of positives is mostly noise.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torchmetrics.functional.classification import binary_auroc
 
-METRICS = ("auc", "ne", "calibration", "log_loss", "count", "positive_rate")
+METRICS = ("auc", "auc_stderr", "ne", "calibration", "log_loss", "count", "positives", "positive_rate")
 
 
 def binary_quality(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -22,19 +25,40 @@ def binary_quality(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
     logits, labels = logits.double().flatten(), labels.double().flatten()
     n = labels.numel()
     if n == 0:
-        return {name: (0.0 if name == "count" else math.nan) for name in METRICS}
+        return {name: (0.0 if name in ("count", "positives") else math.nan) for name in METRICS}
     p = labels.mean().item()
+    positives = labels.sum().item()
     log_loss = F.binary_cross_entropy_with_logits(logits, labels).item()
     base_entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p)) if 0 < p < 1 else math.nan
     both_classes = 0 < p < 1
     return {
         "auc": binary_auroc(torch.sigmoid(logits), labels.long()).item() if both_classes else math.nan,
+        "auc_stderr": auc_stderr(logits, labels) if both_classes else math.nan,
         "ne": log_loss / base_entropy if both_classes else math.nan,
         "calibration": torch.sigmoid(logits).mean().item() / p if p > 0 else math.nan,
         "log_loss": log_loss,
         "count": float(n),
+        "positives": positives,
         "positive_rate": p,
     }
+
+
+def auc_stderr(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """DeLong's standard error of the AUC (both classes present): from each positive's share of negatives
+    ranked below it and each negative's share of positives ranked above it, ties counting half."""
+    scores, positive = scores.double().cpu().numpy(), labels.cpu().numpy() > 0.5
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    overall = _midranks(scores)
+    below = (overall[positive] - _midranks(scores[positive])) / n_neg  # per positive
+    above = 1.0 - (overall[~positive] - _midranks(scores[~positive])) / n_pos  # per negative
+    variance = (below.var(ddof=1) / n_pos if n_pos > 1 else 0.0) + (above.var(ddof=1) / n_neg if n_neg > 1 else 0.0)
+    return math.sqrt(variance)
+
+
+def _midranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, tied values sharing the mean of their ranks."""
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    return (np.cumsum(counts) - (counts - 1) / 2.0)[inverse]
 
 
 def quality_report(

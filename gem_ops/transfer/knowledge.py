@@ -53,6 +53,16 @@ class TeacherPredictions:
         return replace(self, logits=np.asarray(logits, dtype=np.float32))
 
 
+def prediction_rows(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray) -> np.ndarray:
+    """The rows of `predictions` holding the logs' examples `indices`, in that order."""
+    position = np.full(len(logs), -1, dtype=np.int64)
+    position[predictions.example_index] = np.arange(len(predictions))
+    rows = position[np.asarray(indices, dtype=np.int64)]
+    if (rows < 0).any():
+        raise ValueError(f"the predictions do not cover {int((rows < 0).sum())} of the examples to report on")
+    return rows
+
+
 def predictions_quality(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray,
                         tasks: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """Quality (per domain and task, and over all) of stored predictions on `indices`, rows of the logs'
@@ -62,11 +72,7 @@ def predictions_quality(logs: SequenceLogs, predictions: TeacherPredictions, ind
     if missing:
         raise ValueError(f"tasks {missing} are not objectives of both the predictions {list(predictions.objectives)} "
                          f"and the data {list(spec.objectives)}")
-    position = np.full(len(logs), -1, dtype=np.int64)
-    position[predictions.example_index] = np.arange(len(predictions))
-    rows = position[np.asarray(indices, dtype=np.int64)]
-    if (rows < 0).any():
-        raise ValueError(f"the predictions do not cover {int((rows < 0).sum())} of the examples to report on")
+    rows = prediction_rows(logs, predictions, indices)
     logits = predictions.logits[rows][:, [predictions.objectives.index(t) for t in tasks]]
     columns = [spec.objectives.index(t) for t in tasks]
     batch = logs.batch(indices, max_history_len=0)

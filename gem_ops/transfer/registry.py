@@ -15,9 +15,11 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gem_ops.data.loader import SequenceLogs
+from gem_ops.model.config import FeatureSpec
 from gem_ops.model.gem import GEMModel
 from gem_ops.train.loop import model_from_state
-from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions, predictions_quality, score_examples
+from gem_ops.transfer.knowledge import (TeacherJoinedLogs, TeacherPredictions, prediction_rows, predictions_quality,
+                                       score_examples)
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 TEACHER_NAME, TEACHER_VERSION, TEACHER_KIND = "teacher.model_name", "teacher.model_version", "teacher.kind"
@@ -101,6 +103,8 @@ class PromotionDecision:
     champion: dict[str, float] | None
     promoted: bool
     reason: str
+    ne_delta: float | None = None  # challenger's NE minus the champion's, on the same examples
+    ne_delta_stderr: float | None = None  # its standard error from the paired per-example differences
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,19 +117,45 @@ def current_version(client: MlflowClient, name: str, alias: str) -> str | None:
         return None
 
 
+def paired_ne_delta(logs: SequenceLogs, challenger: TeacherPredictions, champion: TeacherPredictions,
+                    indices: np.ndarray, task: str) -> tuple[float, float]:
+    """Challenger's NE minus the champion's over the examples of `indices` labelled for `task`, and the standard
+    error of that difference. Both models are scored on the same examples, so the difference is the mean of
+    per-example log-loss differences (over the labels' base-rate entropy): the sample's own luck, which moves
+    both models' NE alike, cancels, and what remains is measured from the spread of those differences."""
+    column = list(FeatureSpec.from_logs(logs).objectives).index(task)
+    batch = logs.batch(indices, max_history_len=0)
+    labelled = batch.label_mask[:, column].numpy().astype(bool)
+    labels = batch.labels[labelled, column].double()
+    losses = []
+    for predictions in (challenger, champion):
+        logits = predictions.logits[prediction_rows(logs, predictions, indices), predictions.objectives.index(task)]
+        losses.append(torch.nn.functional.binary_cross_entropy_with_logits(
+            torch.from_numpy(logits[labelled]).double(), labels, reduction="none"))
+    p = labels.mean().item() if labels.numel() else math.nan
+    if not 0 < p < 1:
+        return math.nan, math.nan
+    entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    difference = (losses[0] - losses[1]) / entropy
+    stderr = difference.std().item() / math.sqrt(difference.numel()) if difference.numel() > 1 else math.inf
+    return difference.mean().item(), stderr
+
+
 def promote_if_not_worse(client: MlflowClient, name: str, logs: SequenceLogs, indices: np.ndarray, task: str,
                          challenger_version: str | None = None, ne_tolerance: float = 0.0,
-                         cache: dict | None = None) -> PromotionDecision:
-    """Scores the challenger and the champion on the same examples; the challenger becomes champion when
-    its NE is not above the champion's (+ ne_tolerance). The figures and the decision go on the
-    challenger's version tags either way. `cache` keeps scored versions between calls on the same examples."""
+                         cache: dict | None = None, ne_standard_errors: float = 0.0) -> PromotionDecision:
+    """Scores the challenger and the champion on the same examples; the challenger becomes champion unless
+    its NE exceeds the champion's by more than ne_tolerance + ne_standard_errors standard errors of the
+    paired difference (see paired_ne_delta; 0 standard errors: any excess keeps it out). The figures and the
+    decision go on the challenger's version tags either way. `cache` keeps scored versions between calls on
+    the same examples."""
     challenger_version = challenger_version or current_version(client, name, CHALLENGER)
     if challenger_version is None:
         raise ValueError(f"registered model {name!r} has no {CHALLENGER!r} version to judge")
     champion_version = current_version(client, name, CHAMPION)
     cache = {} if cache is None else cache  # shared across calls: a teacher scored once serves all its students
     challenger = version_quality(client, name, challenger_version, logs, indices, task, cache)
-    champion = None
+    champion, delta, stderr = None, None, None
     if champion_version is None:
         promoted, reason = True, "no champion yet"
     elif champion_version == str(challenger_version):
@@ -133,20 +163,26 @@ def promote_if_not_worse(client: MlflowClient, name: str, logs: SequenceLogs, in
         promoted, reason = True, "already champion"
     else:
         champion = version_quality(client, name, champion_version, logs, indices, task, cache)
-        promoted = _not_worse(challenger["ne"], champion["ne"], ne_tolerance)
-        reason = (f"NE {challenger['ne']:.4f} {'<=' if promoted else '>'} champion's {champion['ne']:.4f}"
-                  + (f" {ne_tolerance:+g}" if ne_tolerance else ""))
-    decision = PromotionDecision(name, str(challenger_version), champion_version, challenger, champion, promoted, reason)
+        delta, stderr = paired_ne_delta(logs, score_version(client, name, challenger_version, logs, indices, cache)[1],
+                                        score_version(client, name, champion_version, logs, indices, cache)[1],
+                                        indices, task)
+        allowed = ne_tolerance + ne_standard_errors * stderr if ne_standard_errors else ne_tolerance
+        promoted = _not_worse(challenger["ne"], champion["ne"], delta, allowed)
+        reason = (f"NE {challenger['ne']:.4f} vs champion's {champion['ne']:.4f}: {delta:+.4f} "
+                  f"(paired standard error {stderr:.4f}) {'<=' if promoted else '>'} {allowed:+.4f} allowed"
+                  + (f" (tolerance {ne_tolerance:+g} + {ne_standard_errors:g} standard errors)" if ne_standard_errors else ""))
+    decision = PromotionDecision(name, str(challenger_version), champion_version, challenger, champion, promoted, reason,
+                                 delta, stderr)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, str(challenger_version))
     _record(client, decision)
     return decision
 
 
-def _not_worse(challenger_ne: float, champion_ne: float, tolerance: float) -> bool:
+def _not_worse(challenger_ne: float, champion_ne: float, delta: float, allowed: float) -> bool:
     if math.isnan(champion_ne):
         return not math.isnan(challenger_ne)
-    return not math.isnan(challenger_ne) and challenger_ne <= champion_ne + tolerance
+    return not math.isnan(challenger_ne) and delta <= allowed
 
 
 def _record(client: MlflowClient, decision: PromotionDecision) -> None:
@@ -156,6 +192,8 @@ def _record(client: MlflowClient, decision: PromotionDecision) -> None:
         tags[f"challenger_{metric}"] = f"{decision.challenger[metric]:.6f}"
         if decision.champion is not None:
             tags[f"champion_{metric}"] = f"{decision.champion[metric]:.6f}"
+    if decision.ne_delta is not None:
+        tags["ne_delta"], tags["ne_delta_stderr"] = f"{decision.ne_delta:.6f}", f"{decision.ne_delta_stderr:.6f}"
     for key, value in tags.items():
         client.set_model_version_tag(decision.model, decision.challenger_version, PROMOTION_PREFIX + key, value)
 

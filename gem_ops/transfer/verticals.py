@@ -24,6 +24,7 @@ class VerticalSettings(StudentSettings):
     mode: str = "hierarchical"  # hierarchical, direct or alone (recorded in the lineage tags)
     prefix: str = "vertical"  # registered as <prefix>_<domain>_<objective>
     ne_tolerance: float = 0.0
+    ne_standard_errors: float = 0.0
     promotion_max_examples: int = 20_000
     seed: int = 0
 
@@ -50,6 +51,7 @@ def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLo
             vm = train_vertical_model(logs, data, task, settings.base, settings.train, work_dir / f"{data.domain}_{task}",
                                       settings.transfer, teacher, settings.shuffling, child)
             version = register_student(client, child.run_id, vm.model, vm.data, data.eval, name, tags, CHALLENGER)
-            decision = promote_if_not_worse(client, name, logs, compare, task, version, settings.ne_tolerance, scored)
+            decision = promote_if_not_worse(client, name, logs, compare, task, version, settings.ne_tolerance, scored,
+                                            settings.ne_standard_errors)
             child.log_dict(decision.to_dict(), "promotion.json")
         yield name, version, decision
