@@ -48,6 +48,8 @@ def test_auc_standard_error_matches_the_bootstrap():
             boot.append(binary_quality(logits[i], labels[i])["auc"])
         assert q["positives"] == labels[:n].sum().item()
         assert q["auc_stderr"] == pytest.approx(torch.tensor(boot).std().item(), rel=0.15), n
+    few = binary_quality(logits[:150], labels[:150])  # under ten positives: no error estimate, the count says it
+    assert few["positives"] < 10 and math.isnan(few["auc_stderr"]) and not math.isnan(few["auc"])
 
 
 def test_undefined_metrics_are_nan():

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.functional.classification import binary_auroc
 
+# Fewer examples of either class than this: no standard error (DeLong's rests on the spread of each class's
+# placements, which a handful of examples cannot estimate); the count of positives tells the story there.
+MIN_CLASS_FOR_STDERR = 10
 METRICS = ("auc", "auc_stderr", "ne", "calibration", "log_loss", "count", "positives", "positive_rate")
 
 
@@ -44,15 +47,16 @@ def binary_quality(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
 
 
 def auc_stderr(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """DeLong's standard error of the AUC (both classes present): from each positive's share of negatives
-    ranked below it and each negative's share of positives ranked above it, ties counting half."""
+    """DeLong's standard error of the AUC: from each positive's share of negatives ranked below it and each
+    negative's share of positives ranked above it, ties counting half. NaN with too few of either class."""
     scores, positive = scores.double().cpu().numpy(), labels.cpu().numpy() > 0.5
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if min(n_pos, n_neg) < MIN_CLASS_FOR_STDERR:
+        return math.nan
     overall = _midranks(scores)
     below = (overall[positive] - _midranks(scores[positive])) / n_neg  # per positive
     above = 1.0 - (overall[~positive] - _midranks(scores[~positive])) / n_pos  # per negative
-    variance = (below.var(ddof=1) / n_pos if n_pos > 1 else 0.0) + (above.var(ddof=1) / n_neg if n_neg > 1 else 0.0)
-    return math.sqrt(variance)
+    return math.sqrt(below.var(ddof=1) / n_pos + above.var(ddof=1) / n_neg)
 
 
 def _midranks(x: np.ndarray) -> np.ndarray:
