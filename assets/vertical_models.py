@@ -1,6 +1,6 @@
 """vertical_models: the small serving models, one per domain and objective, learning from GEM directly or
 through their domain's foundation model; each registers as `challenger` and a blocking check promotes
-only those not worse than the current `champion`."""
+only those not measurably worse than the current `champion`."""
 
 import dagster as dg
 from pydantic import Field
@@ -25,7 +25,7 @@ CHECK = "challengers_not_worse_than_champions"
 class VerticalModelsConfig(StudentTrainingConfig):
     mode: str = Field("hierarchical", description="hierarchical (GEM -> domain FM -> VM), direct (GEM -> VM) or alone.")
     registered_model_prefix: str = Field("vertical", description="Each model registers as <prefix>_<domain>_<objective>.")
-    ne_tolerance: float = Field(0.0, description="A challenger is not worse when its NE <= the champion's + this (negative: it must improve by that much).")
+    ne_tolerance: float = Field(0.0, description="A challenger is not worse when its NE <= the champion's + this (+ ne_standard_errors standard errors; negative: it must improve by that much).")
     ne_standard_errors: float = Field(
         1.645, description="Standard errors of the paired NE difference (challenger minus champion, same examples) "
                            "allowed on top of ne_tolerance: 1.645 keeps a challenger out only when it is worse at 95% "
@@ -49,7 +49,7 @@ def _teacher(mode: str, lake: LakeResource, day: str, domain: str, client) -> Te
     kinds={"pytorch", "mlflow"},
     check_specs=[dg.AssetCheckSpec(CHECK, asset="vertical_models", blocking=True,
                                    description="Each challenger is compared with its champion on the same eval "
-                                               "examples; only one not worse is promoted.")],
+                                               "examples; only one not measurably worse is promoted.")],
 )
 def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsConfig, lake: LakeResource,
                     mlflow: MLflowResource):

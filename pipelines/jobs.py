@@ -17,7 +17,7 @@ gem_pipeline_job = dg.define_asset_job(
     partitions_def=daily_partitions,
     description="The day's data, GEM retrained on it (warm-started from the previous day's checkpoint), then its "
     "knowledge transferred to the domain foundation models and the vertical models, whose challengers are "
-    "promoted only when not worse than their champions.",
+    "promoted only when not measurably worse than their champions.",
 )
 
 measure_mfu_job = dg.define_asset_job(

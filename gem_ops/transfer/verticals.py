@@ -1,5 +1,6 @@
 """One domain's vertical models, one per objective: trained from their teacher, registered as challengers
-and promoted only when not worse than their champions on the same eval examples."""
+and promoted only when not measurably worse than their champions on the same eval examples (see
+registry.promote_if_not_worse)."""
 
 from __future__ import annotations
 
