@@ -12,6 +12,9 @@ Methods, all bf16, self attention over one jagged batch of `--tokens` tokens:
   triton_cached
               the same with the lists built beforehand (the cache kept), as every layer after the first
               in a step sees them; the counterpart of 'flex'
+  triton_fp8  the forward on float8_e4m3fn q, k, v (per-tensor amax / 448 factors, quantized beforehand),
+              lists cached; forward only (no backward in FP8), with its output's relative error against
+              the bf16 kernel's on the same batch
   flex        torch.compile'd flex_attention over the concatenated batch, document mask (plus causal);
               'flex' reuses a block mask built beforehand, 'flex+mask' builds it inside the timed call,
               as training must when batches change every step
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from benchmarks.common import save
 from kernels.jagged_attention import jagged_attention
 
-METHODS = ("triton", "triton_cached", "flex", "flex+mask", "sdpa_padded")
+METHODS = ("triton", "triton_cached", "triton_fp8", "flex", "flex+mask", "sdpa_padded")
 REFERENCE = "reference"  # opt-in (--with-reference): the oracle, slow at long lengths
 
 
@@ -79,7 +82,9 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
         **_flex(lengths, offsets, causal),
     }
     row = {"triton": _disagreement(runners, q, k, v)}
-    for method in methods:
+    if "triton_fp8" in methods:
+        row["triton_fp8"] = _fp8_forward(offsets, causal, q, k, v)
+    for method in (m for m in methods if m != "triton_fp8"):
         prepare, call = runners[method]
         inputs = [x.requires_grad_() for x in prepare(q, k, v)]  # layout changes are not timed
         try:
@@ -111,6 +116,23 @@ def _disagreement(runners, q, k, v) -> dict:
         b = b[0].transpose(0, 1).float()
         errors[name] = float((a.detach().float() - b.detach()).norm() / b.detach().norm())
     return errors
+
+
+def _fp8_forward(offsets, causal, q, k, v) -> dict:
+    quantized, descale = [], []
+    for x in (q, k, v):
+        factor = x.abs().amax().float().clamp(min=1e-12) / 448.0
+        quantized.append((x / factor).to(torch.float8_e4m3fn))
+        descale.append(factor)
+    with torch.no_grad():
+        def call():
+            return jagged_attention(*quantized, offsets, causal=causal, descale=tuple(descale), backend="triton")
+
+        forward_ms = timed(call)
+        got = call().float()
+        want = jagged_attention(q, k, v, offsets, causal=causal, backend="triton").float()
+    return {"fwd_ms": forward_ms, "fwd_bwd_ms": float("nan"),
+            "fp8_rel_error_vs_bf16": float((got - want).norm() / want.norm())}
 
 
 def _jagged(offsets, causal, backend, fresh_lists=False):
@@ -321,7 +343,7 @@ def main() -> None:
                 "sequences": len(lengths), "tokens": sum(lengths), "visible_pairs": pairs, "method": method,
                 "fwd_ms": t["fwd_ms"], "fwd_tflops": tflops(forward_flops, t["fwd_ms"]),
                 "fwd_bwd_ms": t["fwd_bwd_ms"], "fwd_bwd_tflops": tflops(3.5 * forward_flops, t["fwd_bwd_ms"]),
-                **{name: value for name, value in t.items() if name.endswith("rel_error_vs_flex")},
+                **{name: value for name, value in t.items() if name.endswith(("rel_error_vs_flex", "_vs_bf16"))},
             })
         print_rows(results[-len(row):])
         save(results_name, settings | {"complete": False}, results)  # kept if a later case dies

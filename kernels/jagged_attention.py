@@ -15,6 +15,7 @@ import torch
 from kernels.pytorch.pt_jagged_attention import pt_jagged_attention
 
 ACTIVATIONS = ("softmax", "silu")
+FP8 = torch.float8_e4m3fn
 
 # name -> (implementation, whether it can run these tensors)
 _BACKENDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor], bool]]] = {
@@ -44,6 +45,7 @@ def jagged_attention(
     causal: bool = False,
     activation: str = "softmax",
     scale: float | None = None,
+    descale: tuple | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of each sequence's queries over the same sequence's keys and values.
@@ -57,12 +59,37 @@ def jagged_attention(
     activation: "softmax", or "silu": weights silu(s) / Lk, a pointwise Generalized Dot-Product
     Attention as in HSTU, normalised by the sequence's key count. A query with no visible key
     returns zeros. scale defaults to 1/sqrt(d).
+
+    FP8 (float8_e4m3fn q, k, v, forward only, as FlashAttention-3's FP8 path): the real values are
+    q * descale[0], k * descale[1], v * descale[2] (floats or one-element fp32 tensors, e.g. each
+    tensor's amax / 448 from its quantization; default 1). QK^T runs in FP8 with fp32 accumulation; the
+    weights and V meet in fp16 (every e4m3 value is exact there), since weights far below 1 would flush
+    to zero in FP8. Returns bf16.
     """
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
     _check(q, k, v, q_offsets, kv_offsets, activation)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     fn = _pick(backend, q)
+    if q.dtype == FP8:
+        return fn(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale=_descales(descale, q.device))
+    if descale is not None:
+        raise ValueError(f"descale applies to float8_e4m3fn inputs only; q, k, v are {q.dtype}")
     return fn(q, k, v, q_offsets, kv_offsets, causal, activation, scale)
+
+
+def _descales(descale: tuple | None, device: torch.device) -> torch.Tensor:
+    """[3] fp32 on the inputs' device: the factors of q, k, v (no host read of tensor factors)."""
+    if descale is None:
+        return torch.ones(3, dtype=torch.float32, device=device)
+    if len(descale) != 3:
+        raise ValueError(f"descale must hold three factors (q, k, v), got {len(descale)}")
+    factors = []
+    for name, d in zip("qkv", descale):
+        d = torch.as_tensor(d, dtype=torch.float32, device=device)
+        if d.numel() != 1:
+            raise ValueError(f"descale of {name} must be one number, got a tensor of shape {tuple(d.shape)}")
+        factors.append(d.reshape(()))
+    return torch.stack(factors)
 
 
 def _pick(backend: str, q: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -87,6 +114,12 @@ def _check(q, k, v, q_offsets, kv_offsets, activation):
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q_offsets.shape != kv_offsets.shape or q_offsets.dim() != 1:
         raise ValueError(f"q_offsets {tuple(q_offsets.shape)} and kv_offsets {tuple(kv_offsets.shape)} must be [B + 1]")
+    if FP8 in (q.dtype, k.dtype, v.dtype):
+        if not q.dtype == k.dtype == v.dtype:
+            raise ValueError(f"FP8 attention needs q, k, v all float8_e4m3fn; got {q.dtype}, {k.dtype}, {v.dtype}")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise ValueError("FP8 jagged attention is forward only: run it under torch.no_grad() (inference), "
+                             "or pass bf16 q, k, v to train")
 
 
 def _register_kernels() -> None:

@@ -154,6 +154,39 @@ def test_other_backward_layouts_match_reference_on_cpu_interpreter(case, layout,
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
+def check_fp8_forward(case: Case, device: str, tolerance: float) -> None:
+    """FP8 inputs (each tensor scaled by its amax / 448) through the kernel against the reference on the very same
+    FP8 values and factors: what differs is only the kernel's fp16 weights and its summation order."""
+    torch.manual_seed(0)
+    q_offsets = _offsets(case.q_lengths, device)
+    kv_offsets = q_offsets if case.kv_lengths is None else _offsets(case.kv_lengths, device)
+    shapes = [(int(q_offsets[-1]), case.heads, case.head_dim), (int(kv_offsets[-1]), case.heads, case.head_dim),
+              (int(kv_offsets[-1]), case.heads, case.value_dim or case.head_dim)]
+    quantized, descale = [], []
+    for shape in shapes:
+        x = torch.randn(shape, device=device) * 3
+        factor = x.abs().amax().clamp(min=1e-6) / 448.0
+        quantized.append((x / factor).to(torch.float8_e4m3fn))
+        descale.append(factor)
+    with torch.no_grad():
+        got, want = (jagged_attention(*quantized, q_offsets, kv_offsets, causal=case.causal, activation=case.activation,
+                                      descale=tuple(descale), backend=backend) for backend in ("triton", "pytorch"))
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    error = (got.float() - want.float()).norm() / (want.float().norm() + math.sqrt(want.numel()) * 1e-3)
+    assert error < tolerance, f"relative error {error:.2e} over {tolerance:.0e}"
+
+
+FP8_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
+                                                "cross-causal-softmax", "self-mixed-d16-causal-softmax",
+                                                "cross-d16-causal-silu")]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+@pytest.mark.parametrize("case", FP8_CASES if INTERPRETING else [])
+def test_fp8_forward_matches_reference_on_cpu_interpreter(case):
+    check_fp8_forward(case, "cpu", tolerance=1e-2)
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
 def test_tile_cache_is_never_stale_on_cpu_interpreter():
     """Cached tile lists serve the same unmodified offsets tensor only: not one edited in place, nor another."""
@@ -195,6 +228,13 @@ def test_kernel_matches_reference_on_gpu(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [p for p in GPU_CASES if "long_tail" in p.id or "cross" in p.id])
+def test_fp8_forward_matches_reference_on_gpu(case):
+    check_fp8_forward(case, "cuda", tolerance=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("head_dim,activation", [(64, "softmax"), (128, "softmax"), (64, "silu")])
 def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, monkeypatch):
     """Autotuning runs one config per shape, so each backward config is checked here, not only the winners."""
@@ -212,7 +252,21 @@ def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, mo
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(OTHER_BACKWARD_CASES) + 1)
+    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(OTHER_BACKWARD_CASES) + len(FP8_CASES) + 1)
+
+
+def test_fp8_inputs_are_checked_before_any_kernel_runs():
+    q = torch.randn(5, 1, 8)
+    offsets = torch.tensor([0, 2, 5])
+    with pytest.raises(ValueError, match="descale applies to float8_e4m3fn inputs only"):
+        jagged_attention(q, q, q, offsets, descale=(1.0, 1.0, 1.0))
+    q8 = q.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="all float8_e4m3fn"):
+        jagged_attention(q8, q8, q, offsets)
+    with pytest.raises(ValueError, match="forward only"):
+        jagged_attention(q8.requires_grad_(), q8, q8, offsets)
+    with torch.no_grad(), pytest.raises(ValueError, match="descale of k must be one number"):
+        jagged_attention(q8, q8, q8, offsets, descale=(1.0, torch.ones(2), 1.0))
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter lets the kernel take CPU tensors")

@@ -23,8 +23,13 @@ def pt_jagged_attention(
     causal: bool,
     activation: str,
     scale: float,
+    descale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See kernels.jagged_attention.jagged_attention for the contract."""
+    """See kernels.jagged_attention.jagged_attention for the contract. With `descale` (FP8 inputs): the
+    dequantized inputs in fp32, returned in bf16."""
+    if descale is not None:
+        q, k, v = (x.float() * d for x, d in zip((q, k, v), descale.float()))
+        return pt_jagged_attention(q, k, v, q_offsets, kv_offsets, causal, activation, scale).to(torch.bfloat16)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     q_lengths = (q_offsets[1:] - q_offsets[:-1]).cpu()
     kv_lengths = (kv_offsets[1:] - kv_offsets[:-1]).cpu()

@@ -31,7 +31,7 @@ import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)  # FP8: forward only
 LOG2E = 1.4426950408889634
 # Scores of invalid positions get this added: exp2 of it is exactly 0, and it stays finite.
 NEG_LARGE = -1.0e30
@@ -348,13 +348,15 @@ def _visible(col_ok, cols, rows, shift, CAUSAL: tl.constexpr):
 def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_base, v_base, stride_kt, stride_vt,
                     rows, lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr):
+                    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr):
     # Only the masked range can reach past the keys (hi): its mask drops the keys TMA loads from there.
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
         k = _load_block(k_desc, k_base, n0, kv_row, k_col, stride_kt, hi, HEAD_DIM, D_PAD, BLOCK_N, MASKED, TMA)
         v = _load_block(v_desc, v_base, n0, kv_row, v_col, stride_vt, hi, VALUE_DIM, DV_PAD, BLOCK_N, MASKED, TMA)
+        if FP8:  # the weights meet V in fp16 (exact for e4m3 values): in FP8, weights far below 1 would flush to zero
+            v = v.to(tl.float16)
         s = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = _visible(col_ok, cols, rows, shift, CAUSAL)
@@ -381,11 +383,15 @@ def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_ba
 @triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    descale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     num_heads, scale, length_bucket,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    if FP8:  # real values are q * descale[0], k * descale[1], v * descale[2]
+        scale = scale * tl.load(descale_ptr) * tl.load(descale_ptr + 1)
+        v_descale = tl.load(descale_ptr + 2)
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16) + 1) * num_heads
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
@@ -406,16 +412,18 @@ def _forward_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM,
                                         k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale, inv_len,
-                                        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU, TMA)
+                                        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU, TMA, FP8)
         acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM,
                                         k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale, inv_len,
-                                        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU, TMA)
+                                        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU, TMA, FP8)
         if not SILU:
             has_key = l_i > 0.0
             l_safe = tl.where(has_key, l_i, 1.0)
             acc = acc / l_safe[:, None]
             lse = tl.where(has_key, m_i + tl.log2(l_safe), _EMPTY_ROW_LSE)
             tl.store(lse_ptr + head * stride_lh + q_start + rows, lse, mask=row_ok)
+        if FP8:
+            acc = acc * v_descale
         _store_rows(out_ptr + q_start * stride_ot + head * stride_oh, acc.to(out_ptr.dtype.element_ty), rows,
                     stride_ot, row_ok, VALUE_DIM, DV_PAD)
 
@@ -705,8 +713,9 @@ def _tile_sizes(configs: list[triton.Config], name: str) -> list[int]:
     return sorted({c.kwargs[name] for c in configs})
 
 
-def _forward(p: _Problem, q, k, v):
-    out = q.new_zeros(p.total_q, p.num_heads, p.value_dim, dtype=v.dtype)
+def _forward(p: _Problem, q, k, v, descale=None):
+    fp8 = q.dtype == torch.float8_e4m3fn
+    out = q.new_zeros(p.total_q, p.num_heads, p.value_dim, dtype=torch.bfloat16 if fp8 else v.dtype)
     lse = None if p.silu else torch.empty(p.num_heads, p.total_q, dtype=torch.float32, device=q.device)
     if p.empty:
         return out, lse
@@ -715,8 +724,9 @@ def _forward(p: _Problem, q, k, v):
     tma = _use_tma(p, k, v)
     _forward_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
         q, k, v, _descriptor(k, tma), _descriptor(v, tma), out, lse_arg, p.q_offsets, p.kv_offsets, table.tiles,
-        table.index[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        out.stride(1), p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, **p.constexprs(),
+        table.index[0], descale if fp8 else lse_arg, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), out.stride(0), out.stride(1), p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, FP8=fp8,
+        **p.constexprs(),
     )
     return out, lse
 
@@ -792,10 +802,10 @@ class JaggedAttentionFunction(torch.autograd.Function):
     """Forward saves q, k, v, the output and (softmax) the base-2 logsumexp; backward recomputes scores."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_offsets, kv_offsets, causal, activation, scale):
+    def forward(ctx, q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         problem = _Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale)
-        out, lse = _forward(problem, q, k, v)
+        out, lse = _forward(problem, q, k, v, descale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
         return out
@@ -804,12 +814,12 @@ class JaggedAttentionFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(ctx.problem, q, k, v, out, lse, d_out)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def triton_jagged_attention(q, k, v, q_offsets, kv_offsets, causal, activation, scale):
-    """See kernels.jagged_attention.jagged_attention for the contract."""
-    return JaggedAttentionFunction.apply(q, k, v, q_offsets, kv_offsets, causal, activation, scale)
+def triton_jagged_attention(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale=None):
+    """See kernels.jagged_attention.jagged_attention for the contract (descale: [3] fp32 with FP8 inputs)."""
+    return JaggedAttentionFunction.apply(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale)
 
 
 def supports(q: torch.Tensor) -> bool:
