@@ -12,7 +12,8 @@ also adds dq in fp32, one TMA reduce per block on Hopper, and the second is skip
 run software-pipelined by hand (a config option, autotuned). Key blocks that
 causality rules out are never visited, and blocks that need no mask skip the masking arithmetic. With
 power-of-two head dims the inner loops read their blocks through tensor descriptors (TMA), which keeps
-per-element addresses out of the registers.
+per-element addresses out of the registers. FP8 (e4m3) inputs run the forward only: QK^T in FP8, the
+weights times V in fp16, the per-tensor factors applied to the scores' scale and to the output.
 
 Contract: kernels.jagged_attention.jagged_attention. Launches need CUDA or TRITON_INTERPRET=1 set
 before this module is imported.
