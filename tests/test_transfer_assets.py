@@ -102,6 +102,8 @@ def test_first_challengers_become_champions_and_later_ones_not_good_enough_are_k
         tags = client.get_model_version(name, second[name]["version"]).tags
         assert tags["promotion.decision"] == "kept_out"
         assert float(tags["promotion.challenger_ne"]) > float(tags["promotion.champion_ne"]) - 1.0
+        # The asset's default allowance of standard errors reaches the decision.
+        assert "(tolerance -1 + 1.645 standard errors)" in tags["promotion.reason"], tags["promotion.reason"]
         assert tags["promotion.champion_version"] == str(first[name]["version"])
 
 

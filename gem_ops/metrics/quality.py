@@ -32,7 +32,7 @@ def binary_quality(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
     p = labels.mean().item()
     positives = labels.sum().item()
     log_loss = F.binary_cross_entropy_with_logits(logits, labels).item()
-    base_entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p)) if 0 < p < 1 else math.nan
+    base_entropy = base_rate_entropy(p)
     both_classes = 0 < p < 1
     return {
         "auc": binary_auroc(torch.sigmoid(logits), labels.long()).item() if both_classes else math.nan,
@@ -44,6 +44,11 @@ def binary_quality(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
         "positives": positives,
         "positive_rate": p,
     }
+
+
+def base_rate_entropy(p: float) -> float:
+    """Log loss of always predicting the base rate p: NE's denominator (NaN unless 0 < p < 1)."""
+    return -(p * math.log(p) + (1 - p) * math.log(1 - p)) if 0 < p < 1 else math.nan
 
 
 def auc_stderr(scores: torch.Tensor, labels: torch.Tensor) -> float:

@@ -15,6 +15,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gem_ops.data.loader import SequenceLogs
+from gem_ops.metrics.quality import base_rate_entropy
 from gem_ops.model.config import FeatureSpec
 from gem_ops.model.gem import GEMModel
 from gem_ops.train.loop import model_from_state
@@ -132,10 +133,9 @@ def paired_ne_delta(logs: SequenceLogs, challenger: TeacherPredictions, champion
         logits = predictions.logits[prediction_rows(logs, predictions, indices), predictions.objectives.index(task)]
         losses.append(torch.nn.functional.binary_cross_entropy_with_logits(
             torch.from_numpy(logits[labelled]).double(), labels, reduction="none"))
-    p = labels.mean().item() if labels.numel() else math.nan
-    if not 0 < p < 1:
+    entropy = base_rate_entropy(labels.mean().item() if labels.numel() else math.nan)
+    if math.isnan(entropy):
         return math.nan, math.nan
-    entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
     difference = (losses[0] - losses[1]) / entropy
     stderr = difference.std().item() / math.sqrt(difference.numel()) if difference.numel() > 1 else math.inf
     return difference.mean().item(), stderr
