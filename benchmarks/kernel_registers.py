@@ -26,7 +26,8 @@ from kernels.triton import triton_jagged_attention as kernel
 TARGET = GPUTarget("cuda", 90, 32)
 # Which descriptor argument holds blocks of which config size.
 DESCRIPTOR_BLOCK = {"k_desc": "BLOCK_N", "v_desc": "BLOCK_N", "q_desc": "BLOCK_M", "do_desc": "BLOCK_M"}
-POINTER_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "descale_ptr": "*fp32", "q_offsets_ptr": "*i64",
+STATS_DESCRIPTORS = ("stats_desc",)  # the dk/dv kernel's one-dimensional logsumexp and delta
+POINTER_TYPES = {"lse_ptr": "*fp32", "stats_ptr": "*fp32", "descale_ptr": "*fp32", "q_offsets_ptr": "*i64",
                  "kv_offsets_ptr": "*i64", "tiles_ptr": "*i32", "tile_index_ptr": "*i32"}
 
 
@@ -40,6 +41,8 @@ def signature(fn, config: triton.Config, dim: int) -> tuple[dict, dict]:
             types[name] = "constexpr"
         elif name in DESCRIPTOR_BLOCK:
             types[name] = f"tensordesc<bf16[{config.kwargs[DESCRIPTOR_BLOCK[name]]}, {dim}]>"
+        elif name in STATS_DESCRIPTORS:
+            types[name] = f"tensordesc<fp32[{config.kwargs['BLOCK_M']}]>"
         elif name.endswith("_ptr") or name == "dq_desc":  # dq_desc is the dq tensor itself without atomic dq
             types[name] = POINTER_TYPES.get(name, "*bf16")
         else:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import triton
 
 from kernels.jagged_attention import available_backends, jagged_attention
 from tests.triton_interpreter import run_interpreter_cases
@@ -131,26 +130,17 @@ def test_kernel_matches_reference_on_cpu_interpreter(case):
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
-# The other backward layouts on a few of the CPU cases: dq added atomically by the dk/dv kernel, and the dk/dv
-# kernel's hand-pipelined loop (a config option, so the one interpreter config is swapped for its pipelined twin).
+# The other backward layout on a few of the CPU cases: dq added atomically by the dk/dv kernel.
 OTHER_BACKWARD_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
                                                            "cross-causal-softmax", "self-mixed-d16-causal-silu")]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("layout", ["atomic_dq", "pipelined"])
 @pytest.mark.parametrize("case", OTHER_BACKWARD_CASES if INTERPRETING else [])
-def test_other_backward_layouts_match_reference_on_cpu_interpreter(case, layout, monkeypatch):
+def test_atomic_dq_backward_matches_reference_on_cpu_interpreter(case, monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
 
-    if layout == "atomic_dq":
-        monkeypatch.setattr(kernel, "ATOMIC_DQ", True)
-    else:
-        (plain,) = kernel._dkdv_kernel.configs
-        pipelined = triton.Config({**plain.kwargs, "PIPELINED": True}, num_warps=plain.num_warps,
-                                  num_stages=plain.num_stages, pre_hook=plain.pre_hook)
-        monkeypatch.setattr(kernel._dkdv_kernel, "configs", [pipelined])
-        monkeypatch.setattr(kernel._dkdv_kernel, "cache", {})
+    monkeypatch.setattr(kernel, "ATOMIC_DQ", True)
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
@@ -252,7 +242,7 @@ def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, mo
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(OTHER_BACKWARD_CASES) + len(FP8_CASES) + 1)
+    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + len(OTHER_BACKWARD_CASES) + len(FP8_CASES) + 1)
 
 
 def test_fp8_inputs_are_checked_before_any_kernel_runs():

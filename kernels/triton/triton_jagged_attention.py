@@ -6,10 +6,10 @@ size are built in one batched pass and cached per offsets tensor, so the layers 
 the backward share one build. Each kernel is persistent: a fixed grid of programs walks that list
 round-robin over (tile, head) items, so short sequences cost neither launches nor empty programs. The
 forward keeps an online softmax in fp32 and saves the base-2 logsumexp; the backward computes
-delta = rowsum(dO * O) in one small kernel, then recomputes the scores in two kernels without atomics:
+delta = rowsum(dO * O) in one small kernel (which also lays the logsumexp and delta out so that the dk/dv kernel
+reads them through descriptors), then recomputes the scores in two kernels without atomics:
 one per key block (dk, dv), one per query block (dq) (or, with JAGGED_ATTENTION_ATOMIC_DQ=1, the first
-also adds dq in fp32, one TMA reduce per block on Hopper, and the second is skipped); the dk/dv loop may also
-run software-pipelined by hand (a config option, autotuned). Key blocks that
+also adds dq in fp32, one TMA reduce per block on Hopper, and the second is skipped). Key blocks that
 causality rules out are never visited, and blocks that need no mask skip the masking arithmetic. With
 power-of-two head dims the inner loops read their blocks through tensor descriptors (TMA), which keeps
 per-element addresses out of the registers. FP8 (e4m3) inputs run the forward only: QK^T in FP8, the
@@ -50,50 +50,41 @@ def _configs(shapes: list[tuple], tile_name: str, inner_name: str, pre_hook=None
 
 
 def _block_shapes(*descriptors: tuple[str, str, str]):
-    """A config pre-hook: each descriptor argument's block is (its config block size, its head dim)."""
+    """A config pre-hook: each descriptor argument's block is (its config block size, its head dim), or its config
+    block size alone for the one-dimensional query statistics (head dim None)."""
 
     def hook(nargs: dict) -> None:
         for name, rows, cols in descriptors:
             if isinstance(nargs[name], TensorDescriptor):
-                nargs[name].block_shape = [nargs[rows], nargs[cols]]
+                nargs[name].block_shape = [nargs[rows]] if cols is None else [nargs[rows], nargs[cols]]
 
     return hook
 
 
 _KV_BLOCKS = _block_shapes(("k_desc", "BLOCK_N", "D_PAD"), ("v_desc", "BLOCK_N", "DV_PAD"))
-_Q_BLOCKS = _block_shapes(("q_desc", "BLOCK_M", "D_PAD"), ("do_desc", "BLOCK_M", "DV_PAD"), ("dq_desc", "BLOCK_M", "D_PAD"))
+_Q_BLOCKS = _block_shapes(("q_desc", "BLOCK_M", "D_PAD"), ("do_desc", "BLOCK_M", "DV_PAD"),
+                          ("dq_desc", "BLOCK_M", "D_PAD"), ("stats_desc", "BLOCK_M", None))
 
-
-_PLAIN, _PIPELINED = {"PIPELINED": False}, {"PIPELINED": True}
 
 # (tile block, inner block, warps, stages). Under the interpreter one small config keeps tests fast and
 # still spreads a sequence over several blocks.
 if INTERPRETING:
     _FWD_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DQ_CONFIGS = _configs([(32, 16, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
-    _DKDV_CONFIGS = _configs([(16, 32, 4, 1, _PLAIN)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
 else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
     _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N",
                             _KV_BLOCKS)
     _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
                            "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
-    # The hand-pipelined loop (see _dkdv_blocks_pipelined) holds one more score block: it wins where registers are
-    # left for it (D=64 on the H200), and spills at D=128, where the plain loop wins.
-    _DKDV_CONFIGS = _configs([(128, 64, 8, 3, _PLAIN), (64, 64, 8, 3, _PLAIN), (64, 64, 4, 3, _PLAIN),
-                              (128, 64, 8, 2, _PLAIN), (128, 128, 8, 2, _PLAIN), (64, 64, 4, 3, _PIPELINED),
-                              (128, 64, 8, 3, _PIPELINED)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
+                              (128, 64, 8, 4), (64, 64, 4, 4)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
 
 if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
     _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
 
 _AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU", "TMA"]
 
-
-def _prune_pipelined(configs, named_args, **kwargs):
-    """The pipelined dk/dv loop is for softmax without atomic dq; elsewhere its configs repeat the plain ones."""
-    if kwargs.get("SILU") or kwargs.get("ADD_DQ"):
-        return [c for c in configs if not c.kwargs.get("PIPELINED")]
-    return configs
 
 # JAGGED_ATTENTION_ATOMIC_DQ=1: the dk/dv kernel also adds dS^T K into an fp32 dq with atomics
 # (FlashAttention-2's split: five matmuls per block pair instead of seven, sums in a run-dependent
@@ -251,7 +242,8 @@ def _persistent_grid(table: TileTable, direction: int, block_name: str, num_head
 
 @triton.jit
 def _work_item(item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr):
-    """The (tile, head) item's head, first row, and its sequence's starts and lengths."""
+    """The (tile, head) item's head, first row, its sequence's starts and lengths, and where the sequence starts
+    in the backward's statistics."""
     tile = first_tile + item // num_heads
     head = item % num_heads
     seq = tl.load(tiles_ptr + 2 * tile)
@@ -260,7 +252,14 @@ def _work_item(item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets
     q_len = (tl.load(q_offsets_ptr + seq + 1) - q_start).to(tl.int32)
     kv_start = tl.load(kv_offsets_ptr + seq)
     kv_len = (tl.load(kv_offsets_ptr + seq + 1) - kv_start).to(tl.int32)
-    return head, first_row, q_start, q_len, kv_start, kv_len
+    return head, first_row, q_start, q_len, kv_start, kv_len, _stats_start(q_start, seq)
+
+
+@triton.jit
+def _stats_start(q_start, seq):
+    """Where sequence `seq`'s queries start in a head's row of the backward's statistics (see _query_stats): a
+    multiple of 4, so that every block starts 16-byte aligned, as descriptor loads need."""
+    return (((q_start + 3) // 4) * 4 + 4 * seq).to(tl.int32)
 
 
 @triton.jit
@@ -296,6 +295,25 @@ def _load_block(desc, base, first, row0, col0, stride, limit, DIM: tl.constexpr,
         rows = first + tl.arange(0, BLOCK)
         x = _load_rows(base, rows, stride, rows < limit, DIM, DIM_PAD, CHECK_ROWS)
     return x
+
+
+@triton.jit
+def _row_stats(stats_desc, stats_ptr, stats_row, delta_offset, first, rows, row_ok, TMA: tl.constexpr):
+    """Logsumexp and delta of query rows `rows` (from `first`, at stats_row + first of the flat statistics): rows
+    past the sequence get an empty-row logsumexp and delta 0, so their probabilities, and what they add to dk and
+    dv, are exactly 0.
+
+    TMA: one bulk copy each; the statistics' layout keeps every block 16-byte aligned for it. Pointer loads of these
+    small vectors, which Triton pipelines through cp.async and a block-wide barrier, took about a third of the
+    dk/dv kernel's time on the H200.
+    """
+    if TMA:
+        lse = tl.where(row_ok, stats_desc.load([stats_row + first]), _EMPTY_ROW_LSE)
+        delta = tl.where(row_ok, stats_desc.load([stats_row + delta_offset + first]), 0.0)
+    else:
+        lse = tl.load(stats_ptr + stats_row + rows, mask=row_ok, other=_EMPTY_ROW_LSE)
+        delta = tl.load(stats_ptr + stats_row + delta_offset + rows, mask=row_ok, other=0.0)
+    return lse, delta
 
 
 @triton.jit
@@ -396,7 +414,7 @@ def _forward_kernel(
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16) + 1) * num_heads
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        head, m0, q_start, q_len, kv_start, kv_len = _work_item(
+        head, m0, q_start, q_len, kv_start, kv_len, _ = _work_item(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
@@ -430,19 +448,30 @@ def _forward_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Backward: delta = rowsum(dO * O), read by both backward kernels
+# Backward: the per-query statistics both backward kernels read
 
 
 @triton.jit
-def _delta_kernel(out_ptr, do_ptr, delta_ptr, total_q, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
-                  VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """delta[head, token] in fp32 for BLOCK tokens of one head: one pass over O and dO."""
-    head = tl.program_id(1)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < total_q
-    o = _load_rows(out_ptr + head * stride_oh, rows, stride_ot, row_ok, VALUE_DIM, DV_PAD, True)
-    do = _load_rows(do_ptr + head * stride_doh, rows, stride_dot, row_ok, VALUE_DIM, DV_PAD, True)
-    tl.store(delta_ptr + head * stride_lh + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+def _query_stats_kernel(out_ptr, do_ptr, lse_ptr, stats_ptr, q_offsets_ptr, tiles_ptr, tile_index_ptr, stride_ot,
+                        stride_oh, stride_dot, stride_doh, stride_lh, stats_stride, delta_offset,
+                        VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One query tile of one head: its logsumexp, copied, and delta = rowsum(dO * O) in fp32, into the statistics'
+    layout: [2 (logsumexp, delta), heads, stats_stride], each sequence's queries from its _stats_start."""
+    tile = tl.program_id(0)
+    first_tile = tl.load(tile_index_ptr + 2 * (BLOCK // 16))
+    if tile < tl.load(tile_index_ptr + 2 * (BLOCK // 16) + 1):
+        head, m0, q_start, q_len, _, _, stats_start = _work_item(
+            tile * tl.num_programs(1) + tl.program_id(1), tl.num_programs(1), tiles_ptr, first_tile, q_offsets_ptr,
+            q_offsets_ptr)
+        rows = m0 + tl.arange(0, BLOCK)
+        row_ok = rows < q_len
+        o = _load_rows(out_ptr + q_start * stride_ot + head * stride_oh, rows, stride_ot, row_ok, VALUE_DIM, DV_PAD,
+                       True)
+        do = _load_rows(do_ptr + q_start * stride_dot + head * stride_doh, rows, stride_dot, row_ok, VALUE_DIM,
+                        DV_PAD, True)
+        stats = stats_ptr + head * stats_stride + stats_start + rows
+        tl.store(stats, tl.load(lse_ptr + head * stride_lh + q_start + rows, mask=row_ok), mask=row_ok)
+        tl.store(stats + delta_offset, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -482,16 +511,16 @@ def _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_ba
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench)
 @triton.jit
 def _dq_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-    stride_lh, num_heads, scale, length_bucket,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, stats_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
+    tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stats_stride, delta_offset, num_heads, scale, length_bucket,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16) + 1) * num_heads
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        head, m0, q_start, q_len, kv_start, kv_len = _work_item(
+        head, m0, q_start, q_len, kv_start, kv_len, stats_start = _work_item(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
@@ -503,8 +532,9 @@ def _dq_kernel(
             lse = tl.zeros([BLOCK_M], dtype=tl.float32)
             delta = lse
         else:
-            lse = tl.load(lse_ptr + head * stride_lh + q_start + rows, mask=row_ok, other=_EMPTY_ROW_LSE)
-            delta = tl.load(delta_ptr + head * stride_lh + q_start + rows, mask=row_ok, other=0.0)
+            stats = stats_ptr + head * stats_stride + stats_start + rows
+            lse = tl.load(stats, mask=row_ok, other=_EMPTY_ROW_LSE)
+            delta = tl.load(stats + delta_offset, mask=row_ok, other=0.0)
         k_base = k_ptr + kv_start * stride_kt + head * stride_kh
         v_base = v_ptr + kv_start * stride_vt + head * stride_vh
         shift = kv_len - q_len
@@ -527,8 +557,9 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q_base, do_base, lse_base, delta_base,
-                 dq_base, stride_qt, stride_dot, stride_dqt, cols, lo, hi, q_len, shift, scale, inv_len,
+def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, q_col, do_col, stats_row, delta_offset,
+                 q_base, do_base, stats_ptr, dq_base, stride_qt, stride_dot, stride_dqt, cols, lo, hi, q_len, shift,
+                 scale, inv_len,
                  HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr, ADD_DQ: tl.constexpr,
                  TMA: tl.constexpr, DQ_TMA: tl.constexpr):
@@ -557,8 +588,7 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q
                 ds_t = ds_t * keep
             dv = tl.dot(w_t.to(do.dtype), do, dv)
         else:
-            lse = tl.load(lse_base + rows, mask=row_ok, other=_EMPTY_ROW_LSE)
-            delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+            lse, delta = _row_stats(stats_desc, stats_ptr, stats_row, delta_offset, m0, rows, row_ok, TMA)
             s_t = s_t * (scale * _LOG2E)
             if MASKED:
                 s_t = s_t + tl.where(visible, 0.0, _NEG_LARGE)
@@ -583,54 +613,21 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, q_col, do_col, q
     return dk, dv
 
 
-@triton.jit
-def _dkdv_blocks_pipelined(dk, dv, k, v, q_desc, do_desc, q_row, q_col, do_col, q_base, do_base, lse_base, delta_base,
-                           stride_qt, stride_dot, lo, hi, q_len, scale, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                           D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr):
-    """The unmasked softmax range of _dkdv_blocks, software-pipelined by hand: Triton waits for a product that does
-    not accumulate right after issuing it, so arithmetic overlaps only the accumulating dV and dK products. Here
-    dS of block i runs under block i's dV product, and block i+1's exponentials under block i's dK product. The
-    last iteration's look-ahead reads the block past `hi` and is discarded."""
-    if lo < hi:
-        rows = lo + tl.arange(0, BLOCK_M)
-        q = _load_block(q_desc, q_base, lo, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M, True, TMA)
-        lse = tl.load(lse_base + rows, mask=rows < q_len, other=_EMPTY_ROW_LSE)
-        p_t = tl.exp2(tl.dot(k, tl.trans(q)) * (scale * _LOG2E) - lse[None, :])
-        for m0 in range(lo, hi, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            q = _load_block(q_desc, q_base, m0, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M, True, TMA)
-            do = _load_block(do_desc, do_base, m0, q_row, do_col, stride_dot, q_len, VALUE_DIM, DV_PAD, BLOCK_M, True,
-                             TMA)
-            dp_t = tl.dot(v, tl.trans(do))
-            dv = tl.dot(p_t.to(do.dtype), do, dv)
-            delta = tl.load(delta_base + rows, mask=rows < q_len, other=0.0)
-            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-            next_rows = rows + BLOCK_M
-            q_next = _load_block(q_desc, q_base, m0 + BLOCK_M, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M,
-                                 True, TMA)
-            lse = tl.load(lse_base + next_rows, mask=next_rows < q_len, other=_EMPTY_ROW_LSE)
-            s_next = tl.dot(k, tl.trans(q_next))
-            dk = tl.dot(ds_t, q, dk)
-            p_t = tl.exp2(s_next * (scale * _LOG2E) - lse[None, :])
-    return dk, dv
-
-
 @triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA"], do_bench=_short_bench,
-                 prune_configs_by={"early_config_prune": _prune_pipelined},
                  reset_to_zero=["dq_ptr"])
 @triton.jit
 def _dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, dq_desc, q_offsets_ptr,
-    kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
-    num_heads, scale, length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, stats_ptr, stats_desc, dk_ptr, dv_ptr, dq_ptr, dq_desc,
+    q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stats_stride,
+    delta_offset, num_heads, scale, length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, ADD_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINED: tl.constexpr,
+    DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16) + 1) * num_heads
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        head, n0, q_start, q_len, kv_start, kv_len = _work_item(
+        head, n0, q_start, q_len, kv_start, kv_len, stats_start = _work_item(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_len
@@ -640,8 +637,6 @@ def _dkdv_kernel(
         q_base = q_ptr + q_start * stride_qt + head * stride_qh
         do_base = do_ptr + q_start * stride_dot + head * stride_doh
         dq_base = dq_ptr + q_start * stride_dqt + head * stride_dqh
-        lse_base = lse_ptr + head * stride_lh + q_start
-        delta_base = delta_ptr + head * stride_lh + q_start
         shift = kv_len - q_len
         inv_len = 1.0 / tl.maximum(kv_len, 1).to(tl.float32)
         lo, unmasked = _seeing_queries(n0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
@@ -649,19 +644,16 @@ def _dkdv_kernel(
         dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
         q_row = q_start.to(tl.int32)  # the descriptors' row of this sequence's first query
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, head * HEAD_DIM, head * VALUE_DIM, q_base,
-                              do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt, cols, lo,
-                              unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, True,
-                              SILU, ADD_DQ, TMA, DQ_TMA)
-        if PIPELINED and not SILU and not ADD_DQ:
-            dk, dv = _dkdv_blocks_pipelined(dk, dv, k, v, q_desc, do_desc, q_row, head * HEAD_DIM, head * VALUE_DIM,
-                                            q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, unmasked,
-                                            q_len, q_len, scale, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, TMA)
-        else:
-            dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, q_row, head * HEAD_DIM, head * VALUE_DIM,
-                                  q_base, do_base, lse_base, delta_base, dq_base, stride_qt, stride_dot, stride_dqt, cols,
-                                  unmasked, q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD,
-                                  BLOCK_M, False, SILU, ADD_DQ, TMA, DQ_TMA)
+        stats_row = head * stats_stride + stats_start  # and of its first query's logsumexp in the statistics
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, head * HEAD_DIM,
+                              head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base, stride_qt,
+                              stride_dot, stride_dqt, cols, lo, unmasked, q_len, shift, scale, inv_len, HEAD_DIM,
+                              VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, True, SILU, ADD_DQ, TMA, DQ_TMA)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, head * HEAD_DIM,
+                              head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base,
+                              stride_qt, stride_dot, stride_dqt, cols, unmasked, q_len, q_len, shift, scale,
+                              inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, False, SILU, ADD_DQ, TMA,
+                              DQ_TMA)
         _store_rows(dk_ptr + kv_start * stride_dkt + head * stride_dkh, (dk * scale).to(dk_ptr.dtype.element_ty),
                     cols, stride_dkt, col_ok, HEAD_DIM, D_PAD)
         _store_rows(dv_ptr + kv_start * stride_dvt + head * stride_dvh, dv.to(dv_ptr.dtype.element_ty), cols,
@@ -686,6 +678,8 @@ class _Problem:
         # offsets read back to the host on every call.
         mean_length = max(self.total_q, self.total_kv) // max(self.num_seqs, 1)
         self.length_bucket = triton.next_power_of_2(max(mean_length, 16))
+        # A head's row of the backward's statistics: every sequence padded to start at a multiple of 4 (_stats_start).
+        self.stats_stride = 4 * triton.cdiv(self.total_q + 4 * self.num_seqs + 4, 4)
         self.empty = self.table is None
 
     def constexprs(self) -> dict:
@@ -736,6 +730,8 @@ def _use_tma(p: _Problem, *tensors) -> bool:
     """Whether the kernels may read these [tokens, heads, dim] tensors through descriptors (see TMA)."""
     if not TMA or p.head_dim != _pad(p.head_dim) or p.value_dim != _pad(p.value_dim):
         return False
+    if max(p.num_heads * max(p.total_q, p.total_kv), 2 * p.num_heads * p.stats_stride) >= 2**31:
+        return False  # descriptor coordinates are int32
     if not INTERPRETING and not (tensors[0].is_cuda and _has_tma(tensors[0].device.index or 0)):
         return False
     return all(x.shape[0] > 0 and x.is_contiguous() and x.data_ptr() % 16 == 0 for x in tensors)
@@ -750,15 +746,26 @@ def _descriptor(x: torch.Tensor, tma: bool):
     return TensorDescriptor(x, [x.shape[0], width], [width, 1], [16, x.shape[2]])
 
 
-def _delta(out, d_out, block: int = 16 if INTERPRETING else 64):
-    """[H, total_q] fp32: rowsum(dO * O) per query and head, in one small kernel."""
-    total_q, num_heads, value_dim = out.shape
-    delta = torch.empty(num_heads, total_q, dtype=torch.float32, device=out.device)
-    _delta_kernel[(triton.cdiv(total_q, block), num_heads)](
-        out, d_out, delta, total_q, out.stride(0), out.stride(1), d_out.stride(0), d_out.stride(1), delta.stride(0),
-        VALUE_DIM=value_dim, DV_PAD=_pad(value_dim), BLOCK=block,
+def _flat_descriptor(x: torch.Tensor, tma: bool):
+    """A contiguous x as a one-dimensional descriptor (block set per config by the pre-hooks), or x itself without
+    TMA. Every block read through it must start 16-byte aligned."""
+    if not tma:
+        return x
+    return TensorDescriptor(x, [x.numel()], [1], [16])
+
+
+def _query_stats(p: _Problem, out, lse, d_out) -> torch.Tensor:
+    """[2, H, stats_stride] fp32: each query's logsumexp and delta = rowsum(dO * O), in one small kernel over the
+    query tiles. Each sequence starts at a multiple of 4 (_stats_start) so that the dk/dv kernel can read any block
+    of them through a descriptor (FlashAttention-3 pads its varlen statistics the same way)."""
+    stats = torch.empty(2, p.num_heads, p.stats_stride, dtype=torch.float32, device=out.device)
+    block = min(size for direction, size in _parts() if direction == 0)
+    _query_stats_kernel[(p.table.capacity[(0, block)], p.num_heads)](
+        out, d_out, lse, stats, p.q_offsets, p.table.tiles, p.table.index[0], out.stride(0), out.stride(1),
+        d_out.stride(0), d_out.stride(1), lse.stride(0), p.stats_stride, stats.stride(0),
+        VALUE_DIM=p.value_dim, DV_PAD=_pad(p.value_dim), BLOCK=block,
     )
-    return delta
+    return stats
 
 
 @functools.lru_cache(maxsize=None)
@@ -774,26 +781,24 @@ def _backward(p: _Problem, q, k, v, out, lse, d_out):
     if p.empty:
         return dq.to(q.dtype), dk, dv
     d_out = d_out.contiguous()
-    if p.silu:
-        lse = delta = d_out  # never read when SILU
-    else:
-        delta = _delta(out, d_out)
+    stats = d_out if p.silu else _query_stats(p, out, lse, d_out)  # never read when SILU
+    stats_stride, delta_offset = (0, 0) if p.silu else (p.stats_stride, stats.stride(0))
     tma = _use_tma(p, q, k, v, d_out)
     dq_tma = atomic and tma and not INTERPRETING  # the interpreter has no descriptor reduce
     table = p.table
     # dk/dv first: autotuning it zeroes dq (reset_to_zero), which the separate dq kernel then writes.
     _dkdv_kernel[_persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device)](
-        q, k, v, d_out, _descriptor(q, tma), _descriptor(d_out, tma), lse, delta, dk, dv, dq,
+        q, k, v, d_out, _descriptor(q, tma), _descriptor(d_out, tma), stats, _flat_descriptor(stats, tma), dk, dv, dq,
         _descriptor(dq, dq_tma), p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
         d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
-        p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma, **p.constexprs(),
+        stats_stride, delta_offset, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma, **p.constexprs(),
     )
     if not atomic:
         _dq_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
-            q, k, v, _descriptor(k, tma), _descriptor(v, tma), d_out, lse, delta, dq, p.q_offsets, p.kv_offsets,
+            q, k, v, _descriptor(k, tma), _descriptor(v, tma), d_out, stats, dq, p.q_offsets, p.kv_offsets,
             table.tiles, table.index[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            d_out.stride(0), d_out.stride(1), dq.stride(0), dq.stride(1), p.total_q, p.num_heads, p.scale,
+            d_out.stride(0), d_out.stride(1), dq.stride(0), dq.stride(1), stats_stride, delta_offset, p.num_heads, p.scale,
             p.length_bucket, TMA=tma, **p.constexprs(),
         )
     return dq.to(q.dtype), dk, dv
