@@ -95,7 +95,7 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
         except torch.OutOfMemoryError:
             forward_ms = both_ms = float("nan")
         row.setdefault(method, {}).update(fwd_ms=forward_ms, fwd_bwd_ms=both_ms)
-        del inputs
+        inputs = d_out = None  # freed before the next method's inputs
         torch.cuda.empty_cache()
     return row
 
@@ -252,11 +252,11 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
     from kernels.triton import triton_jagged_attention as kernel
 
     results = []
-    for mix, max_len, dim, causal in [("uniform", 512, 128, True), ("long_tail", 2048, 128, True),
-                                      ("long_tail", 8192, 128, True), ("long_tail", 8192, 64, True),
-                                      ("uniform", 8192, 128, False)]:
-        if max_lens and max_len not in max_lens:
-            continue
+    cases = [case for case in [("uniform", 512, 128, True), ("long_tail", 2048, 128, True),
+                               ("long_tail", 8192, 128, True), ("long_tail", 8192, 64, True),
+                               ("uniform", 8192, 128, False)] if not max_lens or case[1] in max_lens]
+    results_name = "jagged_attention_overhead" + "".join(f"_L{n}" for n in max_lens or ())
+    for mix, max_len, dim, causal in cases:
         lengths = long_tail_lengths(tokens, max_len, seed=max_len) if mix == "long_tail" else \
             uniform_lengths(tokens, max_len)
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
@@ -285,8 +285,9 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
         kernel.ATOMIC_DQ, kernel.TMA = defaults
         print(row, flush=True)
         results.append(row)
-    results_name = "jagged_attention_overhead" + "".join(f"_L{n}" for n in max_lens or ())
-    save(results_name, {"tokens": tokens, "max_lens": max_lens, "source_commit": _source_commit()}, results)
+        # Saved after every case, so that a run cut short keeps what it measured.
+        save(results_name, {"tokens": tokens, "max_lens": max_lens, "source_commit": _source_commit(),
+                            "complete": len(results) == len(cases)}, results)
 
 
 def _config_timings(tuner) -> dict[str, float]:
