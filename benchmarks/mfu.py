@@ -122,7 +122,7 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
             results[variant] = {"forward_seconds": fwd, "backward_seconds": both - fwd,
                                 "forward_tflops": flops / fwd / 1e12,
                                 "backward_tflops": 2 * flops / max(both - fwd, 1e-12) / 1e12}
-            del module, run
+            module = run = None  # freed before the next variant's copy
         for variant in results:
             if variant.startswith("fp8_"):
                 bf16, fp8 = results["bf16"], results[variant]

@@ -209,6 +209,63 @@ def test_tile_cache_is_never_stale_on_cpu_interpreter():
     check(torch.tensor([0, 1, 2, 40]))  # a new tensor, perhaps where a freed one lived
 
 
+def check_tile_table(q_lengths, kv_lengths, causal: bool, parts: tuple, device: str) -> None:
+    """The one-launch tile build against its PyTorch reference: every part's tiles, in order, and the index."""
+    from kernels.pytorch.pt_tile_table import pt_tile_table
+    from kernels.triton.triton_jagged_attention import TileTable
+
+    q_offsets = _offsets(q_lengths, device)
+    kv_offsets = q_offsets if kv_lengths is None else _offsets(kv_lengths, device)
+    table = TileTable(q_offsets, kv_offsets, int(q_offsets[-1]), int(kv_offsets[-1]), parts, causal)
+    tiles, index = pt_tile_table(q_offsets, kv_offsets, table.tiles.shape[1], parts, causal)
+    assert torch.equal(table.index, index)
+    for p, (direction, size) in enumerate(parts):
+        count = int(index[direction, size // 16, 1])
+        assert count == sum(-(-n // size) for n in (q_lengths if direction == 0 or kv_lengths is None
+                                                    else kv_lengths))
+        assert torch.equal(table.tiles[p, :count], tiles[p, :count]), (p, direction, size)
+
+
+# Lengths that give ties, empty sequences, sequences shorter than a block, and more queries than keys and fewer.
+TILE_TABLE_CASES = [
+    pytest.param(lengths, kv_lengths, causal, id=f"{name}-{'causal' if causal else 'full'}")
+    for name, lengths, kv_lengths in [("self", (0, 1, 5, 16, 17, 33, 64, 64, 100, 0, 257), None),
+                                      ("cross", (2, 40, 0, 3, 50, 17), (30, 3, 9, 0, 50, 64))]
+    for causal in (False, True)
+]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+@pytest.mark.parametrize("q_lengths,kv_lengths,causal", TILE_TABLE_CASES if INTERPRETING else [])
+def test_tile_table_matches_reference_on_cpu_interpreter(q_lengths, kv_lengths, causal):
+    check_tile_table(q_lengths, kv_lengths, causal, ((0, 16), (0, 32), (1, 16), (1, 64)), "cpu")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+@pytest.mark.parametrize("case", OTHER_BACKWARD_CASES if INTERPRETING else [])
+def test_kernels_run_on_sorted_tile_lists_on_cpu_interpreter(case, monkeypatch):
+    """Past MAX_COUNTED_PAIRS the tile lists come from the PyTorch build: the kernels must read them the same."""
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "MAX_COUNTED_PAIRS", 0)
+    kernel.clear_tile_cache()
+    check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
+    kernel.clear_tile_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_table_matches_reference_on_gpu(causal):
+    from kernels.triton.triton_jagged_attention import _parts
+
+    generator = torch.Generator().manual_seed(1)
+    q_lengths = (torch.rand(300, generator=generator) ** 3 * 3000).long().tolist()
+    kv_lengths = (torch.rand(300, generator=generator) ** 3 * 3000).long().tolist()
+    for kv in (None, kv_lengths):
+        check_tile_table(q_lengths, kv, causal, _parts(), "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", GPU_CASES)
@@ -242,7 +299,8 @@ def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, mo
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + len(OTHER_BACKWARD_CASES) + len(FP8_CASES) + 1)
+    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(OTHER_BACKWARD_CASES) + len(FP8_CASES)
+                          + len(TILE_TABLE_CASES) + 1)
 
 
 def test_fp8_inputs_are_checked_before_any_kernel_runs():

@@ -1,8 +1,8 @@
 """Triton jagged flash attention: forward and backward on values + offsets, never padded.
 
-Work is a list of tiles (sequence, first row) built with torch ops on the device from the offsets,
+Work is a list of tiles (sequence, first row) built by one kernel launch on the device from the offsets,
 heaviest first, so no length is read back to the host. The lists of both directions and every block
-size are built in one batched pass and cached per offsets tensor, so the layers of a model step and
+size are built in that launch and cached per offsets tensor, so the layers of a model step and
 the backward share one build. Each kernel is persistent: a fixed grid of programs walks that list
 round-robin over (tile, head) items, so short sequences cost neither launches nor empty programs. The
 forward keeps an online softmax in fp32 and saves the base-2 logsumexp; the backward computes
@@ -31,6 +31,8 @@ import triton.language as tl
 import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels.pytorch.pt_tile_table import pt_tile_table
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)  # FP8: forward only
 LOG2E = 1.4426950408889634
@@ -41,6 +43,8 @@ EMPTY_ROW_LSE = 1.0e30
 # Persistent programs launched per multiprocessor: those that do not fit resident wait for a slot, and
 # as each walks an equal share of the heaviest-first item list, more programs only even out the tail.
 PROGRAMS_PER_SM = 4
+# Tile slots times sequences up to which the tile lists are built by counting (one launch) rather than sorting.
+MAX_COUNTED_PAIRS = 1 << 24
 
 
 def _configs(shapes: list[tuple], tile_name: str, inner_name: str, pre_hook=None) -> list[triton.Config]:
@@ -121,67 +125,142 @@ _EMPTY_ROW_LSE = tl.constexpr(EMPTY_ROW_LSE)
 class TileTable:
     """Tiles (sequence, first row) of both directions and every block size, packed in one int32 tensor.
 
-    `tiles` [parts, width, 2]: one row of `width` slots per (direction, block size), heaviest tile first,
-    unused slots last. `index` [2, 9, 2] holds (first tile, tile count) of direction d (0: query blocks,
-    1: key blocks) and block size b at [d, b // 16]: each kernel reads the row of its own autotuned block
-    size. Counts stay on the device; capacities (upper bounds, sum(ceil(L / b)) <= total / b + B) come
-    from shapes, so building needs no device-to-host copy. All parts are built in one batched pass of
-    about twenty torch ops.
+    `tiles` [parts, width, 2]: one row of `width` slots per (direction, block size), heaviest tile first (ties
+    by sequence, then row), unused slots last. `index` [2, 9, 2] holds (first tile, tile count) of direction d
+    (0: query blocks, 1: key blocks) and block size b at [d, b // 16]: each kernel reads the row of its own
+    autotuned block size. Built by one kernel launch (_tile_table_kernel) from the offsets: counts stay on the
+    device, and capacities (upper bounds, sum(ceil(L / b)) <= total / b + B) come from shapes, so building
+    needs no device-to-host copy. The kernel counts every tile against every sequence, so past
+    MAX_COUNTED_PAIRS (many short sequences) the PyTorch build, a sort in a few dozen small launches, takes
+    over; it is also the kernel's oracle (kernels.pytorch.pt_tile_table).
     """
 
-    def __init__(self, q_lengths, kv_lengths, total_q: int, total_kv: int, parts: tuple, causal: bool):
-        device, num_seqs = q_lengths.device, q_lengths.numel()
-        sizes, queries_major, rows = _part_constants(parts, device)
+    def __init__(self, q_offsets, kv_offsets, total_q: int, total_kv: int, parts: tuple, causal: bool):
+        device, num_seqs = q_offsets.device, q_offsets.numel() - 1
         self.capacity = {part: (total_q if part[0] == 0 else total_kv) // part[1] + num_seqs for part in parts}
         width = max(self.capacity.values())
-        own = torch.where(queries_major, q_lengths, kv_lengths)  # [parts, B]
-        other = torch.where(queries_major, kv_lengths, q_lengths)
-        blocks = (own + sizes - 1) // sizes
-        ends = blocks.cumsum(1)
-        slot = torch.arange(width, device=device).repeat(len(parts), 1)
-        seq = torch.searchsorted(ends, slot, right=True).clamp_(max=num_seqs - 1)
-        start = (slot - ends.gather(1, seq) + blocks.gather(1, seq)) * sizes
-        count = ends[:, -1:]
-        work = _tile_work(own.gather(1, seq), other.gather(1, seq), start, sizes, causal, queries_major)
-        order = torch.where(slot < count, work, -1).argsort(1, descending=True)
-        self.tiles = torch.stack([seq.gather(1, order), start.gather(1, order)], -1).to(torch.int32)
-        first = torch.arange(len(parts), device=device)[:, None] * width
-        self.index = torch.zeros(18, 2, dtype=torch.int32, device=device).index_copy_(
-            0, rows, torch.cat([first, count], 1).to(torch.int32)).view(2, 9, 2)
+        if width * num_seqs > MAX_COUNTED_PAIRS:
+            self.tiles, self.index = pt_tile_table(q_offsets, kv_offsets, width, parts, causal)
+            return
+        self.tiles = torch.empty(len(parts), width, 2, dtype=torch.int32, device=device)
+        self.index = torch.empty(2, 9, 2, dtype=torch.int32, device=device)
+        _tile_table_kernel[(num_seqs, len(parts))](
+            q_offsets, kv_offsets, _part_info(parts, device), self.tiles, self.index, num_seqs, len(parts), width,
+            CAUSAL=causal, TILES=32, SEQS=64,
+        )
 
 
 @functools.lru_cache(maxsize=None)
-def _part_constants(parts: tuple, device: torch.device):
-    """Per-part block size, direction and index row, copied to the device once per device."""
-    sizes = torch.tensor([[size] for _, size in parts], device=device)
-    queries_major = torch.tensor([[direction == 0] for direction, _ in parts], device=device)
-    rows = torch.tensor([9 * direction + size // 16 for direction, size in parts], device=device)
-    return sizes, queries_major, rows
+def _part_info(parts: tuple, device: torch.device) -> torch.Tensor:
+    """[parts, 2] int64 (direction, block size), copied to the device once per device."""
+    return torch.tensor(parts, dtype=torch.int64, device=device).reshape(len(parts), 2)
 
 
-def _tile_work(own_len, other_len, start, block, causal, queries_major):
-    """Rows of the other side a tile visits: heavy tiles first keep the round-robin even."""
-    if not causal:
-        return other_len
-    # query rows [start, last) see keys < last + (Lk - Lq)
-    last = torch.minimum(own_len, start + block)
-    queries = (last + other_len - own_len).clamp(min=0).minimum(other_len)
-    # key rows from `start` are seen by query rows >= start - (Lk - Lq)
-    keys = (other_len - (start - (own_len - other_len)).clamp(min=0)).clamp(min=0)
-    return torch.where(queries_major, queries, keys)
+@triton.jit
+def _work_of_tiles(own, other, first_row, block, queries_major, CAUSAL: tl.constexpr):
+    """Rows of the other side a tile visits (own, other: the lengths along its direction and across)."""
+    if CAUSAL:
+        # query rows [first_row, last) see keys < last + (Lk - Lq)
+        last = tl.minimum(own, first_row + block)
+        queries = tl.minimum(tl.maximum(last + other - own, 0), other)
+        # key rows from first_row are seen by query rows >= first_row - (Lk - Lq)
+        keys = tl.maximum(other - tl.maximum(first_row - (own - other), 0), 0)
+        return tl.where(queries_major, queries, keys)
+    else:
+        return other + 0 * first_row
+
+
+@triton.jit
+def _tiles_above(own, other, count, block, work, queries_major, CAUSAL: tl.constexpr):
+    """How many of a sequence's `count` tiles visit more than `work` rows: along query blocks a causal tile's
+    work grows with its row, along key blocks it shrinks, so the count has a closed form."""
+    if CAUSAL:
+        past = work - other + own  # query tiles visit more than `work` rows once their last row passes this
+        along_queries = tl.where(past < 0, count, tl.maximum(count - past // block, 0))
+        along_keys = tl.where(own > work, tl.minimum(count, (own - work + block - 1) // block), 0)
+        above = tl.where(queries_major, along_queries, along_keys)
+        return tl.where(work < 0, count, tl.where(work >= other, 0, above))
+    else:
+        return tl.where(other > work, count, 0)
+
+
+@triton.jit
+def _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, queries):
+    """Query (or key) lengths of sequences `seqs`, 0 past the last."""
+    ok = seqs < num_seqs
+    q_lens = tl.load(q_offsets_ptr + seqs + 1, mask=ok, other=0) - tl.load(q_offsets_ptr + seqs, mask=ok, other=0)
+    kv_lens = tl.load(kv_offsets_ptr + seqs + 1, mask=ok, other=0) - tl.load(kv_offsets_ptr + seqs, mask=ok, other=0)
+    return tl.where(queries, q_lens, kv_lens)
+
+
+@triton.jit
+def _tile_table_kernel(q_offsets_ptr, kv_offsets_ptr, part_info_ptr, tiles_ptr, index_ptr, num_seqs, num_parts, width,
+                       CAUSAL: tl.constexpr, TILES: tl.constexpr, SEQS: tl.constexpr):
+    """One sequence's tiles of one part, each written straight to its slot in the heaviest-first order: its rank
+    is the number of tiles (of every sequence) with more work, plus those with equal work earlier in (sequence,
+    row) order, counted in closed form per sequence. No sort, no host copy. Program (0, 0) also writes `index`."""
+    seq = tl.program_id(0)
+    part = tl.program_id(1)
+    direction = tl.load(part_info_ptr + 2 * part)
+    block = tl.load(part_info_ptr + 2 * part + 1)
+    queries_major = direction == 0
+    q_len = tl.load(q_offsets_ptr + seq + 1) - tl.load(q_offsets_ptr + seq)
+    kv_len = tl.load(kv_offsets_ptr + seq + 1) - tl.load(kv_offsets_ptr + seq)
+    own = tl.where(queries_major, q_len, kv_len)
+    other = tl.where(queries_major, kv_len, q_len)
+    count = (own + block - 1) // block
+    for j0 in range(0, count, TILES):
+        j = j0 + tl.arange(0, TILES).to(tl.int64)
+        work = _work_of_tiles(own, other, j * block, block, queries_major, CAUSAL)
+        rank = tl.zeros([TILES], dtype=tl.int64)
+        for s0 in range(0, num_seqs, SEQS):
+            seqs = s0 + tl.arange(0, SEQS)
+            owns = _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, queries_major)[None, :]
+            others = _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, not queries_major)[None, :]
+            counts = (owns + block - 1) // block
+            above = _tiles_above(owns, others, counts, block, work[:, None], queries_major, CAUSAL)
+            at_least = _tiles_above(owns, others, counts, block, work[:, None] - 1, queries_major, CAUSAL)
+            earlier = seqs[None, :] < seq
+            rank += tl.sum(above + tl.where(earlier, at_least - above, 0), 1)
+        # this sequence's own tiles of equal work before tile j: they form one run of consecutive tiles
+        if CAUSAL:
+            run_start = tl.where(queries_major,
+                                 count - _tiles_above(own, other, count, block, work - 1, queries_major, CAUSAL),
+                                 _tiles_above(own, other, count, block, work, queries_major, CAUSAL))
+        else:
+            run_start = tl.zeros([TILES], dtype=tl.int64)
+        rank += j - run_start
+        slot = tiles_ptr + 2 * (part * width + rank)
+        ok = j < count
+        tl.store(slot, seq.to(tl.int32) + tl.zeros([TILES], dtype=tl.int32), mask=ok)
+        tl.store(slot + 1, (j * block).to(tl.int32), mask=ok)
+    if seq == 0 and part == 0:
+        rows = tl.arange(0, 32)  # index rows: 9 * direction + block // 16, 18 of them
+        firsts = tl.zeros([32], dtype=tl.int64)
+        totals = tl.zeros([32], dtype=tl.int64)
+        for p in range(0, num_parts):
+            p_block = tl.load(part_info_ptr + 2 * p + 1)
+            p_queries = tl.load(part_info_ptr + 2 * p) == 0
+            blocks = tl.zeros([SEQS], dtype=tl.int64)
+            for s0 in range(0, num_seqs, SEQS):
+                seqs = s0 + tl.arange(0, SEQS)
+                blocks += (_lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, p_queries) + p_block - 1) // p_block
+            row = tl.where(p_queries, 0, 9) + p_block // 16
+            firsts = tl.where(rows == row, p * width, firsts)
+            totals = tl.where(rows == row, tl.sum(blocks), totals)
+        tl.store(index_ptr + 2 * rows, firsts.to(tl.int32), mask=rows < 18)
+        tl.store(index_ptr + 2 * rows + 1, totals.to(tl.int32), mask=rows < 18)
 
 
 class _Tiles:
-    """Device offsets, lengths and tile table of one (q_offsets, kv_offsets) pair."""
+    """Device offsets and tile table of one (q_offsets, kv_offsets) pair."""
 
     def __init__(self, q_offsets, kv_offsets, device, total_q: int, total_kv: int, parts: tuple, causal: bool):
         self.q_offsets = q_offsets.to(device=device, dtype=torch.int64).contiguous()
         self.kv_offsets = self.q_offsets if kv_offsets is q_offsets else kv_offsets.to(
             device=device, dtype=torch.int64).contiguous()
-        self.q_lengths = self.q_offsets.diff()
-        self.kv_lengths = self.kv_offsets.diff()
-        empty = self.q_lengths.numel() == 0 or total_q == 0
-        self.table = None if empty else TileTable(self.q_lengths, self.kv_lengths, total_q, total_kv, parts, causal)
+        empty = self.q_offsets.numel() <= 1 or total_q == 0
+        self.table = None if empty else TileTable(self.q_offsets, self.kv_offsets, total_q, total_kv, parts, causal)
 
 
 class TileCache:
@@ -618,11 +697,11 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, q_co
 @triton.jit
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, stats_ptr, stats_desc, dk_ptr, dv_ptr, dq_ptr, dq_desc,
-    q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stats_stride,
-    delta_offset, num_heads, scale, length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, ADD_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+    stats_stride, delta_offset, num_heads, scale, length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr,
+    ADD_DQ: tl.constexpr, DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16) + 1) * num_heads
@@ -792,14 +871,15 @@ def _backward(p: _Problem, q, k, v, out, lse, d_out):
         _descriptor(dq, dq_tma), p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
         d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
-        stats_stride, delta_offset, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma, **p.constexprs(),
+        stats_stride, delta_offset, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma,
+        **p.constexprs(),
     )
     if not atomic:
         _dq_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
             q, k, v, _descriptor(k, tma), _descriptor(v, tma), d_out, stats, dq, p.q_offsets, p.kv_offsets,
             table.tiles, table.index[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            d_out.stride(0), d_out.stride(1), dq.stride(0), dq.stride(1), stats_stride, delta_offset, p.num_heads, p.scale,
-            p.length_bucket, TMA=tma, **p.constexprs(),
+            d_out.stride(0), d_out.stride(1), dq.stride(0), dq.stride(1), stats_stride, delta_offset, p.num_heads,
+            p.scale, p.length_bucket, TMA=tma, **p.constexprs(),
         )
     return dq.to(q.dtype), dk, dv
 
