@@ -146,14 +146,15 @@ class TileTable:
         self.index = torch.empty(2, 9, 2, dtype=torch.int32, device=device)
         _tile_table_kernel[(num_seqs, len(parts))](
             q_offsets, kv_offsets, _part_info(parts, device), self.tiles, self.index, num_seqs, len(parts), width,
-            CAUSAL=causal, TILES=32, SEQS=64,
+            CAUSAL=causal, TILES=16, SEQS=128,
         )
 
 
 @functools.lru_cache(maxsize=None)
 def _part_info(parts: tuple, device: torch.device) -> torch.Tensor:
-    """[parts, 2] int64 (direction, block size), copied to the device once per device."""
-    return torch.tensor(parts, dtype=torch.int64, device=device).reshape(len(parts), 2)
+    """[parts, 3] int32 (direction, block size, its log2), copied to the device once per device."""
+    rows = [(direction, size, size.bit_length() - 1) for direction, size in parts]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(parts), 3)
 
 
 @triton.jit
@@ -171,13 +172,14 @@ def _work_of_tiles(own, other, first_row, block, queries_major, CAUSAL: tl.const
 
 
 @triton.jit
-def _tiles_above(own, other, count, block, work, queries_major, CAUSAL: tl.constexpr):
+def _tiles_above(own, other, count, block, shift, work, queries_major, CAUSAL: tl.constexpr):
     """How many of a sequence's `count` tiles visit more than `work` rows: along query blocks a causal tile's
-    work grows with its row, along key blocks it shrinks, so the count has a closed form."""
+    work grows with its row, along key blocks it shrinks, so the count has a closed form (block = 1 << shift:
+    int32 shifts, not divisions, in the kernel's inner loop)."""
     if CAUSAL:
         past = work - other + own  # query tiles visit more than `work` rows once their last row passes this
-        along_queries = tl.where(past < 0, count, tl.maximum(count - past // block, 0))
-        along_keys = tl.where(own > work, tl.minimum(count, (own - work + block - 1) // block), 0)
+        along_queries = tl.where(past < 0, count, tl.maximum(count - (past >> shift), 0))
+        along_keys = tl.where(own > work, tl.minimum(count, (own - work + block - 1) >> shift), 0)
         above = tl.where(queries_major, along_queries, along_keys)
         return tl.where(work < 0, count, tl.where(work >= other, 0, above))
     else:
@@ -186,11 +188,11 @@ def _tiles_above(own, other, count, block, work, queries_major, CAUSAL: tl.const
 
 @triton.jit
 def _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, queries):
-    """Query (or key) lengths of sequences `seqs`, 0 past the last."""
+    """Query (or key) lengths of sequences `seqs` as int32 (as the attention kernels take them), 0 past the last."""
     ok = seqs < num_seqs
     q_lens = tl.load(q_offsets_ptr + seqs + 1, mask=ok, other=0) - tl.load(q_offsets_ptr + seqs, mask=ok, other=0)
     kv_lens = tl.load(kv_offsets_ptr + seqs + 1, mask=ok, other=0) - tl.load(kv_offsets_ptr + seqs, mask=ok, other=0)
-    return tl.where(queries, q_lens, kv_lens)
+    return tl.where(queries, q_lens, kv_lens).to(tl.int32)
 
 
 @triton.jit
@@ -201,55 +203,56 @@ def _tile_table_kernel(q_offsets_ptr, kv_offsets_ptr, part_info_ptr, tiles_ptr, 
     row) order, counted in closed form per sequence. No sort, no host copy. Program (0, 0) also writes `index`."""
     seq = tl.program_id(0)
     part = tl.program_id(1)
-    direction = tl.load(part_info_ptr + 2 * part)
-    block = tl.load(part_info_ptr + 2 * part + 1)
+    direction = tl.load(part_info_ptr + 3 * part)
+    block = tl.load(part_info_ptr + 3 * part + 1)
+    shift = tl.load(part_info_ptr + 3 * part + 2)
     queries_major = direction == 0
-    q_len = tl.load(q_offsets_ptr + seq + 1) - tl.load(q_offsets_ptr + seq)
-    kv_len = tl.load(kv_offsets_ptr + seq + 1) - tl.load(kv_offsets_ptr + seq)
-    own = tl.where(queries_major, q_len, kv_len)
-    other = tl.where(queries_major, kv_len, q_len)
-    count = (own + block - 1) // block
+    own = _lengths(q_offsets_ptr, kv_offsets_ptr, seq, num_seqs, queries_major)
+    other = _lengths(q_offsets_ptr, kv_offsets_ptr, seq, num_seqs, not queries_major)
+    count = (own + block - 1) >> shift
     for j0 in range(0, count, TILES):
-        j = j0 + tl.arange(0, TILES).to(tl.int64)
+        j = j0 + tl.arange(0, TILES)
         work = _work_of_tiles(own, other, j * block, block, queries_major, CAUSAL)
-        rank = tl.zeros([TILES], dtype=tl.int64)
+        rank = tl.zeros([TILES], dtype=tl.int32)
         for s0 in range(0, num_seqs, SEQS):
             seqs = s0 + tl.arange(0, SEQS)
             owns = _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, queries_major)[None, :]
             others = _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, not queries_major)[None, :]
-            counts = (owns + block - 1) // block
-            above = _tiles_above(owns, others, counts, block, work[:, None], queries_major, CAUSAL)
-            at_least = _tiles_above(owns, others, counts, block, work[:, None] - 1, queries_major, CAUSAL)
+            counts = (owns + block - 1) >> shift
+            above = _tiles_above(owns, others, counts, block, shift, work[:, None], queries_major, CAUSAL)
+            at_least = _tiles_above(owns, others, counts, block, shift, work[:, None] - 1, queries_major, CAUSAL)
             earlier = seqs[None, :] < seq
             rank += tl.sum(above + tl.where(earlier, at_least - above, 0), 1)
         # this sequence's own tiles of equal work before tile j: they form one run of consecutive tiles
         if CAUSAL:
             run_start = tl.where(queries_major,
-                                 count - _tiles_above(own, other, count, block, work - 1, queries_major, CAUSAL),
-                                 _tiles_above(own, other, count, block, work, queries_major, CAUSAL))
+                                 count - _tiles_above(own, other, count, block, shift, work - 1, queries_major,
+                                                      CAUSAL),
+                                 _tiles_above(own, other, count, block, shift, work, queries_major, CAUSAL))
         else:
-            run_start = tl.zeros([TILES], dtype=tl.int64)
+            run_start = tl.zeros([TILES], dtype=tl.int32)
         rank += j - run_start
         slot = tiles_ptr + 2 * (part * width + rank)
         ok = j < count
-        tl.store(slot, seq.to(tl.int32) + tl.zeros([TILES], dtype=tl.int32), mask=ok)
-        tl.store(slot + 1, (j * block).to(tl.int32), mask=ok)
+        tl.store(slot, seq + tl.zeros([TILES], dtype=tl.int32), mask=ok)
+        tl.store(slot + 1, j * block, mask=ok)
     if seq == 0 and part == 0:
         rows = tl.arange(0, 32)  # index rows: 9 * direction + block // 16, 18 of them
-        firsts = tl.zeros([32], dtype=tl.int64)
-        totals = tl.zeros([32], dtype=tl.int64)
+        firsts = tl.zeros([32], dtype=tl.int32)
+        totals = tl.zeros([32], dtype=tl.int32)
         for p in range(0, num_parts):
-            p_block = tl.load(part_info_ptr + 2 * p + 1)
-            p_queries = tl.load(part_info_ptr + 2 * p) == 0
-            blocks = tl.zeros([SEQS], dtype=tl.int64)
+            p_block = tl.load(part_info_ptr + 3 * p + 1)
+            p_queries = tl.load(part_info_ptr + 3 * p) == 0
+            blocks = tl.zeros([SEQS], dtype=tl.int32)
             for s0 in range(0, num_seqs, SEQS):
                 seqs = s0 + tl.arange(0, SEQS)
-                blocks += (_lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, p_queries) + p_block - 1) // p_block
+                lengths = _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, p_queries)
+                blocks += (lengths + p_block - 1) >> tl.load(part_info_ptr + 3 * p + 2)
             row = tl.where(p_queries, 0, 9) + p_block // 16
             firsts = tl.where(rows == row, p * width, firsts)
             totals = tl.where(rows == row, tl.sum(blocks), totals)
-        tl.store(index_ptr + 2 * rows, firsts.to(tl.int32), mask=rows < 18)
-        tl.store(index_ptr + 2 * rows + 1, totals.to(tl.int32), mask=rows < 18)
+        tl.store(index_ptr + 2 * rows, firsts, mask=rows < 18)
+        tl.store(index_ptr + 2 * rows + 1, totals, mask=rows < 18)
 
 
 class _Tiles:
