@@ -212,11 +212,12 @@ def test_tile_cache_is_never_stale_on_cpu_interpreter():
 def check_tile_table(q_lengths, kv_lengths, causal: bool, parts: tuple, device: str) -> None:
     """The one-launch tile build against its PyTorch reference: every part's tiles, in order, and the index."""
     from kernels.pytorch.pt_tile_table import pt_tile_table
-    from kernels.triton.triton_jagged_attention import TileTable
+    from kernels.triton import triton_jagged_attention as kernel
 
     q_offsets = _offsets(q_lengths, device)
     kv_offsets = q_offsets if kv_lengths is None else _offsets(kv_lengths, device)
-    table = TileTable(q_offsets, kv_offsets, int(q_offsets[-1]), int(kv_offsets[-1]), parts, causal)
+    table = kernel.TileTable(q_offsets, kv_offsets, int(q_offsets[-1]), int(kv_offsets[-1]), parts, causal)
+    assert table.tiles.shape[1] * len(q_lengths) <= kernel.MAX_COUNTED_PAIRS  # built by counting, not the sort
     tiles, index = pt_tile_table(q_offsets, kv_offsets, table.tiles.shape[1], parts, causal)
     assert torch.equal(table.index, index)
     for p, (direction, size) in enumerate(parts):
@@ -237,17 +238,21 @@ TILE_TABLE_CASES = [
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
 @pytest.mark.parametrize("q_lengths,kv_lengths,causal", TILE_TABLE_CASES if INTERPRETING else [])
-def test_tile_table_matches_reference_on_cpu_interpreter(q_lengths, kv_lengths, causal):
+def test_tile_table_matches_reference_on_cpu_interpreter(q_lengths, kv_lengths, causal, monkeypatch):
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "MAX_COUNTED_PAIRS", 1 << 24)  # the counting kernel, not the sort
     check_tile_table(q_lengths, kv_lengths, causal, ((0, 16), (0, 32), (1, 16), (1, 64)), "cpu")
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
 @pytest.mark.parametrize("case", OTHER_BACKWARD_CASES if INTERPRETING else [])
-def test_kernels_run_on_sorted_tile_lists_on_cpu_interpreter(case, monkeypatch):
-    """Past MAX_COUNTED_PAIRS the tile lists come from the PyTorch build: the kernels must read them the same."""
+def test_kernels_run_on_counted_tile_lists_on_cpu_interpreter(case, monkeypatch):
+    """The interpreter's other cases take sorted tile lists (MAX_COUNTED_PAIRS, for speed); these take the
+    counting kernel's, as the GPU does."""
     from kernels.triton import triton_jagged_attention as kernel
 
-    monkeypatch.setattr(kernel, "MAX_COUNTED_PAIRS", 0)
+    monkeypatch.setattr(kernel, "MAX_COUNTED_PAIRS", 1 << 24)
     kernel.clear_tile_cache()
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
     kernel.clear_tile_cache()
