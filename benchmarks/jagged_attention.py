@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import save
-from kernels.jagged_attention import jagged_attention
+from kernels.jagged_attention import jagged_attention, quantize_fp8
 
 METHODS = ("triton", "triton_cached", "triton_fp8", "flex", "flex+mask", "sdpa_padded")
 REFERENCE = "reference"  # opt-in (--with-reference): the oracle, slow at long lengths
@@ -119,14 +119,10 @@ def _disagreement(runners, q, k, v) -> dict:
 
 
 def _fp8_forward(offsets, causal, q, k, v) -> dict:
-    quantized, descale = [], []
-    for x in (q, k, v):
-        factor = x.abs().amax().float().clamp(min=1e-12) / 448.0
-        quantized.append((x / factor).to(torch.float8_e4m3fn))
-        descale.append(factor)
+    quantized, descale = quantize_fp8(q, k, v)
     with torch.no_grad():
         def call():
-            return jagged_attention(*quantized, offsets, causal=causal, descale=tuple(descale), backend="triton")
+            return jagged_attention(*quantized, offsets, causal=causal, descale=descale, backend="triton")
 
         forward_ms = timed(call)
         got = call().float()

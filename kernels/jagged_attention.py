@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.fp8_cast import cast_to_fp8
 from kernels.pytorch.pt_jagged_attention import pt_jagged_attention
 
 ACTIVATIONS = ("softmax", "silu")
@@ -62,7 +63,7 @@ def jagged_attention(
 
     FP8 (float8_e4m3fn q, k, v, forward only, as FlashAttention-3's FP8 path): the real values are
     q * descale[0], k * descale[1], v * descale[2] (floats or one-element fp32 tensors, e.g. each
-    tensor's amax / 448 from its quantization; default 1). QK^T runs in FP8 with fp32 accumulation; the
+    tensor's amax / 448 from its quantization, as quantize_fp8 returns them; default 1). QK^T runs in FP8 with fp32 accumulation; the
     weights and V meet in fp16 (every e4m3 value is exact there), since weights far below 1 would flush
     to zero in FP8. Returns bf16.
     """
@@ -75,6 +76,17 @@ def jagged_attention(
     if descale is not None:
         raise ValueError(f"descale applies to float8_e4m3fn inputs only; q, k, v are {q.dtype}")
     return fn(q, k, v, q_offsets, kv_offsets, causal, activation, scale)
+
+
+def quantize_fp8(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Inputs for the FP8 path: each [tokens, heads, dim] tensor as float8_e4m3fn scaled by its own absolute
+    maximum (kernels.fp8_cast), and the factors to pass as `descale`."""
+    quantized, factors = [], []
+    for x in tensors:
+        x8, _, inverse, _ = cast_to_fp8(x.reshape(-1, x.shape[-1]), FP8, transposed=False)
+        quantized.append(x8.view(x.shape))
+        factors.append(inverse)
+    return tuple(quantized), tuple(factors)
 
 
 def _descales(descale: tuple | None, device: torch.device) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.jagged_attention import available_backends, jagged_attention
+from kernels.jagged_attention import available_backends, jagged_attention, quantize_fp8
 from tests.triton_interpreter import run_interpreter_cases
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -130,13 +130,14 @@ def test_kernel_matches_reference_on_cpu_interpreter(case):
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
-# The other backward layout on a few of the CPU cases: dq added atomically by the dk/dv kernel.
-OTHER_BACKWARD_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
-                                                           "cross-causal-softmax", "self-mixed-d16-causal-silu")]
+# A few of the CPU cases, for the backward with dq added atomically by the dk/dv kernel and for the kernels on
+# counted tile lists.
+SAMPLE_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
+                                                   "cross-causal-softmax", "self-mixed-d16-causal-silu")]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("case", OTHER_BACKWARD_CASES if INTERPRETING else [])
+@pytest.mark.parametrize("case", SAMPLE_CASES if INTERPRETING else [])
 def test_atomic_dq_backward_matches_reference_on_cpu_interpreter(case, monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
 
@@ -152,15 +153,10 @@ def check_fp8_forward(case: Case, device: str, tolerance: float) -> None:
     kv_offsets = q_offsets if case.kv_lengths is None else _offsets(case.kv_lengths, device)
     shapes = [(int(q_offsets[-1]), case.heads, case.head_dim), (int(kv_offsets[-1]), case.heads, case.head_dim),
               (int(kv_offsets[-1]), case.heads, case.value_dim or case.head_dim)]
-    quantized, descale = [], []
-    for shape in shapes:
-        x = torch.randn(shape, device=device) * 3
-        factor = x.abs().amax().clamp(min=1e-6) / 448.0
-        quantized.append((x / factor).to(torch.float8_e4m3fn))
-        descale.append(factor)
+    quantized, descale = quantize_fp8(*(torch.randn(shape, device=device) * 3 for shape in shapes))
     with torch.no_grad():
         got, want = (jagged_attention(*quantized, q_offsets, kv_offsets, causal=case.causal, activation=case.activation,
-                                      descale=tuple(descale), backend=backend) for backend in ("triton", "pytorch"))
+                                      descale=descale, backend=backend) for backend in ("triton", "pytorch"))
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
     error = (got.float() - want.float()).norm() / (want.float().norm() + math.sqrt(want.numel()) * 1e-3)
     assert error < tolerance, f"relative error {error:.2e} over {tolerance:.0e}"
@@ -246,7 +242,7 @@ def test_tile_table_matches_reference_on_cpu_interpreter(q_lengths, kv_lengths, 
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("case", OTHER_BACKWARD_CASES if INTERPRETING else [])
+@pytest.mark.parametrize("case", SAMPLE_CASES if INTERPRETING else [])
 def test_kernels_run_on_counted_tile_lists_on_cpu_interpreter(case, monkeypatch):
     """The interpreter's other cases take sorted tile lists (MAX_COUNTED_PAIRS, for speed); these take the
     counting kernel's, as the GPU does."""
@@ -304,8 +300,16 @@ def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, mo
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(OTHER_BACKWARD_CASES) + len(FP8_CASES)
+    run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
                           + len(TILE_TABLE_CASES) + 1)
+
+
+def test_quantize_fp8_gives_the_factors_that_restore_the_inputs():
+    x = torch.randn(40, 3, 16) * 5
+    (x8,), (factor,) = quantize_fp8(x)
+    assert x8.dtype == torch.float8_e4m3fn and x8.shape == x.shape
+    assert x8.float().abs().max() == 448.0  # the absolute maximum lands on e4m3's largest value
+    assert ((x8.float() * factor - x).norm() / x.norm()).item() < 0.05  # e4m3 keeps 3 mantissa bits
 
 
 def test_fp8_inputs_are_checked_before_any_kernel_runs():
