@@ -388,8 +388,8 @@ def _row_stats(stats_desc, stats_ptr, stats_row, delta_offset, first, rows, row_
     dv, are exactly 0.
 
     TMA: one bulk copy each; the statistics' layout keeps every block 16-byte aligned for it. Pointer loads of these
-    small vectors, which Triton pipelines through cp.async and a block-wide barrier, took about a third of the
-    dk/dv kernel's time on the H200.
+    small vectors, which Triton pipelines through cp.async and a block-wide barrier, made the dk/dv kernel 40-50%
+    slower on the H200 (benchmarks/jagged_attention.py --overhead, before and after).
     """
     if TMA:
         lse = tl.where(row_ok, stats_desc.load([stats_row + first]), _EMPTY_ROW_LSE)
