@@ -79,12 +79,15 @@ if INTERPRETING:
     _DQ_CONFIGS = _configs([(32, 16, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
 else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
-    _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N",
-                            _KV_BLOCKS)
-    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
-                           "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    # Triton's Hopper kernels wait on each score matmul before the softmax, so within a program the tensor cores
+    # idle while it runs. One-warpgroup configs small enough in shared memory (under ~110 KB) and registers (255
+    # at 4 warps) run two programs per multiprocessor, whose matmuls and softmaxes then overlap.
+    _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2),
+                             (64, 32, 4, 3)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2),
+                            (64, 32, 4, 3), (64, 64, 4, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                              (128, 64, 8, 4), (64, 64, 4, 4)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+                              (128, 64, 8, 4), (64, 64, 4, 4), (64, 64, 4, 2)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
 
 if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
     _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
