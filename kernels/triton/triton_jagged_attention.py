@@ -78,20 +78,35 @@ if INTERPRETING:
     _FWD_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DQ_CONFIGS = _configs([(32, 16, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    _SMALL_HEAD_CONFIGS: list[triton.Config] = []
 else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
-    # Triton's Hopper kernels wait on each score matmul before the softmax, so within a program the tensor cores
-    # idle while it runs. One-warpgroup configs small enough in shared memory (under ~110 KB) and registers (255
-    # at 4 warps) run two programs per multiprocessor, whose matmuls and softmaxes then overlap.
-    _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2),
-                             (64, 32, 4, 3)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    # The last of each list run only for head dims up to SMALL_HEAD_DIM (_prune_for_head_dim): there one
+    # warpgroup per program, two programs per multiprocessor, lets one program's softmax overlap the other's
+    # matmuls. At D=128 the same shapes spill or need two programs' worth of shared memory, and lost
+    # (benchmarks/results/jagged_attention_overhead_L8192.json, source commit 539d58a).
+    _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+                            "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2),
-                            (64, 32, 4, 3), (64, 64, 4, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+                            (64, 32, 4, 3), (128, 32, 4, 5)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                              (128, 64, 8, 4), (64, 64, 4, 4), (64, 64, 4, 2)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+                              (128, 64, 8, 4), (64, 64, 4, 4), (64, 64, 4, 5)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    _SMALL_HEAD_CONFIGS = [*_FWD_CONFIGS[-1:], *_DQ_CONFIGS[-2:], *_DKDV_CONFIGS[-1:]]
 
 if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
     _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
 
+SMALL_HEAD_DIM = 64
+
+
+def _prune_for_head_dim(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
+    """The configs worth timing for this call's head dims (all of them when the filter would leave none)."""
+    head_dim = max(kwargs.get("HEAD_DIM", 0), kwargs.get("VALUE_DIM", 0))
+    if head_dim <= SMALL_HEAD_DIM:
+        return configs
+    return [c for c in configs if not any(c is small for small in _SMALL_HEAD_CONFIGS)] or configs
+
+
+_PRUNE = {"early_config_prune": _prune_for_head_dim}
 _AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU", "TMA"]
 
 
@@ -485,7 +500,7 @@ def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_ba
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench)
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench, prune_configs_by=_PRUNE)
 @triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
@@ -595,7 +610,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_ba
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench)
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench, prune_configs_by=_PRUNE)
 @triton.jit
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, stats_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
@@ -701,7 +716,7 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, q_co
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA"], do_bench=_short_bench,
-                 reset_to_zero=["dq_ptr"])
+                 reset_to_zero=["dq_ptr"], prune_configs_by=_PRUNE)
 @triton.jit
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, stats_ptr, stats_desc, dk_ptr, dv_ptr, dq_ptr, dq_desc,
