@@ -34,6 +34,7 @@ import argparse
 import collections
 import math
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -242,13 +243,15 @@ def _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out) -> dict[str, fl
 
 def overhead(tokens: int, max_lens: list[int] | None) -> None:
     """Where a call's time goes: one tile-list build vs the kernels alone (lists built beforehand); each
-    backward kernel's share (profiled) beside FlexAttention's kernels on the same batch; the kernels with
+    kernel's share (profiled) beside FlexAttention's kernels on the same batch; the host's time per call
+    against the device's (_host_times); the kernels with
     pointer loads instead of tensor descriptors (JAGGED_ATTENTION_TMA=0); and the backward with dq added
     by the dk/dv kernel (JAGGED_ATTENTION_ATOMIC_DQ=1, one TMA reduce per block) instead of a separate dq kernel."""
     from kernels.triton import triton_jagged_attention as kernel
 
     results = []
-    cases = [case for case in [("uniform", 512, 128, True), ("long_tail", 2048, 128, True),
+    cases = [case for case in [("uniform", 512, 128, True), ("long_tail", 512, 128, True),
+                               ("long_tail", 512, 64, True), ("long_tail", 2048, 128, True),
                                ("long_tail", 8192, 128, True), ("long_tail", 8192, 64, True),
                                ("uniform", 8192, 128, False)] if not max_lens or case[1] in max_lens]
     results_name = "jagged_attention_overhead" + "".join(f"_L{n}" for n in max_lens or ())
@@ -273,17 +276,51 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
             if not atomic:
                 row[f"kernel_fwd{suffix}_ms"] = timed(lambda: kernel._forward(built, q, k, v))
             row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
-            if not suffix:  # the backward's share per kernel (delta, dk/dv, dq, the zero fills), every config's time
+            if not suffix:  # each kernel's share (delta, dk/dv, dq, the zero fills), every config's time
+                row["fwd_kernel_ms"] = kernel_times(lambda: kernel._forward(built, q, k, v))
                 row["bwd_kernel_ms"] = kernel_times(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
                 row["config_ms"] = {tuner.base_fn.__name__: _config_timings(tuner) for tuner in
                                     (kernel._forward_kernel, kernel._dkdv_kernel, kernel._dq_kernel)}
         row["flex_fwd_bwd_kernel_ms"] = _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out)
+        row["host"] = _host_times(offsets, causal, q, k, v, d_out)
         kernel.ATOMIC_DQ, kernel.TMA = defaults
         print(row, flush=True)
         results.append(row)
         # Saved after every case, so that a run cut short keeps what it measured.
         save(results_name, {"tokens": tokens, "max_lens": max_lens, "source_commit": _source_commit(),
                             "complete": len(results) == len(cases)}, results)
+
+
+def _host_times(offsets, causal, q, k, v, d_out, calls: int = 20) -> dict[str, float]:
+    """Host ms per call of the public API (lists cached), forward alone and forward + backward, against the
+    device's ms per call back to back: where the host takes longer, short batches wait on Python, not kernels."""
+    inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+    def forward():
+        with torch.no_grad():
+            return jagged_attention(*inputs, offsets, causal=causal, backend="triton")
+
+    def both():
+        return torch.autograd.grad(jagged_attention(*inputs, offsets, causal=causal, backend="triton"), inputs, d_out)
+
+    times = {}
+    for name, fn in (("fwd", forward), ("fwd_bwd", both)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):  # the queue holds far more than this, so the host never waits on the device
+            fn()
+        times[f"{name}_host_ms"] = (time.perf_counter() - start) / calls * 1e3
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times[f"{name}_stream_ms"] = begin.elapsed_time(end) / calls
+    return times
 
 
 def _config_timings(tuner) -> dict[str, float]:
