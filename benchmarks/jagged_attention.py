@@ -291,53 +291,6 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
                             "complete": len(results) == len(cases)}, results)
 
 
-def gluon_comparison(tokens: int, max_lens: list[int] | None) -> None:
-    """The Gluon forward (the default on Hopper) against the Triton forward (JAGGED_ATTENTION_GLUON=0) in the same
-    run: forward with cached lists, fwd+bwd with lists built in the step (the backward is the same Triton kernels
-    either way), flex+mask fwd+bwd beside them, and the two forwards' outputs compared."""
-    from kernels.triton import triton_jagged_attention as kernel
-
-    cases = [("long_tail", 8192, 128, True), ("long_tail", 8192, 64, True), ("uniform", 8192, 128, False),
-             ("uniform", 8192, 128, True), ("long_tail", 2048, 128, True), ("long_tail", 512, 128, True)]
-    cases = [case for case in cases if not max_lens or case[1] in max_lens]
-    results_name = "jagged_attention_gluon" + "".join(f"_L{n}" for n in max_lens or ())
-    default = kernel.GLUON
-    results = []
-    for mix, max_len, dim, causal in cases:
-        lengths = long_tail_lengths(tokens, max_len, seed=max_len) if mix == "long_tail" else \
-            uniform_lengths(tokens, max_len)
-        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-        heads = 1024 // dim
-        q, k, v = (torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        forward_flops = 4 * visible_pairs(lengths, causal) * heads * dim
-        row = {"mix": mix, "max_len": max_len, "head_dim": dim, "causal": causal}
-        outputs = {}
-        for name, gluon in (("gluon", True), ("triton", False)):
-            kernel.GLUON = gluon and default
-            inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-            cached = _jagged(offsets, causal, "triton")[1]
-            built = _jagged(offsets, causal, "triton", fresh_lists=True)[1]
-            d_out = torch.randn_like(q)
-            with torch.no_grad():
-                outputs[name] = cached(*inputs).float()
-                row[f"{name}_fwd_ms"] = timed(lambda: cached(*inputs))
-            row[f"{name}_fwd_tflops"] = tflops(forward_flops, row[f"{name}_fwd_ms"])
-            row[f"{name}_fwd_bwd_ms"] = timed(lambda: torch.autograd.grad(built(*inputs), inputs, d_out))
-        kernel.GLUON = default
-        row["gluon_vs_triton_rel_error"] = float((outputs["gluon"] - outputs["triton"]).norm()
-                                                 / outputs["triton"].norm())
-        prepare, call = _flex(lengths, offsets, causal)["flex+mask"]
-        inputs = [x.requires_grad_() for x in prepare(q, k, v)]
-        d_out = torch.randn_like(call(*inputs))
-        row["flex+mask_fwd_bwd_ms"] = timed(lambda: torch.autograd.grad(call(*inputs), inputs, d_out))
-        for name in ("gluon", "triton"):
-            row[f"{name}_vs_flex+mask_fwd_bwd"] = row["flex+mask_fwd_bwd_ms"] / row[f"{name}_fwd_bwd_ms"]
-        print(row, flush=True)
-        results.append(row)
-        save(results_name, {"tokens": tokens, "max_lens": max_lens, "source_commit": _source_commit(),
-                            "complete": len(results) == len(cases)}, results)
-
-
 def _host_times(offsets, causal, q, k, v, d_out, calls: int = 20) -> dict[str, float]:
     """Host ms per call of the public API (lists cached), forward alone and forward + backward, against the
     device's ms per call back to back: where the host takes longer, short batches wait on Python, not kernels."""
@@ -392,14 +345,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two cases, to check before a full run")
     parser.add_argument("--with-reference", action="store_true", help="also time the PyTorch reference")
     parser.add_argument("--overhead", action="store_true", help="split call time into tile tables and kernels")
-    parser.add_argument("--gluon", action="store_true", help="the Gluon forward against the Triton forward")
     parser.add_argument("--max-len", type=int, action="append", dest="max_lens",
                         help="only the cases of this maximum length (repeatable); the results file is named after them")
     args = parser.parse_args()
     if args.overhead:
         return overhead(args.tokens, args.max_lens)
-    if args.gluon:
-        return gluon_comparison(args.tokens, args.max_lens)
 
     # (mix, max_len, head_dim, causal); the cases of the two targets first, as results are saved as they come.
     cases = [("long_tail", max_len, dim, True) for dim in (128, 64) for max_len in (512, 2048, 8192)]

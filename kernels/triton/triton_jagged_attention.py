@@ -33,11 +33,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.pytorch.pt_tile_table import pt_tile_table
 
-try:  # Triton's lower-level language, for the Hopper forward
-    from kernels.triton import gluon_jagged_attention
-except (ImportError, AttributeError):  # a Triton without Gluon, or with another Gluon API
-    gluon_jagged_attention = None
-
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)  # FP8: forward only
 LOG2E = 1.4426950408889634
@@ -127,9 +122,6 @@ ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
 # rows; otherwise, and with JAGGED_ATTENTION_TMA=0, pointer loads. The interpreter runs the descriptor
 # loads but not the reduce.
 TMA = os.environ.get("JAGGED_ATTENTION_TMA") != "0"
-# The softmax forward on Hopper runs the Gluon kernel (kernels/triton/gluon_jagged_attention.py), whose softmax
-# overlaps the previous block's product; JAGGED_ATTENTION_GLUON=0 keeps the Triton forward everywhere.
-GLUON = os.environ.get("JAGGED_ATTENTION_GLUON") != "0" and gluon_jagged_attention is not None and not INTERPRETING
 
 
 def _short_bench(kernel_call, quantiles):
@@ -335,18 +327,13 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _programs(table: TileTable, direction: int, block: int, num_heads: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU, never more than there can be (tile, head) items."""
-    items = table.capacity[(direction, block)] * num_heads
-    programs = 4 if INTERPRETING else _num_sms(device.index or 0) * PROGRAMS_PER_SM
-    return max(1, min(items, programs))
-
-
 def _persistent_grid(table: TileTable, direction: int, block_name: str, num_heads: int, device: torch.device):
-    """The launch grid of _programs for the block size the autotuner picks."""
+    """Enough programs to fill the GPU, never more than there can be (tile, head) items."""
 
     def grid(meta):
-        return (_programs(table, direction, meta[block_name], num_heads, device),)
+        items = table.capacity[(direction, meta[block_name])] * num_heads
+        programs = 4 if INTERPRETING else _num_sms(device.index or 0) * PROGRAMS_PER_SM
+        return (max(1, min(items, programs)),)
 
     return grid
 
@@ -805,8 +792,6 @@ class _Problem:
 def _parts() -> tuple:
     """(direction, block size) of every table the kernels may read: 0 query blocks, 1 key blocks."""
     query_sizes = set(_tile_sizes(_FWD_CONFIGS, "BLOCK_M"))
-    if GLUON:
-        query_sizes |= {rows for rows, _, _ in gluon_jagged_attention.BLOCKS.values()}
     if not ATOMIC_DQ:
         query_sizes |= set(_tile_sizes(_DQ_CONFIGS, "BLOCK_M"))
     return tuple((0, s) for s in sorted(query_sizes)) + tuple((1, s) for s in _tile_sizes(_DKDV_CONFIGS, "BLOCK_N"))
@@ -834,12 +819,6 @@ def _forward(p: _Problem, q, k, v, descale=None):
     table = p.table
     lse_arg = out if lse is None else lse  # never read when SILU
     tma = _use_tma(p, k, v)
-    if GLUON and not fp8 and gluon_jagged_attention.supports_forward(q, v, p.silu, tma) \
-            and _use_tma(p, q):
-        block = gluon_jagged_attention.block_m(p.head_dim)
-        gluon_jagged_attention.forward(q, k, v, out, lse, p.q_offsets, p.kv_offsets, table.tiles, table.index[0],
-                                       p.causal, p.scale, _programs(table, 0, block, p.num_heads, q.device))
-        return out, lse
     _forward_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
         q, k, v, _descriptor(k, tma), _descriptor(v, tma), out, lse_arg, p.q_offsets, p.kv_offsets, table.tiles,
         table.index[0], descale if fp8 else lse_arg, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
