@@ -304,6 +304,24 @@ def test_interpreter_cases():
                           + len(TILE_TABLE_CASES) + 1)
 
 
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter has one config per kernel")
+def test_small_head_configs_are_timed_only_for_small_heads():
+    from kernels.triton import triton_jagged_attention as kernel
+
+    small = kernel._SMALL_HEAD_CONFIGS
+    assert all(t.early_config_prune is kernel._prune_for_head_dim
+               for t in (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel))
+    assert small and all(any(c is s for c in kernel._DQ_CONFIGS + kernel._FWD_CONFIGS + kernel._DKDV_CONFIGS)
+                         for s in small)
+    for configs in (kernel._FWD_CONFIGS, kernel._DQ_CONFIGS, kernel._DKDV_CONFIGS):
+        assert kernel._prune_for_head_dim(configs, {}, HEAD_DIM=64, VALUE_DIM=64) == configs
+        large = kernel._prune_for_head_dim(configs, {}, HEAD_DIM=128, VALUE_DIM=64)
+        assert large and not any(c is s for c in large for s in small)
+        assert len(large) == len(configs) - sum(any(c is s for s in small) for c in configs)
+    # a list of small-head configs alone (as the every-config GPU test sets) is kept rather than emptied
+    assert kernel._prune_for_head_dim(small[:1], {}, HEAD_DIM=128, VALUE_DIM=128) == small[:1]
+
+
 def test_quantize_fp8_gives_the_factors_that_restore_the_inputs():
     x = torch.randn(40, 3, 16) * 5
     (x8,), (factor,) = quantize_fp8(x)

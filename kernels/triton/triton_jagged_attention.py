@@ -80,17 +80,20 @@ if INTERPRETING:
     _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
     _SMALL_HEAD_CONFIGS: list[triton.Config] = []
 else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
-    # The last of each list run only for head dims up to SMALL_HEAD_DIM (_prune_for_head_dim): there one
+    # The *_SMALL_HEAD configs run only for head dims up to SMALL_HEAD_DIM (_prune_for_head_dim): there one
     # warpgroup per program, two programs per multiprocessor, lets one program's softmax overlap the other's
     # matmuls. At D=128 the same shapes spill or need two programs' worth of shared memory, and lost
     # (benchmarks/results/jagged_attention_overhead_L8192.json, source commit 539d58a).
-    _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-                            "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
-    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2),
-                            (64, 32, 4, 3), (128, 32, 4, 5)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _FWD_SMALL_HEAD = _configs([(128, 32, 4, 3)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DQ_SMALL_HEAD = _configs([(64, 32, 4, 3), (128, 32, 4, 5)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DKDV_SMALL_HEAD = _configs([(64, 64, 4, 5)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N",
+                            _KV_BLOCKS) + _FWD_SMALL_HEAD
+    _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
+                           "BLOCK_M", "BLOCK_N", _KV_BLOCKS) + _DQ_SMALL_HEAD
     _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                              (128, 64, 8, 4), (64, 64, 4, 4), (64, 64, 4, 5)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
-    _SMALL_HEAD_CONFIGS = [*_FWD_CONFIGS[-1:], *_DQ_CONFIGS[-2:], *_DKDV_CONFIGS[-1:]]
+                              (128, 64, 8, 4), (64, 64, 4, 4)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS) + _DKDV_SMALL_HEAD
+    _SMALL_HEAD_CONFIGS = _FWD_SMALL_HEAD + _DQ_SMALL_HEAD + _DKDV_SMALL_HEAD
 
 if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
     _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
