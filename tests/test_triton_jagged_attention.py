@@ -29,6 +29,7 @@ class Case:
     heads: int = 2
     head_dim: int = 8
     value_dim: int | None = None  # None: same as head_dim
+    outside: tuple[int, int] = (0, 0)  # rows that no sequence owns, before the first one and after the last
 
 
 def _cases(mixes: dict[str, tuple], cross: tuple, heads: int, head_dim: int, cross_dims: tuple[int, int]):
@@ -72,6 +73,11 @@ CPU_CASES = _cases(
     pytest.param(Case((2, 1, 4, 3, 2, 1), (0, 1, 7, 40, 3, 50), True, activation, 2, 16, 32),
                  id=f"cross-d16-causal-{activation}")
     for activation in ("softmax", "silu")
+] + [
+    # Offsets that start past row 0 and end before the last row: the contract gives those rows zeros.
+    pytest.param(Case((3, 0, 17, 40), None, True, "softmax", 2, 16, outside=(5, 7)), id="self-outside-d16-causal"),
+    pytest.param(Case((3, 0, 17, 40), None, False, "silu", 2, 8, outside=(1, 33)), id="self-outside-full-silu"),
+    pytest.param(Case((2, 1, 4), (7, 0, 40), True, "softmax", 2, 16, 32, outside=(3, 2)), id="cross-outside-d16"),
 ]
 
 GPU_CASES = _cases(
@@ -80,26 +86,33 @@ GPU_CASES = _cases(
     heads=4, head_dim=64, cross_dims=(64, 96),
 ) + [
     pytest.param(Case(_long_tail(3, 16, 200, 1500), None, True, "softmax", 2, 128), id="self-long_tail-d128"),
+    pytest.param(Case((300, 0, 17, 1000), None, True, "softmax", 2, 128, outside=(70, 5000)), id="self-outside-d128"),
+    pytest.param(Case((2, 1, 4), (700, 0, 40), False, "silu", 4, 64, 96, outside=(3, 129)), id="cross-outside-silu"),
 ]
 
 
 def check_against_reference(case: Case, device: str, dtype: torch.dtype, tolerance: float) -> None:
-    """Kernel in `dtype` against the reference in higher precision on the same inputs: ‖got − want‖ / ‖want‖."""
+    """Kernel in `dtype` against the reference in higher precision on the same inputs: ‖got − want‖ / ‖want‖.
+    Rows outside every sequence (case.outside) must come out exactly 0 whatever their memory held before: the
+    kernel's outputs are allocated over freed NaNs."""
     torch.manual_seed(0)
-    q_offsets = _offsets(case.q_lengths, device)
-    kv_offsets = q_offsets if case.kv_lengths is None else _offsets(case.kv_lengths, device)
+    before, after = case.outside
+    q_offsets = before + _offsets(case.q_lengths, device)
+    kv_offsets = q_offsets if case.kv_lengths is None else before + _offsets(case.kv_lengths, device)
     H, D = case.heads, case.head_dim
     Dv = case.value_dim or D
-    q = torch.randn(int(q_offsets[-1]), H, D, device=device)
-    k = torch.randn(int(kv_offsets[-1]), H, D, device=device)
-    v = torch.randn(int(kv_offsets[-1]), H, Dv, device=device)
+    q = torch.randn(int(q_offsets[-1]) + after, H, D, device=device)
+    k = torch.randn(int(kv_offsets[-1]) + after, H, D, device=device)
+    v = torch.randn(int(kv_offsets[-1]) + after, H, Dv, device=device)
     d_out = torch.randn(q.shape[0], H, Dv, device=device)
     precise = torch.float64 if device == "cpu" else torch.float32  # float64 on many CPU cores is slow
 
     def run(backend, compute_dtype):
         inputs = [x.to(compute_dtype).requires_grad_() for x in (q, k, v)]
+        _free_nans(compute_dtype, device, q.shape, (q.shape[0], H, Dv))  # where the output will be allocated
         out = jagged_attention(*inputs, q_offsets, kv_offsets, causal=case.causal, activation=case.activation,
                                backend=backend)
+        _free_nans(compute_dtype, device, q.shape, k.shape, v.shape)  # where the gradients will be
         grads = torch.autograd.grad(out, inputs, d_out.to(compute_dtype), allow_unused=True)
         return [out, *grads]
 
@@ -115,13 +128,30 @@ def check_against_reference(case: Case, device: str, dtype: torch.dtype, toleran
         # Relative to the reference's norm, with a floor for gradients that are zero in exact arithmetic.
         error = (a.detach().to(precise) - b).norm() / (b.norm() + math.sqrt(b.numel()) + 1e-12)
         assert error < tolerance, f"{name}: relative error {error:.2e} over {tolerance:.0e}"
+    q_outside = _outside_rows(q.shape[0], q_offsets)
+    kv_outside = _outside_rows(k.shape[0], kv_offsets)
+    for name, x, outside in zip(("out", "dq", "dk", "dv"), got, (q_outside, q_outside, kv_outside, kv_outside)):
+        assert torch.all(x[outside.to(device)] == 0), f"{name}: rows outside every sequence are not 0"
     if case.kv_lengths is not None:  # queries whose history is empty attend to nothing
         no_history = torch.repeat_interleave(torch.tensor(case.kv_lengths) == 0, torch.tensor(case.q_lengths))
-        assert torch.all(got[0][no_history.to(device)] == 0)
+        inside = got[0][before:before + sum(case.q_lengths)]
+        assert torch.all(inside[no_history.to(device)] == 0)
 
 
 def _offsets(lengths, device) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], device=device)
+
+
+def _outside_rows(total: int, offsets: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(total)
+    return (rows < int(offsets[0])) | (rows >= int(offsets[-1]))
+
+
+def _free_nans(dtype, device, *shapes) -> None:
+    """NaN-filled tensors of these shapes, freed at once: the allocator hands their memory to the next tensors of
+    the same sizes, so a kernel that leaves rows unwritten shows NaNs there."""
+    nans = [torch.full(shape, float("nan"), dtype=dtype, device=device) for shape in shapes]
+    del nans
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")

@@ -5,11 +5,12 @@ heaviest first, so no length is read back to the host. The lists of both directi
 size are built in that launch and cached per offsets tensor, so the layers of a model step and
 the backward share one build. Each kernel is persistent: a fixed grid of programs walks that list
 round-robin over (tile, head) items, so short sequences cost neither launches nor empty programs. The
-forward keeps an online softmax in fp32 and saves the base-2 logsumexp; the backward computes
-delta = rowsum(dO * O) in one small kernel (which also lays the logsumexp and delta out so that the dk/dv kernel
-reads them through descriptors), then recomputes the scores in two kernels without atomics:
-one per key block (dk, dv), one per query block (dq) (or, with JAGGED_ATTENTION_ATOMIC_DQ=1, the first
-also adds dq in fp32, one TMA reduce per block on Hopper, and the second is skipped). Key blocks that
+forward keeps an online softmax in fp32 and saves the base-2 logsumexp, laid out so that the dk/dv kernel
+reads it through descriptors. The backward computes delta = rowsum(dO * O) in one small kernel, then
+recomputes the scores in two kernels without atomics: one per key block (dk, dv), one per query block (dq)
+(or, with JAGGED_ATTENTION_ATOMIC_DQ=1, the first also adds dq in fp32, one TMA reduce per block on Hopper,
+and the second is skipped). The kernels write every row of their outputs, zeros in rows that no sequence
+owns, so no output is zero-filled first (except the atomically summed dq). Key blocks that
 causality rules out are never visited, and blocks that need no mask skip the masking arithmetic. With
 power-of-two head dims the inner loops read their blocks through tensor descriptors (TMA), which keeps
 per-element addresses out of the registers. FP8 (e4m3) inputs run the forward only: QK^T in FP8, the
@@ -428,6 +429,21 @@ def _store_rows(base, x, rows, stride, row_ok, DIM: tl.constexpr, DIM_PAD: tl.co
 
 
 @triton.jit
+def _zero_outside(x_ptr, offsets_ptr, num_seqs, total_rows, row_width, program, programs,
+                  BLOCK: tl.constexpr = 1024):
+    """Zeros in the rows of a contiguous [tokens, heads, dim] output that no sequence owns (before the first
+    offset, from the last on): the kernels write every other row, so outputs need no zero fill first. The
+    calling kernel's `programs` programs share the rows, usually none."""
+    first = tl.load(offsets_ptr).to(tl.int64) * row_width
+    last = tl.load(offsets_ptr + num_seqs).to(tl.int64) * row_width
+    outside = first + (total_rows.to(tl.int64) * row_width - last)
+    for start in range(program * BLOCK, outside, programs * BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        where = tl.where(i < first, i, i - first + last)
+        tl.store(x_ptr + where, tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty), mask=i < outside)
+
+
+@triton.jit
 def _visible_keys(m0, q_len, kv_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Key range of query block [m0, m0 + BLOCK_M): [0, unmasked) needs no mask, [unmasked, hi) does."""
     if CAUSAL:
@@ -506,9 +522,9 @@ def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_ba
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench, prune_configs_by=_PRUNE)
 @triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
-    descale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-    num_heads, scale, length_bucket,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, stats_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
+    descale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stats_stride,
+    total_q, num_seqs, num_heads, scale, length_bucket,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -519,7 +535,7 @@ def _forward_kernel(
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16) + 1) * num_heads
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        head, m0, q_start, q_len, kv_start, kv_len, _ = _work_item(
+        head, m0, q_start, q_len, kv_start, kv_len, stats_start = _work_item(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
@@ -545,11 +561,13 @@ def _forward_kernel(
             l_safe = tl.where(has_key, l_i, 1.0)
             acc = acc / l_safe[:, None]
             lse = tl.where(has_key, m_i + tl.log2(l_safe), _EMPTY_ROW_LSE)
-            tl.store(lse_ptr + head * stride_lh + q_start + rows, lse, mask=row_ok)
+            tl.store(stats_ptr + head * stats_stride + stats_start + rows, lse, mask=row_ok)
         if FP8:
             acc = acc * v_descale
         _store_rows(out_ptr + q_start * stride_ot + head * stride_oh, acc.to(out_ptr.dtype.element_ty), rows,
                     stride_ot, row_ok, VALUE_DIM, DV_PAD)
+    _zero_outside(out_ptr, q_offsets_ptr, num_seqs, total_q, num_heads * VALUE_DIM, tl.program_id(0),
+                  tl.num_programs(0))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -557,26 +575,34 @@ def _forward_kernel(
 
 
 @triton.jit
-def _query_stats_kernel(out_ptr, do_ptr, lse_ptr, stats_ptr, q_offsets_ptr, tiles_ptr, tile_index_ptr, stride_ot,
-                        stride_oh, stride_dot, stride_doh, stride_lh, stats_stride, delta_offset,
-                        VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """One query tile of one head: its logsumexp, copied, and delta = rowsum(dO * O) in fp32, into the statistics'
-    layout: [2 (logsumexp, delta), heads, stats_stride], each sequence's queries from its _stats_start."""
+def _backward_prologue_kernel(out_ptr, do_ptr, stats_ptr, dq_ptr, dk_ptr, dv_ptr, q_offsets_ptr, kv_offsets_ptr,
+                              tiles_ptr, tile_index_ptr, stride_ot, stride_oh, stride_dot, stride_doh, stats_stride,
+                              delta_offset, total_q, total_kv, num_seqs, HEAD_DIM: tl.constexpr,
+                              VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, SILU: tl.constexpr,
+                              ZERO_DQ: tl.constexpr, BLOCK: tl.constexpr):
+    """What the backward's kernels need first. Softmax: delta = rowsum(dO * O) in fp32 of one query tile of one
+    head, beside its logsumexp in the statistics (_query_stats). And zeros in the gradients' rows that no
+    sequence owns (_zero_outside), so that the two kernels after it write only their own rows."""
     tile = tl.program_id(0)
+    num_heads = tl.num_programs(1)
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK // 16))
-    if tile < tl.load(tile_index_ptr + 2 * (BLOCK // 16) + 1):
+    if not SILU and tile < tl.load(tile_index_ptr + 2 * (BLOCK // 16) + 1):
         head, m0, q_start, q_len, _, _, stats_start = _work_item(
-            tile * tl.num_programs(1) + tl.program_id(1), tl.num_programs(1), tiles_ptr, first_tile, q_offsets_ptr,
-            q_offsets_ptr)
+            tile * num_heads + tl.program_id(1), num_heads, tiles_ptr, first_tile, q_offsets_ptr, q_offsets_ptr)
         rows = m0 + tl.arange(0, BLOCK)
         row_ok = rows < q_len
         o = _load_rows(out_ptr + q_start * stride_ot + head * stride_oh, rows, stride_ot, row_ok, VALUE_DIM, DV_PAD,
                        True)
         do = _load_rows(do_ptr + q_start * stride_dot + head * stride_doh, rows, stride_dot, row_ok, VALUE_DIM,
                         DV_PAD, True)
-        stats = stats_ptr + head * stats_stride + stats_start + rows
-        tl.store(stats, tl.load(lse_ptr + head * stride_lh + q_start + rows, mask=row_ok), mask=row_ok)
-        tl.store(stats + delta_offset, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(stats_ptr + head * stats_stride + stats_start + rows + delta_offset, delta, mask=row_ok)
+    program = tile * num_heads + tl.program_id(1)
+    programs = tl.num_programs(0) * num_heads
+    if ZERO_DQ:
+        _zero_outside(dq_ptr, q_offsets_ptr, num_seqs, total_q, num_heads * HEAD_DIM, program, programs)
+    _zero_outside(dk_ptr, kv_offsets_ptr, num_seqs, total_kv, num_heads * HEAD_DIM, program, programs)
+    _zero_outside(dv_ptr, kv_offsets_ptr, num_seqs, total_kv, num_heads * VALUE_DIM, program, programs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -814,21 +840,23 @@ def _tile_sizes(configs: list[triton.Config], name: str) -> list[int]:
 
 
 def _forward(p: _Problem, q, k, v, descale=None):
+    """The output and (softmax) the statistics (_query_stats) with the logsumexp filled in."""
     fp8 = q.dtype == torch.float8_e4m3fn
-    out = q.new_zeros(p.total_q, p.num_heads, p.value_dim, dtype=torch.bfloat16 if fp8 else v.dtype)
-    lse = None if p.silu else torch.empty(p.num_heads, p.total_q, dtype=torch.float32, device=q.device)
+    out_dtype = torch.bfloat16 if fp8 else v.dtype
+    stats = None if p.silu else _query_stats(p, q.device)
     if p.empty:
-        return out, lse
+        return q.new_zeros(p.total_q, p.num_heads, p.value_dim, dtype=out_dtype), stats
+    out = q.new_empty(p.total_q, p.num_heads, p.value_dim, dtype=out_dtype)  # the kernel writes every row
     table = p.table
-    lse_arg = out if lse is None else lse  # never read when SILU
+    stats_arg = out if stats is None else stats  # never read when SILU
     tma = _use_tma(p, k, v)
     _forward_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
-        q, k, v, _descriptor(k, tma), _descriptor(v, tma), out, lse_arg, p.q_offsets, p.kv_offsets, table.tiles,
-        table.index[0], descale if fp8 else lse_arg, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), out.stride(0), out.stride(1), p.total_q, p.num_heads, p.scale, p.length_bucket, TMA=tma, FP8=fp8,
-        **p.constexprs(),
+        q, k, v, _descriptor(k, tma), _descriptor(v, tma), out, stats_arg, p.q_offsets, p.kv_offsets, table.tiles,
+        table.index[0], descale if fp8 else stats_arg, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), p.stats_stride, p.total_q, p.num_seqs, p.num_heads,
+        p.scale, p.length_bucket, TMA=tma, FP8=fp8, **p.constexprs(),
     )
-    return out, lse
+    return out, stats
 
 
 def _use_tma(p: _Problem, *tensors) -> bool:
@@ -859,18 +887,24 @@ def _flat_descriptor(x: torch.Tensor, tma: bool):
     return TensorDescriptor(x, [x.numel()], [1], [16])
 
 
-def _query_stats(p: _Problem, out, lse, d_out) -> torch.Tensor:
-    """[2, H, stats_stride] fp32: each query's logsumexp and delta = rowsum(dO * O), in one small kernel over the
-    query tiles. Each sequence starts at a multiple of 4 (_stats_start) so that the dk/dv kernel can read any block
-    of them through a descriptor (FlashAttention-3 pads its varlen statistics the same way)."""
-    stats = torch.empty(2, p.num_heads, p.stats_stride, dtype=torch.float32, device=out.device)
+def _query_stats(p: _Problem, device) -> torch.Tensor:
+    """[2, H, stats_stride] fp32 for each query's logsumexp (written by the forward) and delta = rowsum(dO * O)
+    (by the backward's first kernel). Each sequence starts at a multiple of 4 (_stats_start) so that the dk/dv
+    kernel can read any block of them through a descriptor (FlashAttention-3 pads its varlen statistics the same
+    way); the padding is never read unmasked."""
+    return torch.empty(2, p.num_heads, p.stats_stride, dtype=torch.float32, device=device)
+
+
+def _backward_prologue(p: _Problem, out, d_out, stats, dq, dk, dv, zero_dq: bool) -> None:
+    """delta into the statistics (softmax) and zeros in the gradients' rows outside every sequence, in one small
+    launch over the query tiles."""
     block = min(size for direction, size in _parts() if direction == 0)
-    _query_stats_kernel[(p.table.capacity[(0, block)], p.num_heads)](
-        out, d_out, lse, stats, p.q_offsets, p.table.tiles, p.table.index[0], out.stride(0), out.stride(1),
-        d_out.stride(0), d_out.stride(1), lse.stride(0), p.stats_stride, stats.stride(0),
-        VALUE_DIM=p.value_dim, DV_PAD=_pad(p.value_dim), BLOCK=block,
+    _backward_prologue_kernel[(p.table.capacity[(0, block)], p.num_heads)](
+        out, d_out, stats, dq, dk, dv, p.q_offsets, p.kv_offsets, p.table.tiles, p.table.index[0], out.stride(0),
+        out.stride(1), d_out.stride(0), d_out.stride(1), p.stats_stride, stats.stride(0), p.total_q, p.total_kv,
+        p.num_seqs, HEAD_DIM=p.head_dim, VALUE_DIM=p.value_dim, DV_PAD=_pad(p.value_dim), SILU=p.silu,
+        ZERO_DQ=zero_dq, BLOCK=block,
     )
-    return stats
 
 
 @functools.lru_cache(maxsize=None)
@@ -878,16 +912,19 @@ def _has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def _backward(p: _Problem, q, k, v, out, lse, d_out):
+def _backward(p: _Problem, q, k, v, out, stats, d_out):
+    """dq, dk, dv; `stats` from the forward (softmax), whose delta half the prologue fills in. The kernels write
+    every row of the gradients, so these need no zero fill, except dq summed atomically."""
     atomic = ATOMIC_DQ
-    # dq is summed over key blocks in fp32 when the dk/dv kernel adds into it atomically.
-    dq = torch.zeros_like(q, dtype=torch.float32) if atomic else torch.zeros_like(q)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     if p.empty:
-        return dq.to(q.dtype), dk, dv
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # dq is summed over key blocks in fp32 when the dk/dv kernel adds into it atomically.
+    dq = torch.zeros_like(q, dtype=torch.float32) if atomic else torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     d_out = d_out.contiguous()
-    stats = d_out if p.silu else _query_stats(p, out, lse, d_out)  # never read when SILU
+    stats = d_out if p.silu else stats  # never read when SILU
     stats_stride, delta_offset = (0, 0) if p.silu else (p.stats_stride, stats.stride(0))
+    _backward_prologue(p, out, d_out, stats, dq, dk, dv, zero_dq=not atomic)
     tma = _use_tma(p, q, k, v, d_out)
     dq_tma = atomic and tma and not INTERPRETING  # the interpreter has no descriptor reduce
     table = p.table
@@ -911,21 +948,22 @@ def _backward(p: _Problem, q, k, v, out, lse, d_out):
 
 
 class JaggedAttentionFunction(torch.autograd.Function):
-    """Forward saves q, k, v, the output and (softmax) the base-2 logsumexp; backward recomputes scores."""
+    """Forward saves q, k, v, the output and (softmax) the statistics holding the base-2 logsumexp; backward
+    recomputes scores."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         problem = _Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale)
-        out, lse = _forward(problem, q, k, v, descale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, stats = _forward(problem, q, k, v, descale)
+        ctx.save_for_backward(q, k, v, out, stats)
         ctx.problem = problem
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.problem, q, k, v, out, lse, d_out)
+        q, k, v, out, stats = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.problem, q, k, v, out, stats, d_out)
         return dq, dk, dv, None, None, None, None, None, None
 
 
