@@ -352,6 +352,48 @@ def test_small_head_configs_are_timed_only_for_small_heads():
     assert kernel._prune_for_head_dim(small[:1], {}, HEAD_DIM=128, VALUE_DIM=128) == small[:1]
 
 
+@pytest.mark.skipif(INTERPRETING, reason="needs no interpreter")
+def test_tuned_launch_tunes_once_per_key_then_calls_the_chosen_config():
+    """The autotuner runs on a new key (or when its configs are swapped); later launches with that key call the
+    kernel with the chosen config directly, with the descriptors' blocks set as the config's pre-hook sets them."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from kernels.triton import triton_jagged_attention as kernel
+
+    class Recorder:
+        def __init__(self, log, what):
+            self.log, self.what = log, what
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.log.append((self.what, args, kwargs))
+
+    class Tuner(Recorder):
+        def __init__(self, log, configs):
+            super().__init__(log, "tuned")
+            self.configs, self.fn = configs, Recorder(log, "direct")
+
+        def __getitem__(self, grid):
+            self.best_config = self.configs[-1]
+            return super().__getitem__(grid)
+
+    log: list = []
+    configs = [triton.Config({"BLOCK_N": n}, num_warps=4, num_stages=2) for n in (32, 64)]
+    launch = kernel._TunedLaunch(Tuner(log, configs), kernel._KV_DESCRIPTORS)
+    k = torch.zeros(40, 2, 16)
+    k_desc = TensorDescriptor(k, [40, 32], [32, 1], [16, 16])
+    for _ in range(2):
+        launch(None, ("key",), {"k_desc": k_desc, "v_desc": k}, k_desc, 7, D_PAD=16, DV_PAD=16)
+    launch(None, ("other key",), {"k_desc": k_desc, "v_desc": k}, k_desc, 7, D_PAD=16, DV_PAD=16)
+    assert [what for what, _, _ in log] == ["tuned", "direct", "tuned"]
+    _, args, kwargs = log[1]
+    assert args == (k_desc, 7) and kwargs == {"D_PAD": 16, "DV_PAD": 16, **configs[-1].all_kwargs()}
+    assert k_desc.block_shape == [64, 16]
+    launch.tuner.configs = configs[:1]  # swapped, as a test running each config does: tuned again
+    launch(None, ("key",), {"k_desc": k_desc, "v_desc": k}, k_desc, 7, D_PAD=16, DV_PAD=16)
+    assert log[-1][0] == "tuned"
+
+
 def test_quantize_fp8_gives_the_factors_that_restore_the_inputs():
     x = torch.randn(40, 3, 16) * 5
     (x8,), (factor,) = quantize_fp8(x)

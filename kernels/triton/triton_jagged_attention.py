@@ -68,9 +68,11 @@ def _block_shapes(*descriptors: tuple[str, str, str]):
     return hook
 
 
-_KV_BLOCKS = _block_shapes(("k_desc", "BLOCK_N", "D_PAD"), ("v_desc", "BLOCK_N", "DV_PAD"))
-_Q_BLOCKS = _block_shapes(("q_desc", "BLOCK_M", "D_PAD"), ("do_desc", "BLOCK_M", "DV_PAD"),
-                          ("dq_desc", "BLOCK_M", "D_PAD"), ("stats_desc", "BLOCK_M", None))
+_KV_DESCRIPTORS = (("k_desc", "BLOCK_N", "D_PAD"), ("v_desc", "BLOCK_N", "DV_PAD"))
+_Q_DESCRIPTORS = (("q_desc", "BLOCK_M", "D_PAD"), ("do_desc", "BLOCK_M", "DV_PAD"), ("dq_desc", "BLOCK_M", "D_PAD"),
+                  ("stats_desc", "BLOCK_M", None))
+_KV_BLOCKS = _block_shapes(*_KV_DESCRIPTORS)
+_Q_BLOCKS = _block_shapes(*_Q_DESCRIPTORS)
 
 
 # (tile block, inner block, warps, stages). Under the interpreter one small config keeps tests fast and
@@ -813,6 +815,12 @@ class _Problem:
         self.stats_stride = 4 * triton.cdiv(self.total_q + 4 * self.num_seqs + 4, 4)
         self.empty = self.table is None
 
+    def tuning_key(self, *extra) -> tuple:
+        """What the autotuners key on (_AUTOTUNE_KEY and the tensors' dtypes), for _TunedLaunch: this problem's
+        dims, length bucket and flags, and `extra` (the call's TMA and other flags, its tensors' dtypes)."""
+        return (self.head_dim, self.value_dim, self.length_bucket, self.causal, self.silu,
+                *(x.dtype if isinstance(x, torch.Tensor) else x for x in extra))
+
     def constexprs(self) -> dict:
         return dict(HEAD_DIM=self.head_dim, VALUE_DIM=self.value_dim, D_PAD=_pad(self.head_dim),
                     DV_PAD=_pad(self.value_dim), CAUSAL=self.causal, SILU=self.silu)
@@ -820,8 +828,13 @@ class _Problem:
 
 def _parts() -> tuple:
     """(direction, block size) of every table the kernels may read: 0 query blocks, 1 key blocks."""
+    return _parts_of(ATOMIC_DQ)
+
+
+@functools.lru_cache(maxsize=None)
+def _parts_of(atomic_dq: bool) -> tuple:
     query_sizes = set(_tile_sizes(_FWD_CONFIGS, "BLOCK_M"))
-    if not ATOMIC_DQ:
+    if not atomic_dq:
         query_sizes |= set(_tile_sizes(_DQ_CONFIGS, "BLOCK_M"))
     return tuple((0, s) for s in sorted(query_sizes)) + tuple((1, s) for s in _tile_sizes(_DKDV_CONFIGS, "BLOCK_N"))
 
@@ -839,6 +852,35 @@ def _tile_sizes(configs: list[triton.Config], name: str) -> list[int]:
     return sorted({c.kwargs[name] for c in configs})
 
 
+class _TunedLaunch:
+    """Launches of an autotuned kernel. A new key runs the autotuner; later launches with that key call the
+    kernel with the config it chose, directly: the autotuner's per-call bookkeeping (a key over every argument,
+    the dict of all arguments its hooks take) costs tens of microseconds per launch, which short batches, whose
+    kernels take little longer, pay on every step (benchmarks/jagged_attention.py --overhead, host columns)."""
+
+    def __init__(self, tuner, descriptors: tuple[tuple[str, str, str | None], ...]):
+        self.tuner, self.descriptors = tuner, descriptors
+        self.chosen: dict = {}
+
+    def __call__(self, grid, key: tuple, descriptors: dict, *args, **constexprs):
+        config = self.chosen.get(key)
+        # (the configs may be swapped, e.g. by a test that runs each one)
+        if config is None or not any(config is c for c in self.tuner.configs):
+            self.tuner[grid](*args, **constexprs)
+            self.chosen[key] = self.tuner.best_config
+            return
+        sizes = {**constexprs, **config.kwargs}
+        for name, rows, cols in self.descriptors:  # what the config's pre-hook does
+            if isinstance(descriptors.get(name), TensorDescriptor):
+                descriptors[name].block_shape = [sizes[rows]] if cols is None else [sizes[rows], sizes[cols]]
+        self.tuner.fn[grid](*args, **constexprs, **config.all_kwargs())
+
+
+_launch_forward = _TunedLaunch(_forward_kernel, _KV_DESCRIPTORS)
+_launch_dq = _TunedLaunch(_dq_kernel, _KV_DESCRIPTORS)
+_launch_dkdv = _TunedLaunch(_dkdv_kernel, _Q_DESCRIPTORS)
+
+
 def _forward(p: _Problem, q, k, v, descale=None):
     """The output and (softmax) the statistics (_query_stats) with the logsumexp filled in."""
     fp8 = q.dtype == torch.float8_e4m3fn
@@ -850,8 +892,11 @@ def _forward(p: _Problem, q, k, v, descale=None):
     table = p.table
     stats_arg = out if stats is None else stats  # never read when SILU
     tma = _use_tma(p, k, v)
-    _forward_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
-        q, k, v, _descriptor(k, tma), _descriptor(v, tma), out, stats_arg, p.q_offsets, p.kv_offsets, table.tiles,
+    k_desc, v_desc = _descriptor(k, tma), _descriptor(v, tma)
+    _launch_forward(
+        _persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device), p.tuning_key(tma, q, k, v, fp8),
+        {"k_desc": k_desc, "v_desc": v_desc},
+        q, k, v, k_desc, v_desc, out, stats_arg, p.q_offsets, p.kv_offsets, table.tiles,
         table.index[0], descale if fp8 else stats_arg, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), p.stats_stride, p.total_q, p.num_seqs, p.num_heads,
         p.scale, p.length_bucket, TMA=tma, FP8=fp8, **p.constexprs(),
@@ -929,17 +974,22 @@ def _backward(p: _Problem, q, k, v, out, stats, d_out):
     dq_tma = atomic and tma and not INTERPRETING  # the interpreter has no descriptor reduce
     table = p.table
     # dk/dv first: autotuning it zeroes dq (reset_to_zero), which the separate dq kernel then writes.
-    _dkdv_kernel[_persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device)](
-        q, k, v, d_out, _descriptor(q, tma), _descriptor(d_out, tma), stats, _flat_descriptor(stats, tma), dk, dv, dq,
-        _descriptor(dq, dq_tma), p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
+    descriptors = {"q_desc": _descriptor(q, tma), "do_desc": _descriptor(d_out, tma),
+                   "stats_desc": _flat_descriptor(stats, tma), "dq_desc": _descriptor(dq, dq_tma)}
+    _launch_dkdv(
+        _persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device), p.tuning_key(tma, q, k, v, d_out, atomic, dq_tma),
+        descriptors, q, k, v, d_out, descriptors["q_desc"], descriptors["do_desc"], stats, descriptors["stats_desc"],
+        dk, dv, dq, descriptors["dq_desc"], p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
         d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
         stats_stride, delta_offset, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma,
         **p.constexprs(),
     )
     if not atomic:
-        _dq_kernel[_persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device)](
-            q, k, v, _descriptor(k, tma), _descriptor(v, tma), d_out, stats, dq, p.q_offsets, p.kv_offsets,
+        k_desc, v_desc = _descriptor(k, tma), _descriptor(v, tma)
+        _launch_dq(
+            _persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device), p.tuning_key(tma, q, k, v, d_out),
+            {"k_desc": k_desc, "v_desc": v_desc}, q, k, v, k_desc, v_desc, d_out, stats, dq, p.q_offsets, p.kv_offsets,
             table.tiles, table.index[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             d_out.stride(0), d_out.stride(1), dq.stride(0), dq.stride(1), stats_stride, delta_offset, p.num_heads,
             p.scale, p.length_bucket, TMA=tma, **p.constexprs(),
