@@ -163,7 +163,8 @@ def test_kernel_matches_reference_on_cpu_interpreter(case):
 # A few of the CPU cases, for the backward with dq added atomically by the dk/dv kernel and for the kernels on
 # counted tile lists.
 SAMPLE_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "self-long_tail-full-silu",
-                                                   "cross-causal-softmax", "self-mixed-d16-causal-silu")]
+                                                   "cross-causal-softmax", "self-mixed-d16-causal-silu",
+                                                   "self-outside-full-silu")]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
