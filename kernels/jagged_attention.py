@@ -54,7 +54,9 @@ def jagged_attention(
     q: [total_q, heads, d]; k: [total_kv, heads, d]; v: [total_kv, heads, dv]. Sequence b owns
     q[q_offsets[b]:q_offsets[b+1]] and k, v[kv_offsets[b]:kv_offsets[b+1]]. Self attention passes
     kv_offsets=None (the same offsets); cross attention passes its own, e.g. one query per sample
-    over a jagged history. Returns [total_q, heads, dv].
+    over a jagged history. Returns [total_q, heads, dv]. Offsets are non-decreasing (not checked:
+    that would read device values back to the host); rows no sequence owns, before the first
+    offset or from the last one on, come out 0 and get zero gradients.
 
     causal: query i sees keys j <= i + (Lk - Lq) (aligned to the end; plain causal when Lq == Lk).
     activation: "softmax", or "silu": weights silu(s) / Lk, a pointwise Generalized Dot-Product
