@@ -88,6 +88,7 @@ GPU_CASES = _cases(
     pytest.param(Case(_long_tail(3, 16, 200, 1500), None, True, "softmax", 2, 128), id="self-long_tail-d128"),
     pytest.param(Case((300, 0, 17, 1000), None, True, "softmax", 2, 128, outside=(70, 5000)), id="self-outside-d128"),
     pytest.param(Case((2, 1, 4), (700, 0, 40), False, "silu", 4, 64, 96, outside=(3, 129)), id="cross-outside-silu"),
+    pytest.param(Case((1,), None, True, "softmax", 1, 64), id="self-single-token-one-head"),
 ]
 
 
@@ -351,6 +352,34 @@ def test_small_head_configs_are_timed_only_for_small_heads():
         assert len(large) == len(configs) - sum(any(c is s for s in small) for c in configs)
     # a list of small-head configs alone (as the every-config GPU test sets) is kept rather than emptied
     assert kernel._prune_for_head_dim(small[:1], {}, HEAD_DIM=128, VALUE_DIM=128) == small[:1]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper instead")
+def test_kernels_compile_when_integer_arguments_are_one():
+    """Triton passes an integer argument equal to 1 as a constexpr (one token, one sequence, one head), which some
+    operations do not take: each kernel compiled for sm_90a on the host with those arguments set to 1."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from benchmarks.kernel_registers import TARGET, signature
+    from kernels.triton import triton_jagged_attention as kernel
+
+    ones = ("total_q", "total_kv", "num_seqs", "num_heads", "stats_stride", "delta_offset")
+    for tuner in (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel):
+        config = tuner.configs[0]
+        types, constexprs = signature(tuner.fn, config, 64)
+        constexprs.update({name: 1 for name in ones if name in types})
+        types.update({name: "constexpr" for name in ones if name in types})
+        triton.compile(ASTSource(fn=tuner.fn, signature=types, constexprs=constexprs), target=TARGET,
+                       options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    prologue = kernel._backward_prologue_kernel
+    pointers = {"stats_ptr": "*fp32", "q_offsets_ptr": "*i64", "kv_offsets_ptr": "*i64", "tiles_ptr": "*i32",
+                "tile_index_ptr": "*i32"}
+    types = {n: pointers.get(n, "*bf16") if n.endswith("_ptr") else "constexpr" for n in prologue.arg_names}
+    constexprs = {n: 1 for n in prologue.arg_names if types[n] == "constexpr"}
+    constexprs.update(HEAD_DIM=64, VALUE_DIM=64, DV_PAD=64, SILU=False, ZERO_DQ=True, BLOCK=64)
+    triton.compile(ASTSource(fn=prologue, signature=types, constexprs=constexprs), target=TARGET,
+                   options={"num_warps": 4})
 
 
 @pytest.mark.skipif(INTERPRETING, reason="needs no interpreter")

@@ -438,7 +438,8 @@ def _zero_outside(x_ptr, offsets_ptr, num_seqs, total_rows, row_width, program, 
     calling kernel's `programs` programs share the rows, usually none."""
     first = tl.load(offsets_ptr).to(tl.int64) * row_width
     last = tl.load(offsets_ptr + num_seqs).to(tl.int64) * row_width
-    outside = first + (total_rows.to(tl.int64) * row_width - last)
+    # tl.cast, not .to: an integer argument equal to 1 arrives as a constexpr
+    outside = first + (tl.cast(total_rows, tl.int64) * row_width - last)
     for start in range(program * BLOCK, outside, programs * BLOCK):
         i = start + tl.arange(0, BLOCK)
         where = tl.where(i < first, i, i - first + last)
