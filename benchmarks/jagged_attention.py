@@ -276,7 +276,7 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
             if not atomic:
                 row[f"kernel_fwd{suffix}_ms"] = timed(lambda: kernel._forward(built, q, k, v))
             row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
-            if not suffix:  # each kernel's share (delta, dk/dv, dq, the zero fills), every config's time
+            if not suffix:  # each kernel's share (backward prologue, dk/dv, dq), every config's time
                 row["fwd_kernel_ms"] = kernel_times(lambda: kernel._forward(built, q, k, v))
                 row["bwd_kernel_ms"] = kernel_times(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
                 row["config_ms"] = {tuner.base_fn.__name__: _config_timings(tuner) for tuner in

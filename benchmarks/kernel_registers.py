@@ -27,7 +27,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 # Which descriptor argument holds blocks of which config size.
 DESCRIPTOR_BLOCK = {"k_desc": "BLOCK_N", "v_desc": "BLOCK_N", "q_desc": "BLOCK_M", "do_desc": "BLOCK_M"}
 STATS_DESCRIPTORS = ("stats_desc",)  # the dk/dv kernel's one-dimensional logsumexp and delta
-POINTER_TYPES = {"lse_ptr": "*fp32", "stats_ptr": "*fp32", "descale_ptr": "*fp32", "q_offsets_ptr": "*i64",
+POINTER_TYPES = {"stats_ptr": "*fp32", "descale_ptr": "*fp32", "q_offsets_ptr": "*i64",
                  "kv_offsets_ptr": "*i64", "tiles_ptr": "*i32", "tile_index_ptr": "*i32"}
 
 

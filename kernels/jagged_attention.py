@@ -65,9 +65,9 @@ def jagged_attention(
 
     FP8 (float8_e4m3fn q, k, v, forward only, as FlashAttention-3's FP8 path): the real values are
     q * descale[0], k * descale[1], v * descale[2] (floats or one-element fp32 tensors, e.g. each
-    tensor's amax / 448 from its quantization, as quantize_fp8 returns them; default 1). QK^T runs in FP8 with fp32 accumulation; the
-    weights and V meet in fp16 (every e4m3 value is exact there), since weights far below 1 would flush
-    to zero in FP8. Returns bf16.
+    tensor's amax / 448 from its quantization, as quantize_fp8 returns them; default 1). QK^T runs
+    in FP8 with fp32 accumulation; the weights and V meet in fp16 (every e4m3 value is exact
+    there), since weights far below 1 would flush to zero in FP8. Returns bf16.
     """
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
     _check(q, k, v, q_offsets, kv_offsets, activation)

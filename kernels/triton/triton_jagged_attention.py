@@ -935,7 +935,7 @@ def _flat_descriptor(x: torch.Tensor, tma: bool):
 
 def _query_stats(p: _Problem, device) -> torch.Tensor:
     """[2, H, stats_stride] fp32 for each query's logsumexp (written by the forward) and delta = rowsum(dO * O)
-    (by the backward's first kernel). Each sequence starts at a multiple of 4 (_stats_start) so that the dk/dv
+    (by the backward prologue). Each sequence starts at a multiple of 4 (_stats_start) so that the dk/dv
     kernel can read any block of them through a descriptor (FlashAttention-3 pads its varlen statistics the same
     way); the padding is never read unmasked."""
     return torch.empty(2, p.num_heads, p.stats_stride, dtype=torch.float32, device=device)
