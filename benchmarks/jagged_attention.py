@@ -291,50 +291,6 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
                             "complete": len(results) == len(cases)}, results)
 
 
-def gluon_backward_comparison(tokens: int, max_lens: list[int] | None) -> None:
-    """The Gluon backward (JAGGED_ATTENTION_GLUON=1) against the Triton backward in the same run: fwd+bwd with
-    lists built in the step (the forward is the same Triton kernel either way), each backward kernel's time
-    (profiled), the two backwards' gradients compared, and flex+mask fwd+bwd beside them."""
-    from kernels.triton import triton_jagged_attention as kernel
-
-    cases = [("long_tail", 8192, 128, True), ("long_tail", 8192, 64, True), ("uniform", 8192, 128, True)]
-    cases = [case for case in cases if not max_lens or case[1] in max_lens]
-    results_name = "jagged_attention_gluon_backward" + "".join(f"_L{n}" for n in max_lens or ())
-    default = kernel.GLUON
-    results = []
-    for mix, max_len, dim, causal in cases:
-        lengths = long_tail_lengths(tokens, max_len, seed=max_len) if mix == "long_tail" else \
-            uniform_lengths(tokens, max_len)
-        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-        heads = 1024 // dim
-        q, k, v = (torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        d_out = torch.randn_like(q)
-        row = {"mix": mix, "max_len": max_len, "head_dim": dim, "causal": causal}
-        grads = {}
-        for name, gluon in (("gluon", True), ("triton", False)):
-            kernel.GLUON = gluon
-            inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-            built = _jagged(offsets, causal, "triton", fresh_lists=True)[1]
-            both = lambda: torch.autograd.grad(built(*inputs), inputs, d_out)  # noqa: E731
-            grads[name] = [g.float() for g in both()]
-            row[f"{name}_fwd_bwd_ms"] = timed(both)
-            row[f"{name}_kernel_ms"] = kernel_times(both)
-        kernel.GLUON = default
-        for i, grad in enumerate(("dq", "dk", "dv")):
-            row[f"{grad}_gluon_vs_triton_rel_error"] = float((grads["gluon"][i] - grads["triton"][i]).norm()
-                                                             / grads["triton"][i].norm())
-        prepare, call = _flex(lengths, offsets, causal)["flex+mask"]
-        inputs = [x.requires_grad_() for x in prepare(q, k, v)]
-        flex_out = torch.randn_like(call(*inputs))
-        row["flex+mask_fwd_bwd_ms"] = timed(lambda: torch.autograd.grad(call(*inputs), inputs, flex_out))
-        for name in ("gluon", "triton"):
-            row[f"{name}_vs_flex+mask_fwd_bwd"] = row["flex+mask_fwd_bwd_ms"] / row[f"{name}_fwd_bwd_ms"]
-        print(row, flush=True)
-        results.append(row)
-        save(results_name, {"tokens": tokens, "max_lens": max_lens, "source_commit": _source_commit(),
-                            "complete": len(results) == len(cases)}, results)
-
-
 def _host_times(offsets, causal, q, k, v, d_out, calls: int = 20) -> dict[str, float]:
     """Host ms per call of the public API (lists cached), forward alone and forward + backward, against the
     device's ms per call back to back: where the host takes longer, short batches wait on Python, not kernels."""
@@ -389,14 +345,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two cases, to check before a full run")
     parser.add_argument("--with-reference", action="store_true", help="also time the PyTorch reference")
     parser.add_argument("--overhead", action="store_true", help="split call time into tile tables and kernels")
-    parser.add_argument("--gluon-backward", action="store_true", help="the Gluon backward against the Triton one")
     parser.add_argument("--max-len", type=int, action="append", dest="max_lens",
                         help="only the cases of this maximum length (repeatable); the results file is named after them")
     args = parser.parse_args()
     if args.overhead:
         return overhead(args.tokens, args.max_lens)
-    if args.gluon_backward:
-        return gluon_backward_comparison(args.tokens, args.max_lens)
 
     # (mix, max_len, head_dim, causal); the cases of the two targets first, as results are saved as they come.
     cases = [("long_tail", max_len, dim, True) for dim in (128, 64) for max_len in (512, 2048, 8192)]

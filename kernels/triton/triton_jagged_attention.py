@@ -33,7 +33,6 @@ import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.pytorch.pt_tile_table import pt_tile_table
-from kernels.triton import gluon_jagged_backward
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)  # FP8: forward only
@@ -129,9 +128,6 @@ ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
 # rows; otherwise, and with JAGGED_ATTENTION_TMA=0, pointer loads. The interpreter runs the descriptor
 # loads but not the reduce.
 TMA = os.environ.get("JAGGED_ATTENTION_TMA") != "0"
-# JAGGED_ATTENTION_GLUON=1: the backward's dk/dv and dq kernels in Gluon where they apply (gluon_jagged_backward:
-# softmax, 16-bit, head dims 64 or 128, Hopper), which overlap the softmax with the score products by hand.
-GLUON = os.environ.get("JAGGED_ATTENTION_GLUON") == "1"
 
 
 def _short_bench(kernel_call, quantiles):
@@ -978,14 +974,6 @@ def _backward(p: _Problem, q, k, v, out, stats, d_out):
     tma = _use_tma(p, q, k, v, d_out)
     dq_tma = atomic and tma and not INTERPRETING  # the interpreter has no descriptor reduce
     table = p.table
-    if GLUON and not atomic and gluon_jagged_backward.supports_backward(q, k, v, p.silu, tma):
-        tile = gluon_jagged_backward.TILE
-        programs = tuple(_persistent_grid(table, direction, "BLOCK", p.num_heads, q.device)({"BLOCK": tile})[0]
-                         for direction in (1, 0))
-        gluon_jagged_backward.backward(q, k, v, d_out, stats, dq, dk, dv, p.q_offsets, p.kv_offsets, table.tiles,
-                                       table.index[1], table.index[0], stats_stride, delta_offset, p.causal, p.scale,
-                                       programs)
-        return dq, dk, dv
     # dk/dv first: autotuning it zeroes dq (reset_to_zero), which the separate dq kernel then writes.
     descriptors = {"q_desc": _descriptor(q, tma), "do_desc": _descriptor(d_out, tma),
                    "stats_desc": _flat_descriptor(stats, tma), "dq_desc": _descriptor(dq, dq_tma)}
