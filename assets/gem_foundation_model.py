@@ -1,40 +1,21 @@
 """gem_foundation_model: GEM pretrained on a day's shuffled_batches plan, as a torchrun job that Dagster
 Pipes launches and listens to (progress lines in the run log, final figures as metadata)."""
 
-import json
-import sys
-
 import dagster as dg
-import yaml
 from pydantic import Field
 
 from assets.partitions import daily_partitions
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs_path
-from assets.model_training import ModelTrainingConfig
+from assets.model_training import TorchrunJobConfig
 from assets.shuffled_batches import shuffled_batches
 from gem_ops.train.checkpoint import previous_checkpoint
 
 
-class GEMTrainingConfig(ModelTrainingConfig):
+class GEMTrainingConfig(TorchrunJobConfig):
     eval_every: int = 0
-    nproc_per_node: int = Field(1, description="Training processes (torchrun ranks); a plan for this world size must exist.")
-    max_restarts: int = Field(2, description="torchrun restarts of the whole job when a rank dies.")
-    embedding_sharding: str = Field("auto", description="table_wise, row_wise, auto (TorchRec planner) or fsdp.")
-    device: str = Field("cpu", description="cpu (gloo) or cuda (NCCL).")
     warm_start: bool = Field(True, description="Start from the latest earlier partition's checkpoint, if any.")
     registered_model_name: str = "gem_foundation_model"
-
-    def train_arguments(self) -> list[str]:
-        """The training settings as the command line's flags."""
-        args = []
-        for name, value in self.train_settings().items():
-            flag = name.replace("_", "-")
-            if isinstance(value, bool):
-                args.append(f"--{flag}" if value else f"--no-{flag}")
-            elif value is not None:
-                args += [f"--{flag}", str(value)]
-        return args
 
 
 def runs_dir(lake: LakeResource):
@@ -43,22 +24,13 @@ def runs_dir(lake: LakeResource):
 
 def training_command(config: GEMTrainingConfig, lake: LakeResource, day: str, run_id: str | None,
                      tracking_uri: str, warm) -> list[str]:
-    overrides = [json.dumps({key: yaml.safe_load(value) for key, value in config.model_overrides.items()})]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.nproc_per_node),
-        "--max-restarts", str(config.max_restarts), "-m", "gem_ops.train",
-        "--sequence-logs", str(sequence_logs_path(lake, day)), "--plans", str(lake.path("shuffled_batches", day)),
-        "--preset", config.preset, "--depth", str(config.depth), "--width", str(config.width),
-        "--model-override", *overrides, *config.train_arguments(),
-        "--embedding-sharding", config.embedding_sharding, "--device", config.device,
-        "--checkpoint-dir", str(runs_dir(lake) / day / "checkpoints"), "--progress-every", "25",
-        "--registered-model-name", config.registered_model_name, "--mlflow-tracking-uri", tracking_uri,
-    ]
+    extra = ["--checkpoint-dir", str(runs_dir(lake) / day / "checkpoints"), "--progress-every", "25",
+             "--registered-model-name", config.registered_model_name, "--mlflow-tracking-uri", tracking_uri]
     if run_id is not None:
-        command += ["--mlflow-run-id", run_id]
+        extra += ["--mlflow-run-id", run_id]
     if warm is not None:
-        command += ["--warm-start", str(warm)]
-    return command
+        extra += ["--warm-start", str(warm)]
+    return config.torchrun_command(sequence_logs_path(lake, day), lake.path("shuffled_batches", day), extra)
 
 
 @dg.asset(partitions_def=daily_partitions, deps=[shuffled_batches], group_name="training", kinds={"pytorch", "mlflow"})

@@ -6,6 +6,7 @@ import yaml
 from pydantic import Field
 
 from gem_ops.model.config import ModelConfig, model_config
+from gem_ops.train import launch
 from gem_ops.train.config import TrainConfig
 
 
@@ -42,3 +43,22 @@ class ModelTrainingConfig(dg.Config):
 
     def train(self) -> TrainConfig:
         return TrainConfig(**self.train_settings())
+
+
+
+class TorchrunJobConfig(ModelTrainingConfig):
+    """A model trained by the engine as a torchrun job (gem_foundation_model, mfu_report)."""
+
+    nproc_per_node: int = Field(1, description="Training processes (torchrun ranks); a plan for this world size must exist.")
+    max_restarts: int = Field(2, description="torchrun restarts of the whole job when a rank dies.")
+    embedding_sharding: str = Field(
+        "auto", description="auto (TorchRec planner; one rank: none), table_wise, row_wise, fsdp or none.")
+    device: str = Field("cpu", description="cpu (gloo) or cuda (NCCL).")
+
+    def torchrun_command(self, sequence_logs, plans, extra: list[str]) -> list[str]:
+        """The engine's torchrun job for this model and these settings (see gem_ops.train.launch)."""
+        return launch.torchrun_command(
+            sequence_logs, plans, preset=self.preset, depth=self.depth, width=self.width,
+            model_overrides={key: yaml.safe_load(value) for key, value in self.model_overrides.items()},
+            train_settings=self.train_settings(), nproc_per_node=self.nproc_per_node, max_restarts=self.max_restarts,
+            extra=["--embedding-sharding", self.embedding_sharding, "--device", self.device, *extra])

@@ -16,7 +16,9 @@ class ShuffledBatchesConfig(dg.Config):
     sub_batch_size: int = 128
     sub_batches_per_rank: int = 4
     cost: str = Field("attention", description="tokens (L+1) or attention ((L+1)^2) per sample")
-    max_history_len: int | None = Field(None, description="Histories as the trainer will cut them; default: as stored.")
+    max_history_len: int | None = Field(
+        None, description="Histories as the trainer will cut them; default: as stored. A model trained on other "
+        "lengths re-balances the plan's examples for its own (gem_ops.train.batches).")
     seed: int = 0
 
 
@@ -31,7 +33,8 @@ def shuffled_batches(
     """Per-rank batch plans: length-sorted sub-batches, heaviest paired with lightest, step costs balanced."""
     logs = SequenceLogs(sequence_logs_path(lake, context.partition_key))
     train = logs.split_indices("train")
-    lengths = logs.history_lengths(config.max_history_len)[train]
+    history_cap = min(config.max_history_len or logs.max_history_len, logs.max_history_len)
+    lengths = logs.history_lengths(history_cap)[train]
     shuffling = ShufflingConfig(config.sub_batch_size, config.sub_batches_per_rank, config.cost, config.seed)
     figures, metadata = {}, {}
     with mlflow.asset_run(context) as run:
@@ -40,7 +43,7 @@ def shuffled_batches(
             plan = plan_base_batch_shuffling(lengths, world_size, shuffling, train)
             baseline = imbalance(plan_random(lengths, world_size, shuffling, train))
             balanced = imbalance(plan)
-            path = write_plan(plan, plan_path(lake, context.partition_key, world_size))
+            path = write_plan(plan, plan_path(lake, context.partition_key, world_size), history_cap)
             figures[world_size] = {"random": baseline["max_over_mean"], "bbs": balanced["max_over_mean"]}
             metadata[f"world_size={world_size}"] = dg.MetadataValue.json(
                 {"path": str(path), "steps": plan.steps, "dropped": plan.dropped, "random": baseline, "bbs": balanced}

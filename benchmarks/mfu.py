@@ -1,21 +1,24 @@
-"""MFU of GEM training on one device, bf16 against FP8: end-to-end model FLOPs utilization and samples/s
-of real training steps (gem_ops.metrics.mfu.measure_mfu: data loading, embeddings and optimizer
-included) for each precision, the loss after the same steps in both, and the forward and backward
-speed of the dense layers alone (the GPU preset's shapes, bf16 and FP8 side by side). Saved as
-benchmarks/results/mfu_<device>.json with the commit, the machine and the settings.
+"""MFU of GEM training, end to end through the engine as gem_foundation_model runs it: each run is the
+engine's torchrun job (`python -m torch.distributed.run ... -m gem_ops.train`, the command
+gem_ops.train.launch builds for the assets) with an MFU window (warm-up steps, a timed window, profiled
+steps; gem_ops.train.mfu_window). MFU over the whole timed window (its model FLOPs over its wall time:
+the mean step) and the median step's beside it, samples/s, and the loss after the same steps, per
+model shape and precision (and repeat); then the forward and backward speed of the dense layers alone
+(the GPU preset's shapes, bf16 and FP8 side by side). Saved as benchmarks/results/mfu_<device>.json
+with the commit, the machine and the settings.
 
-    python -m benchmarks.mfu --device cuda --data DIR --preset gem_gpu
+    python -m benchmarks.mfu --device cuda --data DIR --preset gem_gpu --shapes preset w0.5_L512:width=0.5,max_history_len=512
     python -m benchmarks.mfu --device cpu --data DIR --preset vertical --max-history-len 32 --steps 3 \\
         --precisions fp32 --dense-tokens 512 --dense-batch 64 --compile none    # a dry run of every stage
 
-DIR holds sequence_logs/ and a one-rank plan, by default plans/world_size=1.parquet (prepared by
-benchmarks/mfu_data.py: the GPU machine has no polars). On a CPU, FP8 cannot run: the dense-layer stage emulates it (numbers meaningless, code checked).
+DIR holds sequence_logs/ and plans/world_size=W.parquet (prepared by benchmarks/mfu_data.py: the GPU
+machine has no polars). On a CPU, FP8 cannot run: the dense-layer stage emulates it (numbers
+meaningless, code checked).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import shutil
@@ -152,44 +155,73 @@ def precision_variant(name: str) -> tuple[str, str | None]:
     return precision, recipe or None
 
 
-def end_to_end(logs, plan, model_config, variant: str, args, device: torch.device, figures: Path | None) -> dict:
-    from gem_ops.metrics.mfu import measure_mfu, mfu_figure
-    from gem_ops.train.config import TrainConfig
+def parse_shape(item: str) -> tuple[str, dict]:
+    """NAME[:key=value,...] with keys width, depth, max_history_len or dotted model settings; "preset": as is."""
+    name, _, rest = item.partition(":")
+    settings = dict(_setting(kv) for kv in rest.split(",") if kv)
+    return name, settings
+
+
+def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[str]:
+    """The engine's torchrun job with an MFU window, built as the assets build theirs."""
+    from gem_ops.train.launch import torchrun_command
 
     precision, recipe = precision_variant(variant)
-    train_config = TrainConfig(precision=precision, fp8_recipe=recipe or args.fp8_recipes[0], compile=args.compile,
-                               activation_checkpointing=args.activation_checkpointing, seed=args.seed)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    began = time.perf_counter()
-    report = measure_mfu(logs, plan, model_config, train_config, steps=args.steps, warmup_steps=args.warmup_steps,
-                         profile_steps=args.profile_steps, device=device)
-    data = report.to_dict()
-    data["wall_seconds"] = time.perf_counter() - began
-    if device.type == "cuda":
-        data["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    if figures is not None:
-        import matplotlib.pyplot as plt
+    shape = dict(shape)
+    width, depth = float(shape.pop("width", args.width)), float(shape.pop("depth", args.depth))
+    overrides = dict(_setting(item) for item in args.set)
+    length = shape.pop("max_history_len", args.max_history_len)
+    if length:
+        overrides["sequence.max_history_len"] = int(length)
+    overrides.update(shape)
+    settings = {"precision": precision, "fp8_recipe": recipe or args.fp8_recipes[0], "compile": args.compile,
+                "activation_checkpointing": args.activation_checkpointing, "seed": args.seed}
+    return torchrun_command(
+        args.data / "sequence_logs", args.data / "plans", preset=args.preset, depth=depth, width=width,
+        model_overrides=overrides, train_settings=settings, nproc_per_node=args.nproc,
+        extra=["--device", args.device, "--mfu-steps", str(args.steps), "--mfu-warmup-steps", str(args.warmup_steps),
+               "--mfu-profile-steps", str(args.profile_steps), "--progress-every", "5", "--result-json", str(result_json)])
 
-        fig = mfu_figure(report)
-        fig.savefig(figures / f"mfu_{device.type}_{variant.replace(':', '_')}.png", dpi=110)
-        plt.close(fig)
-    print(f"{variant}: MFU {100 * report.mfu:.1f}% (median step {100 * report.metrics()['mfu_median_step']:.1f}%; {report.model_flops_per_second / 1e12:.1f} model TFLOP/s, "
-          f"{report.peak_source} peak {report.peak_flops / 1e12:.0f}; measured GEMM {report.gemm_flops / 1e12:.0f}), "
-          f"{report.samples_per_second:.0f} samples/s, median step {report.median_step_seconds * 1e3:.1f} ms, "
-          f"final loss {report.losses[-1]:.4f}", flush=True)
-    print(report.profile_table, flush=True)
-    del report
-    gc.collect()
-    torch._dynamo.reset()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return data
+
+def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: float) -> dict:
+    """One engine run; its figures, or why there are none."""
+    import os
+    import subprocess
+    import tempfile
+
+    if seconds_left < 60:
+        return {"skipped": f"time budget: {seconds_left:.0f} s left"}
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "result.json"
+        command = engine_command(args, shape, variant, output)
+        # Expandable segments: the jagged batches change shape every step, which fragments a fixed-block pool.
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+        began = time.perf_counter()
+        try:
+            done = subprocess.run(command, env=env, cwd=ROOT, timeout=None if math.isinf(seconds_left) else seconds_left)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {seconds_left:.0f} s", "command": command}
+        if not output.exists():
+            return {"error": f"the engine's job exited with code {done.returncode} and no result", "command": command}
+        reported = json.loads(output.read_text())
+    report = reported["mfu_report"]
+    run = {"path": reported["path"], "launch": "torchrun", "command": command, "wall_seconds": time.perf_counter() - began,
+           "world_size": reported["world_size"], "embedding_sharding": reported["embedding_sharding"],
+           "mfu_window_mean": report["mfu"], "mfu_median_step": report["mfu_median_step"],
+           **{k: report[k] for k in ("model_tflops", "samples_per_second", "step_seconds_mean", "step_seconds_median",
+                                     "model_tflop_per_step", "peak_source", "peak_flops", "gemm_flops", "steps",
+                                     "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
+                                     "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds",
+                                     "forward_flops_by_module", "max_memory_gib") if k in report}}
+    print(f"{shape_name}/{variant}: MFU {100 * run['mfu_window_mean']:.1f}% over the window (median step "
+          f"{100 * run['mfu_median_step']:.1f}%), {run['model_tflops']:.0f} model TFLOP/s, "
+          f"{run['samples_per_second']:.0f} samples/s, mean step {run['step_seconds_mean'] * 1e3:.0f} ms "
+          f"(median {run['step_seconds_median'] * 1e3:.0f} ms)", flush=True)
+    return run
 
 
 def run_stage(stage: str, seconds_left: float) -> dict:
-    """One stage in a child process of its own: a crash, a hang or memory it keeps cannot spoil the
-    next stage, and each precision starts from a fresh allocator and compile cache."""
+    """The dense-layer stage in a child process of its own (a fresh allocator and compile cache)."""
     import os
     import subprocess
     import sys
@@ -200,7 +232,6 @@ def run_stage(stage: str, seconds_left: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "stage.json"
         command = [sys.executable, "-m", "benchmarks.mfu", *sys.argv[1:], "--stage", stage, "--stage-output", str(output)]
-        # Expandable segments: the jagged batches change shape every step, which fragments a fixed-block pool.
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
         try:
             done = subprocess.run(command, env=env, timeout=None if math.isinf(seconds_left) else seconds_left)
@@ -212,19 +243,14 @@ def run_stage(stage: str, seconds_left: float) -> dict:
 
 
 def run_here(args) -> None:
-    """The child's side of run_stage: runs args.stage and writes its result (or its error) as JSON."""
+    """The child's side of run_stage: the dense-layer stage, its result (or its error) as JSON."""
     from gem_ops.data.loader import SequenceLogs
     from gem_ops.model.config import FeatureSpec
 
     device = torch.device(args.device)
     logs = SequenceLogs(args.data / "sequence_logs")
-    config = model_config_of(args)
     try:
-        if args.stage == "dense":
-            result = bench_dense_layers(config, FeatureSpec.from_logs(logs), args, device)
-        else:
-            precision = args.stage.split(":", 1)[1]
-            result = end_to_end(logs, args.data / args.plan, config, precision, args, device, args.copy_to)
+        result = bench_dense_layers(model_config_of(args), FeatureSpec.from_logs(logs), args, device)
     except Exception as error:  # reported in the JSON beside the stages that ran
         result = {"error": f"{type(error).__name__}: {error}"}
         print(f"{args.stage} failed: {error}", flush=True)
@@ -242,29 +268,40 @@ def model_config_of(args):
 def _setting(item: str) -> tuple[str, object]:
     key, sep, value = item.partition("=")
     if not sep:
-        raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
+        raise SystemExit(f"a setting takes KEY=VALUE, got {item!r}")
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
 
 
+def spread(runs: list[dict], key: str) -> dict:
+    values = [r[key] for r in runs if key in r]
+    if not values:
+        return {}
+    return {"mean": statistics.mean(values), "min": min(values), "max": max(values),
+            "spread": max(values) - min(values), "runs": len(values)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    parser.add_argument("--data", type=Path, required=True, help="a folder with sequence_logs/ and plans/world_size=1.parquet")
-    parser.add_argument("--plan", type=Path, default=Path("plans/world_size=1.parquet"),
-                        help="the batch plan, under --data (its batch size is the step's)")
+    parser.add_argument("--data", type=Path, required=True, help="a folder with sequence_logs/ and plans/")
+    parser.add_argument("--nproc", type=int, default=1, help="torchrun processes (a plan for that world size must exist)")
     parser.add_argument("--preset", default="gem_gpu")
     parser.add_argument("--width", type=float, default=1.0)
     parser.add_argument("--depth", type=float, default=1.0)
     parser.add_argument("--max-history-len", type=int, default=0, help="0: the preset's")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="model settings over the preset's, e.g. embedding.sequence_dim=1024 (values as JSON)")
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per precision")
-    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--shapes", nargs="+", default=["preset"], metavar="NAME[:KEY=VALUE,...]",
+                        help="model shapes to run, each the preset with these settings (width, depth, "
+                             "max_history_len, dotted settings); preset: the preset as it is")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--precisions", nargs="*", default=["bf16", "fp8"],
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each shape and precision")
+    parser.add_argument("--precisions", nargs="*", default=["bf16"],
                         help="end-to-end runs, each precision[:fp8 recipe] (none: the other stages alone)")
     parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise_triton", "tensorwise"],
                         help="the first is the end-to-end run's; the dense-layer stage times each")
@@ -277,9 +314,10 @@ def main() -> None:
                         help="of sequence_ffn, sequence_qkv, cross_kv (the layers FP8 takes) and wukong_mlp (left in bf16)")
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; later stages are skipped past it (0: none)")
-    parser.add_argument("--copy-to", type=Path, help="also copy the JSON and figures here")
+    parser.add_argument("--copy-to", type=Path, help="also copy the JSON here")
+    parser.add_argument("--output-name", default=None, help="results/<name>.json (default mfu_<device>)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stage", help=argparse.SUPPRESS)  # a child process runs one stage: end_to_end:<precision> or dense
+    parser.add_argument("--stage", help=argparse.SUPPRESS)  # a child process runs the dense stage
     parser.add_argument("--stage-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -291,7 +329,6 @@ def main() -> None:
     began = time.perf_counter()
     left = lambda: math.inf if not args.time_budget else args.time_budget - (time.perf_counter() - began)  # noqa: E731
     device = torch.device(args.device)
-    config = model_config_of(args)
     if args.copy_to is not None:
         args.copy_to.mkdir(parents=True, exist_ok=True)
 
@@ -300,14 +337,14 @@ def main() -> None:
     import torchao
 
     peak, source = peak_flops(device)
-    results: dict = {"device_name": device_name(device), "peak_flops": peak, "peak_source": source,
+    results: dict = {"path": "engine", "device_name": device_name(device), "peak_flops": peak, "peak_source": source,
                      "versions": {"torch": torch.__version__, "torchao": torchao.__version__,
                                   "triton": getattr(triton, "__version__", "")},
                      "attention_backends": attention.available_backends()}
-    settings = {**vars(args), "model": config.to_dict(), "loss_steps": LOSS_STEPS}
+    settings = {**vars(args), "model": model_config_of(args).to_dict(), "loss_steps": LOSS_STEPS}
 
     def checkpoint_results() -> None:
-        path = save(f"mfu_{device.type}", settings, results)
+        path = save(args.output_name or f"mfu_{device.type}", settings, results)
         if args.copy_to is not None:
             shutil.copy(path, args.copy_to / path.name)
 
@@ -320,35 +357,31 @@ def main() -> None:
     checkpoint_results()
 
     runs = results.setdefault("end_to_end", {})
-    for precision in args.precisions:
-        runs[precision] = run_stage(f"end_to_end:{precision}", left())
-        checkpoint_results()
+    summary = results.setdefault("summary", {})
+    for shape_name, shape in map(parse_shape, args.shapes):
+        for variant in args.precisions:
+            key = f"{shape_name}/{variant}"
+            runs[key] = [end_to_end(args, shape_name, shape, variant, left()) for _ in range(args.repeats)]
+            summary[key] = {m: spread(runs[key], m) for m in ("mfu_window_mean", "mfu_median_step", "samples_per_second")}
+            checkpoint_results()
     if not args.skip_dense:
         results["dense_layers"] = run_stage("dense", left())
         checkpoint_results()
 
-    done = {p: r for p, r in runs.items() if "losses" in r}
-    if "bf16" in done:  # each FP8 run's loss against bf16's, over the last steps both ran
-        comparisons = {}
-        for variant in (v for v in done if precision_variant(v)[0] == "fp8"):
+    comparisons = {}
+    for shape_name, _ in map(parse_shape, args.shapes):
+        done = {v: runs[f"{shape_name}/{v}"][0] for v in args.precisions if "losses" in runs[f"{shape_name}/{v}"][0]}
+        for variant in (v for v in done if "bf16" in done and precision_variant(v)[0] == "fp8"):
             n = min(len(done["bf16"]["losses"]), len(done[variant]["losses"]))
             last = slice(n - LOSS_STEPS, n)
             bf16, fp8 = (statistics.mean(done[p]["losses"][last]) for p in ("bf16", variant))
-            comparisons[variant] = {"steps": n, "bf16_loss": bf16, "fp8_loss": fp8, "relative_difference": (fp8 - bf16) / bf16}
-        results["loss_comparisons"] = comparisons
-        if "fp8" in comparisons:
-            results["loss_comparison"] = comparisons["fp8"]
-    dense = results.get("dense_layers", {}).get("all_shapes", {})
-    recipe = args.fp8_recipes[0]
-    results["targets"] = {
-        "bf16_mfu_at_least_0.40": done.get("bf16", {}).get("mfu", 0) >= 0.40,
-        f"fp8_{recipe}_forward_speedup_at_least_1.3": dense.get(f"fp8_{recipe}_forward_speedup", 0) >= 1.3,
-        f"fp8_{recipe}_backward_speedup_at_least_1.5": dense.get(f"fp8_{recipe}_backward_speedup", 0) >= 1.5,
-        "fp8_loss_within_1pct_of_bf16": abs(results.get("loss_comparison", {}).get("relative_difference", 1)) <= 0.01,
-    }
+            comparisons[f"{shape_name}/{variant}"] = {
+                "steps": n, "bf16_loss": bf16, "fp8_loss": fp8, "relative_difference": (fp8 - bf16) / bf16,
+                "samples_per_second_ratio": done[variant]["samples_per_second"] / done["bf16"]["samples_per_second"]}
+    results["loss_comparisons"] = comparisons
     results["wall_seconds"] = time.perf_counter() - began
     checkpoint_results()
-    print(json.dumps({"targets": results["targets"], "loss": results.get("loss_comparison"), "dense": dense}, indent=1))
+    print(json.dumps({"summary": summary, "loss_comparisons": comparisons}, indent=1))
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def run_dataset(name: str, args, work: Path) -> dict:
     from gem_ops.data.sequence_logs import SequenceLogsConfig
     from gem_ops.model.config import model_config
     from gem_ops.train.config import TrainConfig
-    from gem_ops.train.loop import train
+    from gem_ops.train.engine import train
     from gem_ops.transfer import windows
     from gem_ops.transfer.config import TransferConfig, TransferWindows
     from gem_ops.transfer.hierarchy import DomainData, as_teacher, students_examples, train_domain_foundation_model, \

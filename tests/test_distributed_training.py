@@ -1,6 +1,7 @@
-"""Distributed GEM training with real processes (torchrun, gloo, CPU): 2 ranks take the same steps as one
-process on the union of their batches, for each way of sharding the tables; a job killed with SIGKILL
-resumes from its last checkpoint; torchrun restarts a job whose rank failed and it completes."""
+"""The engine across processes (torchrun, gloo, CPU): 2 ranks take the same steps as one process on the
+union of their batches, for each way of sharding the tables, and as one process without torchrun; a job
+killed with SIGKILL resumes from its last checkpoint; torchrun restarts a job whose rank failed and it
+completes (faults injected by tests/fault_drill.py, which wraps the production entry point)."""
 
 import dataclasses
 import json
@@ -24,8 +25,8 @@ from gem_ops.data.synthetic import STRONG_SIGNAL
 from gem_ops.model.config import model_config
 from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.distributed import train_distributed
-from gem_ops.train.loop import model_from_state
+from gem_ops.train.engine import train
+from gem_ops.train.model_state import load_model_state, model_from_state
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 TINY = model_config("vertical", width=0.5, **{"sequence.max_history_len": 16})
@@ -52,14 +53,16 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def union_run(data, tmp_path_factory):
     """One process (in this one, no torchrun) on the union of both ranks' rows of the world_size=2 plan."""
-    return train_distributed(data.open(), data.plans[2], TINY, CONFIG, embedding_sharding="table_wise",
-                             checkpoint_dir=tmp_path_factory.mktemp("union"), union_of_ranks=True)
+    return train(data.open(), data.plans[2], TINY, CONFIG, embedding_sharding="table_wise",
+                 checkpoint_dir=tmp_path_factory.mktemp("union"), union_of_ranks=True)[1]
 
 
 def start_job(data, checkpoint_dir: Path, result: Path, *extra: str, max_restarts: int = 0,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(max_restarts), "-m", "gem_ops.train",
+              env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.Popen:
+    # With faults to inject, the test's wrapper of the entry point; else the production one.
+    module = "tests.fault_drill" if env and any(k.startswith("GEM_TRAIN_") for k in env) else "gem_ops.train"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(max_restarts), "-m", module,
            "--sequence-logs", str(data.sequence_logs), "--plans", str(data.plans[2].parent),
            *TINY_ARGS, *CONFIG_ARGS, "--checkpoint-dir", str(checkpoint_dir), "--result-json", str(result), *extra]
     log = open(result.with_suffix(".log"), "wb")
@@ -114,8 +117,7 @@ def test_two_ranks_match_one_process_on_the_same_batches(data, union_run, shardi
     assert 1.0 <= result["imbalance_observed.tokens"] < 1.05
     assert result["eval.all.click.auc"] == pytest.approx(union_run.final_report["all/click"]["auc"], abs=1e-4)
     # The exported full weights rebuild the plain model, equal to the final sharded checkpoint's.
-    state = torch.load(result["model_state"], map_location="cpu", weights_only=False)
-    model = model_from_state(state)
+    model = model_from_state(load_model_state(result["model_state"]))
     final = load_checkpoint(result["checkpoint"])
     assert final.step == STEPS
     for name, value in model.state_dict().items():
@@ -152,9 +154,17 @@ def test_torchrun_restarts_a_failed_rank_and_the_job_completes(data, union_run, 
     assert result["losses"] == pytest.approx(union_run.losses, rel=LOSS_RTOL)
 
 
+def test_one_process_matches_two_ranks_through_the_same_engine(data, union_run, tmp_path):
+    """The engine on one rank (torchrun with one process, the plain model: nothing to shard) on the
+    world_size=2 plan's union against the 2-rank runs above: the same losses."""
+    result = run_job(data, tmp_path, "--plan-world-size", "2", "--union-of-ranks", nproc=1)
+    assert result["world_size"] == 1 and result["embedding_sharding"] == "none"
+    assert result["losses"] == pytest.approx(union_run.losses, rel=LOSS_RTOL)
+
+
 def test_plan_for_another_world_size_is_refused(data, tmp_path):
     with pytest.raises(ValueError, match="made for world size 2, the job has 1"):
-        train_distributed(data.open(), data.plans[2], TINY, CONFIG, checkpoint_dir=tmp_path)
+        train(data.open(), data.plans[2], TINY, CONFIG, checkpoint_dir=tmp_path)
 
 
 def test_two_nodes_train_under_an_hsdp_mesh(data, union_run, tmp_path):

@@ -18,7 +18,7 @@ import gem_ops.model.sequence as sequence_module
 from gem_ops.metrics.flops import MODULES, attention_pairs, batch_flops, branch_lengths
 from gem_ops.model.config import model_config
 from gem_ops.model.features import model_input
-from gem_ops.train.loop import seeded_model
+from gem_ops.train.model_state import seeded_model
 from tests.model_inputs import SPEC, random_batch
 
 LENGTHS = [0, 1, 7, 30, 90, 3, 64, 12]

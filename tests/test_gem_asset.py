@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from gem_ops.data.loader import SequenceLogs
-from gem_ops.train.loop import model_from_state
+from gem_ops.train.model_state import load_model_state, model_from_state
 from gem_ops.train.mlflow_model import batch_to_frame, predict_frame
 
 from tests.gem_asset_setup import DAYS, MODEL_NAME
@@ -65,7 +65,7 @@ def test_registered_model_loads_back_and_predicts_the_same(gem_asset_runs):
     meta = _metadata(gem_asset_runs["results"][day])
     lake = gem_asset_runs["root"] / "lake"
     logs = SequenceLogs(lake / "sequence_logs" / day.isoformat())
-    model = model_from_state(torch.load(meta["model_state"].value, weights_only=False)).eval()
+    model = model_from_state(load_model_state(meta["model_state"].value)).eval()
     frame = batch_to_frame(logs.batch(np.arange(min(50, len(logs))), 16), model.spec)
     expected = predict_frame(model, frame)
 

@@ -1,5 +1,6 @@
-"""mfu_report materialized with Dagster on CPU into a temporary instance and a real MLflow SQLite store:
-its metadata, and the MLflow run's metrics, per-step curve, plot and report read back."""
+"""mfu_report materialized with Dagster on CPU into a temporary instance and a real MLflow SQLite store: the
+engine's torchrun job launched through Dagster Pipes, as gem_foundation_model launches it; its metadata,
+and the MLflow run's metrics, per-step curve, plot and report read back."""
 
 import json
 import math
@@ -31,7 +32,8 @@ def materialized(tmp_path_factory):
     root = tmp_path_factory.mktemp("mfu_report")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     resources = {"lake": LakeResource(base_dir=str(root / "lake")),
-                 "mlflow": MLflowResource(tracking_uri=uri, artifact_location=str(root / "artifacts"))}
+                 "mlflow": MLflowResource(tracking_uri=uri, artifact_location=str(root / "artifacts")),
+                 "pipes_subprocess_client": dg.PipesSubprocessClient()}
     (root / "dagster").mkdir()
     with dg.instance_for_test(temp_dir=str(root / "dagster")) as instance:
         assert dg.materialize([raw_event_logs], partition_key=DAYS[0].isoformat(), resources=resources,
@@ -50,6 +52,8 @@ def _metadata(result):
 def test_materializes_with_mfu_figures_as_metadata(materialized):
     assert materialized["result"].success
     meta = _metadata(materialized["result"])
+    assert meta["path"].value == "engine" and meta["world_size"].value == 1  # the torchrun job's own figures
+    assert meta["mfu"].value > 0 and meta["mfu_median_step"].value > 0
     assert meta["peak_source"].value == "measured"  # a CPU has no datasheet entry: MFU against its GEMM rate
     assert 0 < meta["mfu"].value < 1.5
     assert meta["mfu"].value == pytest.approx(meta["mfu_vs_gemm"].value)
@@ -79,9 +83,12 @@ def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
     report = json.loads(open(local).read())
     assert len(report["step_seconds"]) == STEPS and all(s > 0 for s in report["step_seconds"])
     assert report["model_flops"] == pytest.approx(sum(report["step_flops"]))
-    # The loop's own per-step figures (logged by every training run) agree with the report's inputs.
-    assert math.isclose(report["model_flops"] / sum(report["step_seconds"]) / 1e12, metrics["mfu.model_tflops"],
-                        rel_tol=1e-6)
+    # MFU over the window's wall time (the mean step), which holds every step's own time and what runs
+    # between steps; the median step's figure beside it.
+    assert report["seconds"] >= sum(report["step_seconds"])
+    assert math.isclose(report["model_flops"] / report["seconds"] / 1e12, metrics["mfu.model_tflops"], rel_tol=1e-6)
+    assert math.isclose(report["step_seconds_mean"], report["seconds"] / STEPS, rel_tol=1e-6)
+    assert "mfu.mfu_median_step" in metrics
 
 
 def test_host_waits_on_a_full_launch_queue_are_not_device_time():
@@ -89,10 +96,10 @@ def test_host_waits_on_a_full_launch_queue_are_not_device_time():
     a phase's device time leaves it out, however deep it sits under the phase's range."""
     from types import SimpleNamespace as Event
 
-    from gem_ops.metrics.mfu import _device_time
+    from gem_ops.train.mfu_window import device_time
 
     wait = Event(name="Command Buffer Full", device_time_total=300.0, cpu_children=[])
     launch = Event(name="cudaLaunchKernel", device_time_total=340.0, cpu_children=[wait])
     kernel_op = Event(name="aten::mm", device_time_total=50.0, cpu_children=[])
     phase = Event(name="optimizer", device_time_total=390.0, cpu_children=[launch, kernel_op])
-    assert _device_time(phase) == 90.0
+    assert device_time(phase) == 90.0

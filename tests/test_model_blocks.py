@@ -108,6 +108,20 @@ def test_jagged_ops_match_a_per_sequence_loop(seed):
         assert torch.equal(last_offsets, jagged.offsets_of(lengths.clamp(max=n)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_take_rows_backward_writes_each_row_once(dtype):
+    """take_rows' backward (index_copy into zeros) equals index_select's (index_add) for distinct rows."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(50, 4, generator=g).to(dtype).requires_grad_()
+    rows = torch.randperm(50, generator=g)[:31]
+    upstream = torch.randn(31, 4, generator=g).to(dtype)
+    (jagged.take_rows(values, rows) * upstream).sum().backward()
+    ours, values.grad = values.grad, None
+    (values.index_select(0, rows) * upstream).sum().backward()
+    assert torch.equal(ours, values.grad)
+    assert torch.equal(ours[rows], upstream) and not ours[~torch.isin(torch.arange(50), rows)].any()
+
+
 def test_level_totals_are_every_pyramid_size():
     lengths = torch.tensor([[0, 1, 7, 40], [0, 0, 3, 9]])
     assert jagged.level_totals(lengths, [8, 2, 4]) == [[48, 16, 5, 5], [12, 11, 4, 4]]

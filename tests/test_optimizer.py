@@ -11,7 +11,7 @@ from torchrec.optim import RowWiseAdagrad
 from gem_ops.model.config import model_config
 from gem_ops.model.features import model_input
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.loop import seeded_model
+from gem_ops.train.model_state import seeded_model
 from gem_ops.train.optimizer import SparseRowWiseAdagrad, build_optimizer, sparse_table_gradients
 from tests.model_inputs import SPEC, random_batch
 

@@ -9,7 +9,7 @@ import torch
 from gem_ops.model.config import model_config
 from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.loop import train
+from gem_ops.train.engine import train
 from gem_ops.data.synthetic import STRONG_SIGNAL
 from tests.training_data import learnable_data
 
@@ -66,7 +66,7 @@ def test_diverging_loss_stops_with_a_clear_error(data, tmp_path):
 def test_output_biases_start_at_the_plan_label_rates(data):
     from gem_ops.model.config import FeatureSpec
     from gem_ops.train.initialization import init_output_biases, plan_examples
-    from gem_ops.train.loop import seeded_model
+    from gem_ops.train.model_state import seeded_model
 
     logs = data.open()
     model = seeded_model(FeatureSpec.from_logs(logs), model_config("vertical"))
@@ -98,3 +98,26 @@ def test_sparse_table_gradients_option_trains_the_same(data):
     assert tables and all(m.sparse for m in tables)
     assert not any(m.sparse for m in dense_model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
     assert sparse.losses == pytest.approx(dense.losses, rel=1e-4)
+
+
+def test_the_plan_is_balanced_for_the_history_length_the_model_reads(data, caplog):
+    """The stored plan was balanced for histories of 32 events; a model that reads 4 gets the same examples
+    balanced again for 4 (one setting: the model's), logged, the same on every rank."""
+    import numpy as np
+
+    from gem_ops.data.batch_shuffling import ShufflingConfig, plan_base_batch_shuffling, plan_info, read_plan
+    from gem_ops.train.batches import rank_schedule
+
+    logs = data.open()
+    assert plan_info(data.plans[1])["max_history_len"] == 32
+    stored = read_plan(data.plans[1])
+    with caplog.at_level("INFO", logger="gem_ops.train.batches"):
+        schedule = rank_schedule(logs, data.plans[1], 0, 1, epochs=1, seed=0, max_history_len=4)
+    assert "balanced again for 4" in caplog.text
+    assert np.array_equal(np.sort(schedule.steps.reshape(-1)), np.sort(stored.reshape(-1)))  # the same examples
+    examples = np.sort(stored.reshape(-1))
+    again = plan_base_batch_shuffling(logs.history_lengths(4)[examples], 1,
+                                      ShufflingConfig(**plan_info(data.plans[1])["shuffling"]), examples)
+    assert np.array_equal(schedule.steps, again.examples[:, 0]) and not np.array_equal(schedule.steps, stored[:, 0])
+    same = rank_schedule(logs, data.plans[1], 0, 1, epochs=1, seed=0, max_history_len=32)
+    assert np.array_equal(same.steps, stored[:, 0])  # the model reads what the plan was balanced for

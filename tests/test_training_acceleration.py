@@ -20,7 +20,7 @@ from gem_ops.train.acceleration import (
     prepare_for_training,
 )
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.loop import seeded_model
+from gem_ops.train.model_state import seeded_model
 from gem_ops.train.prefetch import prefetched
 from tests.model_inputs import SPEC, random_batch
 

@@ -14,7 +14,8 @@ from gem_ops.data.synthetic import STRONG_SIGNAL, SurfaceSpec
 from gem_ops.model.config import FeatureSpec, model_config
 from gem_ops.model.features import model_input
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.loop import seeded_model, train
+from gem_ops.train.engine import train
+from gem_ops.train.model_state import seeded_model
 from gem_ops.train.optimizer import build_optimizer, split_parameters
 from gem_ops.transfer import windows
 from gem_ops.transfer.adapter import adapt, fit_adapter

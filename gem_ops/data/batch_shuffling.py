@@ -11,8 +11,9 @@ Step order is shuffled so training does not see all long histories first.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -53,6 +54,7 @@ class BatchPlan:
     examples: np.ndarray  # [steps, world_size, rank_batch_size] int64
     cost: np.ndarray  # [steps, world_size] float64
     dropped: int  # samples left out because they did not fill a whole step
+    config: ShufflingConfig | None = None  # how a Base Batch Shuffling plan was made (None: another planner)
 
     @property
     def steps(self) -> int:
@@ -109,7 +111,7 @@ def plan_base_batch_shuffling(
     steps[:, 1::2] = steps[:, 1::2, ::-1]
     steps = steps[rng.permutation(steps.shape[0])].transpose(0, 2, 1, 3)  # [steps, world, k, sub_batch]
     examples = ids[steps].reshape(steps.shape[0], world_size, config.rank_batch_size)
-    return BatchPlan(world_size, examples, costs[steps].sum((-1, -2)), dropped_ids)
+    return BatchPlan(world_size, examples, costs[steps].sum((-1, -2)), dropped_ids, config)
 
 
 def plan_random(
@@ -142,8 +144,33 @@ def imbalance(plan: BatchPlan) -> dict[str, float]:
     }
 
 
-def write_plan(plan: BatchPlan, destination: str | os.PathLike) -> Path:
-    return write_parquet_atomic(plan.to_frame(), destination, statistics=True)
+PLAN_METADATA_KEY = b"gem.plan"
+
+
+def write_plan(plan: BatchPlan, destination: str | os.PathLike, max_history_len: int | None = None) -> Path:
+    """The plan as Parquet, with what it was balanced for in the file's metadata: the history length
+    the costs were computed at (None: as the sequence logs store them) and the shuffling settings."""
+    info = {"world_size": plan.world_size, "max_history_len": max_history_len,
+            "shuffling": asdict(plan.config) if plan.config is not None else None}
+    return write_parquet_atomic(plan.to_frame(), destination, statistics=True,
+                                metadata={PLAN_METADATA_KEY.decode(): json.dumps(info)})
+
+
+def plan_info(path: str | os.PathLike) -> dict:
+    """What write_plan recorded ({} for a plan written without it)."""
+    metadata = pq.read_metadata(path).metadata or {}
+    return json.loads(metadata[PLAN_METADATA_KEY]) if PLAN_METADATA_KEY in metadata else {}
+
+
+def read_plan(path: str | os.PathLike) -> np.ndarray:
+    """Every rank's rows: [steps, world_size, rank_batch_size] example indices."""
+    table = pq.read_table(path, columns=["step", "rank", "examples"])
+    steps = table.column("step").to_numpy()
+    ranks = table.column("rank").to_numpy()
+    examples = table.column("examples").combine_chunks().flatten().to_numpy().reshape(table.num_rows, -1)
+    out = np.empty((int(steps.max()) + 1, int(ranks.max()) + 1, examples.shape[1]), dtype=examples.dtype)
+    out[steps, ranks] = examples
+    return out
 
 
 def read_rank_plan(path: str | os.PathLike, rank: int) -> np.ndarray:

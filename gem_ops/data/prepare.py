@@ -50,5 +50,6 @@ def prepare_training_data(
     lengths = logs.history_lengths()[train]
     for world_size in world_sizes:
         plan = plan_base_batch_shuffling(lengths, world_size, shuffling, train)
-        data.plans[world_size] = write_plan(plan, destination / "plans" / f"world_size={world_size}.parquet")
+        data.plans[world_size] = write_plan(plan, destination / "plans" / f"world_size={world_size}.parquet",
+                                            logs.max_history_len)
     return data

@@ -64,6 +64,10 @@ class ModelInput:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return ModelInput(**{k: v if v is None else v.to(device, non_blocking=non_blocking) for k, v in moved.items()})
 
+    def pin_memory(self) -> ModelInput:
+        """In page-locked host memory, so that a copy to the GPU with non_blocking=True is asynchronous."""
+        return ModelInput(**{f.name: None if (v := getattr(self, f.name)) is None else v.pin_memory() for f in fields(self)})
+
 
 def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) -> ModelInput:
     emb = config.embedding

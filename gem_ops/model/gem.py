@@ -13,6 +13,8 @@ Then a Wukong layer maps [X_b, CLS tokens, cross-attention outputs] to X_{b+1}.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -20,7 +22,7 @@ from gem_ops.model import jagged
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.embeddings import GEMEmbeddings
 from gem_ops.model.features import ModelInput
-from gem_ops.model.heads import DomainTaskTowers, masked_bce_loss
+from gem_ops.model.heads import DomainTaskTowers, masked_bce_sums
 from gem_ops.model.sequence import JaggedCrossAttention, JaggedTransformerLayer
 from gem_ops.model.wukong import WukongLayer
 
@@ -144,16 +146,33 @@ class GEMModel(nn.Module):
         """Logits [B, tasks], each example through its own domain's towers."""
         return self.towers(self.encode(x), x.surface)
 
-    def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(training loss, per-task losses on the true labels, serving logits).
+    def loss_sums(self, x: ModelInput) -> LossSums:
+        """Per task, the training loss summed over this batch's labelled examples, and their count.
 
-        With a distillation head and teacher logits in the input, the loss adds distillation_weight x
-        the head's log loss against the teacher's probabilities, on the same labelled (example, task)s."""
+        With a distillation head and teacher logits in the input, a task's sum adds distillation_weight x
+        the head's log loss against the teacher's probabilities on the same labelled examples. Sums (not
+        means) let a training job of several ranks normalise by the global batch's counts."""
         trunk = self.encode(x)
         logits = self.towers(trunk, x.surface)
-        total, per_task = masked_bce_loss(logits, x.labels, x.label_mask)
+        labelled, counts = masked_bce_sums(logits, x.labels, x.label_mask)
+        total = labelled
         if self.distillation_towers is not None and x.teacher_logits is not None:
             soft = torch.sigmoid(x.teacher_logits.float())
-            distilled, _ = masked_bce_loss(self.distillation_towers(trunk, x.surface), soft, x.label_mask)
-            total = total + self.config.distillation_weight * distilled
-        return total, per_task, logits
+            distilled, _ = masked_bce_sums(self.distillation_towers(trunk, x.surface), soft, x.label_mask)
+            total = labelled + self.config.distillation_weight * distilled
+        return LossSums(total, labelled.detach(), counts, logits)
+
+    def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(this batch's training loss: the sum over tasks of each task's mean, per-task losses on the true
+        labels, serving logits)."""
+        sums = self.loss_sums(x)
+        counts = sums.counts.clamp(min=1)
+        return (sums.total / counts).sum(), sums.labelled / counts, sums.logits
+
+
+@dataclass
+class LossSums:
+    total: torch.Tensor  # [T] training loss summed over labelled examples (distillation included)
+    labelled: torch.Tensor  # [T] the true labels' log loss alone, detached
+    counts: torch.Tensor  # [T] labelled examples
+    logits: torch.Tensor  # [B, T] serving logits

@@ -33,10 +33,16 @@ class DomainTaskTowers(nn.Module):
         return logits[torch.arange(logits.shape[0], device=domain.device), domain]
 
 
+def masked_bce_sums(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per task: the log loss summed over labelled examples, and their count (both [T], fp32)."""
+    per_example = F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none") * mask
+    return per_example.sum(0), mask.sum(0).to(torch.float32)
+
+
 def masked_bce_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over tasks of each task's mean log loss over its labelled examples; also the per-task losses.
 
     A task with no label in the batch adds nothing (its mean is taken over max(1, count))."""
-    per_example = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none") * mask
-    per_task = per_example.sum(0) / mask.sum(0).clamp(min=1)
+    sums, counts = masked_bce_sums(logits, labels, mask)
+    per_task = sums / counts.clamp(min=1)
     return per_task.sum(), per_task.detach()

@@ -2,8 +2,9 @@
 wherever torch does (fbgemm's jagged kernels are missing from some builds).
 
 None of them reads a device value on the host when its output size is given (`total`): a GPU step
-then runs without waiting on the host. Rows move with index_select / index_copy, whose backward
-(index_add / index_select) is equally free of host reads.
+then runs without waiting on the host. Rows move with `take_rows`, a gather whose rows are distinct, so
+its backward writes each gradient row once (index_copy) instead of adding it atomically (index_add, the
+backward of index_select, which is slow in bf16); both are free of host reads.
 """
 
 from __future__ import annotations
@@ -11,6 +12,25 @@ from __future__ import annotations
 import itertools
 
 import torch
+
+
+class _TakeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.source_rows = values.shape[0]
+        return values.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        source = grad.new_zeros((ctx.source_rows, *grad.shape[1:]))
+        return source.index_copy_(0, rows, grad.contiguous()), None
+
+
+def take_rows(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """values[rows] for rows that are all distinct (each source row taken at most once)."""
+    return _TakeRows.apply(values, rows)
 
 
 def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
@@ -50,7 +70,7 @@ def select(values: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor, tota
     rows = torch.empty(total + 1, dtype=torch.long, device=values.device)
     rows.scatter_(0, slot, torch.arange(keep.numel(), device=values.device))
     lengths = kept_lengths(offsets, keep) if lengths is None else lengths
-    return values.index_select(0, rows[:total]), offsets_of(lengths)
+    return take_rows(values, rows[:total]), offsets_of(lengths)
 
 
 def keep_last(values: torch.Tensor, offsets: torch.Tensor, n: int,
@@ -67,7 +87,7 @@ def keep_last(values: torch.Tensor, offsets: torch.Tensor, n: int,
     new_offsets = offsets_of(kept)
     seg = segment_ids(new_offsets, total)
     rows = torch.arange(total, device=values.device) + (offsets[:-1] + lengths - kept - new_offsets[:-1])[seg]
-    return values.index_select(0, rows), new_offsets
+    return take_rows(values, rows), new_offsets
 
 
 def level_totals(lengths: torch.Tensor, levels: list[int]) -> list[list[int]]:
@@ -88,15 +108,15 @@ def prepend(prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -
     # One gather from [values, prefix rows]: position p < K of sequence b is prefix row b*K + p.
     rows = torch.where(position < K, N + seg * K + position, offsets[:-1][seg] + position - K)
     stacked = torch.cat([values, prefix.reshape(B * K, *prefix.shape[2:]).to(values.dtype)])
-    return stacked.index_select(0, rows), new_offsets
+    return take_rows(stacked, rows), new_offsets
 
 
 def split_prefix(values: torch.Tensor, offsets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of prepend: ([B, k, d] prefix, remaining values, their offsets)."""
     B = offsets.numel() - 1
     rest_offsets = offsets - k * torch.arange(B + 1, device=offsets.device)
-    prefix = values.index_select(0, _prefix_rows(offsets, k)).reshape(B, k, *values.shape[1:])
-    rest = values.index_select(0, _value_rows(rest_offsets, k, values.shape[0] - B * k))
+    prefix = take_rows(values, _prefix_rows(offsets, k)).reshape(B, k, *values.shape[1:])
+    rest = take_rows(values, _value_rows(rest_offsets, k, values.shape[0] - B * k))
     return prefix, rest, rest_offsets
 
 

@@ -1,4 +1,4 @@
-"""`python -m gem_ops.train`: one GEM training job, on one process or launched by torchrun:
+"""`python -m gem_ops.train`: one training job of the engine, on one process or launched by torchrun:
 
     torchrun --nproc-per-node 2 --max-restarts 2 -m gem_ops.train \\
         --sequence-logs lake/sequence_logs/2026-11-28 --plans lake/shuffled_batches/2026-11-28 \\
@@ -7,11 +7,9 @@
 
 Each rank trains on its rows of plans/world_size=W.parquet; a restarted job resumes from the latest
 checkpoint in --checkpoint-dir. Rank 0 logs to the MLflow run given by --mlflow-run-id and reports
-progress and the final figures through Dagster Pipes when launched by a Pipes client.
-
-For fault-tolerance drills, GEM_TRAIN_FAIL_AT_STEP=k makes rank GEM_TRAIN_FAIL_RANK (default 1) exit
-with an error after step k on a job's first attempt (TORCHELASTIC_RESTART_COUNT 0), and
-GEM_TRAIN_STEP_DELAY_S adds a pause after every step.
+progress and the final figures through Dagster Pipes when launched by a Pipes client. With --mfu-steps
+the job is an MFU measurement instead: warm-up steps, a timed window and profiled steps of the same
+loop (gem_ops.train.mfu_window), reported with the final figures and logged to the MLflow run.
 """
 
 from __future__ import annotations
@@ -22,9 +20,9 @@ import json
 import logging
 import os
 import sys
-import time
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +31,10 @@ import numpy as np
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import model_config
 from gem_ops.tracking import RunTracker
+from gem_ops.train.batches import PlanSchedule, plan_for_world_size
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.distributed import DistributedTrainResult, plan_for_world_size, train_distributed
+from gem_ops.train.engine import StepHook, TrainResult, train
+from gem_ops.train.mfu_window import MFUWindow
 from gem_ops.train.pipes_reporting import open_reporter
 from gem_ops.train.sharding import EMBEDDING_SHARDINGS
 
@@ -92,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help='dotted model settings, e.g. sequence.max_history_len=256 or {"blocks": 2}; repeatable')
     _add_train_config_arguments(parser)
     parser.add_argument("--embedding-sharding", "--sharding", choices=EMBEDDING_SHARDINGS, default="auto",
-                        help="TorchRec DMP table_wise / row_wise / auto (planner), or fsdp (unsharded TorchRec "
-                             "modules under FSDP2; chosen automatically where TorchRec's kernels are missing)")
+                        help="TorchRec DMP table_wise / row_wise / auto (planner; on one rank: none), fsdp "
+                             "(unsharded TorchRec modules under FSDP2; chosen automatically where TorchRec's "
+                             "kernels are missing), or none (one rank, the plain model)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--warm-start", type=Path, default=None, help="a checkpoint (or folder of them) to take weights from")
@@ -103,6 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rank 0 logs the trained model to the MLflow run and registers it under this name")
     parser.add_argument("--progress-every", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--result-json", type=Path, default=None, help="rank 0 writes the final figures here")
+    mfu = parser.add_argument_group("MFU measurement (the job runs the window's steps only, no checkpoints)")
+    mfu.add_argument("--mfu-steps", type=int, default=0, help="timed steps; 0: an ordinary training job")
+    mfu.add_argument("--mfu-warmup-steps", type=int, default=5)
+    mfu.add_argument("--mfu-profile-steps", type=int, default=3)
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -111,31 +116,12 @@ def train_config_from(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
 
 
-class FaultDrill:
-    """GEM_TRAIN_FAIL_AT_STEP / GEM_TRAIN_FAIL_RANK / GEM_TRAIN_STEP_DELAY_S (see the module docstring)."""
-
-    def __init__(self, rank: int):
-        fail_at = os.environ.get("GEM_TRAIN_FAIL_AT_STEP")
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        failing_rank = int(os.environ.get("GEM_TRAIN_FAIL_RANK", "1"))
-        self.fail_after = int(fail_at) if fail_at and first_attempt and rank == failing_rank else None
-        self.delay = float(os.environ.get("GEM_TRAIN_STEP_DELAY_S", "0"))
-
-    def __call__(self, step: int, loss: float) -> None:
-        if self.delay:
-            time.sleep(self.delay)
-        if self.fail_after is not None and step + 1 == self.fail_after:
-            raise RuntimeError(f"GEM_TRAIN_FAIL_AT_STEP: rank fails after step {step + 1} on purpose")
-
-
-def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: DistributedTrainResult, registered_name: str | None) -> str | None:
+def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: TrainResult, registered_name: str | None) -> str | None:
     """Rank 0: curves, eval report and (when named) the packaged model from the exported full state."""
     if not tracker.enabled:
         return None
-    import torch
-
-    from gem_ops.train.loop import model_from_state
     from gem_ops.train.mlflow_model import INPUT_EXAMPLE_ROWS, batch_to_frame, log_model
+    from gem_ops.train.model_state import load_model_state, model_from_state
     from gem_ops.train.plots import loss_curves
 
     tracker.log_figure(loss_curves(result.losses, result.eval_steps, result.eval_reports), "loss_curves.png")
@@ -143,14 +129,14 @@ def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: DistributedTr
     tracker.log_dict(result.balance.to_dict(), "step_balance.json")
     if registered_name is None or result.model_state_path is None:
         return None
-    model = model_from_state(torch.load(result.model_state_path, map_location="cpu", weights_only=False))
+    model = model_from_state(load_model_state(result.model_state_path))
     eval_rows = logs.split_indices("eval")
     rows = eval_rows[:INPUT_EXAMPLE_ROWS] if len(eval_rows) else np.arange(min(INPUT_EXAMPLE_ROWS, len(logs)))
     example = logs.batch(rows, model.config.sequence.max_history_len)
     return log_model(tracker.client, tracker.run_id, model, batch_to_frame(example, model.spec), registered_name)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     # TorchRec and fbgemm log every table batch at INFO on the root logger: only warnings from them.
@@ -160,22 +146,62 @@ def main(argv: list[str] | None = None) -> int:
     model = model_config(args.preset, args.depth, args.width, **parse_model_overrides(args.model_override))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     plan = plan_for_world_size(args.plans, args.plan_world_size or world_size)
+    logs = SequenceLogs(args.sequence_logs)
     tracker = RunTracker.attach(args.mlflow_run_id, args.mlflow_tracking_uri)
+    window = MFUWindow(args.mfu_steps, args.mfu_warmup_steps, args.mfu_profile_steps) if args.mfu_steps else None
     with open_reporter(rank, args.progress_every) as reporter:
-        result = train_distributed(
-            SequenceLogs(args.sequence_logs), plan, model, config, embedding_sharding=args.embedding_sharding,
-            checkpoint_dir=args.checkpoint_dir, warm_start=args.warm_start, tracker=tracker, device=args.device,
-            union_of_ranks=args.union_of_ranks, reporter=reporter, on_step=FaultDrill(rank),
-        )
+        if window is None:
+            _, result = train(logs, plan, model, config, device=args.device, checkpoint_dir=args.checkpoint_dir,
+                              warm_start=args.warm_start, tracker=tracker, embedding_sharding=args.embedding_sharding,
+                              union_of_ranks=args.union_of_ranks, reporter=reporter, step_hooks=step_hooks,
+                              export_model_state=True)
+            metadata = {**result.metadata(), "losses": result.losses}
+            if rank == 0:
+                metadata["model_version"] = log_to_mlflow(tracker, logs, result, args.registered_model_name)
+        else:
+            metadata = measure_mfu(window, logs, plan, model, config, args, tracker, reporter, step_hooks, rank)
         if rank == 0:
-            version = log_to_mlflow(tracker, SequenceLogs(args.sequence_logs), result, args.registered_model_name)
-            metadata = {**result.metadata(), "plan": str(plan), "losses": result.losses,
-                        "mlflow_run_id": args.mlflow_run_id, "model_version": version}
+            metadata.update({"plan": str(plan), "mlflow_run_id": args.mlflow_run_id})
             if args.result_json is not None:
                 args.result_json.parent.mkdir(parents=True, exist_ok=True)
                 args.result_json.write_text(json.dumps(metadata, indent=2, default=str))
             reporter.finish(metadata)
     return 0
+
+
+def measure_mfu(window: MFUWindow, logs: SequenceLogs, plan: Path, model, config: TrainConfig, args, tracker: RunTracker,
+                reporter, step_hooks: Sequence[StepHook], rank: int) -> dict[str, Any]:
+    """The window's run through the engine; rank 0's figures (MFU, where the time goes) as metadata."""
+    import torch
+
+    from gem_ops.data.batch_shuffling import read_rank_plan
+    from gem_ops.metrics.mfu import log_mfu_report
+
+    plan_steps = PlanSchedule(read_rank_plan(plan, 0), 1, config.seed, plan).plan_steps
+    config = window.train_config(config, plan_steps)
+    device = torch.device(args.device)
+    with window.observe(device, profile=rank == 0) as observer:
+        _, result = train(logs, plan, model, config, device=args.device, tracker=tracker,
+                          embedding_sharding=args.embedding_sharding, union_of_ranks=args.union_of_ranks,
+                          reporter=reporter, step_hooks=[observer, *step_hooks])
+    if rank != 0:
+        return {}
+    report = window.report(result, observer, device, model, config)
+    if tracker.enabled:
+        log_mfu_report(tracker, report)
+    figures = report.metrics()
+    details = {k: v for k, v in report.to_dict().items() if k != "profile_table"}
+    if device.type == "cuda":
+        details["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    reporter.message(f"MFU {100 * report.mfu:.2f}% over the timed window (median step "
+                     f"{100 * figures['mfu_median_step']:.2f}%; {report.model_flops_per_second / 1e12:.3g} model "
+                     f"TFLOP/s against {report.peak_flops / 1e12:.4g} {report.peak_source} per device), "
+                     f"{report.samples_per_second:.1f} samples/s on {report.world_size} x {report.device_name}")
+    return {**result.metadata(), "path": "engine", "device": report.device_name, "peak_source": report.peak_source,
+            **{k: v for k, v in figures.items() if not k.startswith(("time", "flops_share"))},
+            "seconds_per_step": {k: v for k, v in figures.items() if k.startswith("time")},
+            "flops_share": {k[len("flops_share."):]: v for k, v in figures.items() if k.startswith("flops_share.")},
+            "mfu_report": details}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Training speed settings applied to a built model (TrainConfig): FP8 for the large linear layers
+"""Training speed settings (TrainConfig): the autocast dtype of a step, and what is applied to a built
+model: FP8 for the large linear layers
 (fp8_linear.py's layer, or torchao float8), torch.compile of the dense blocks, activation
 checkpointing of the sequence layers.
 
@@ -9,6 +10,7 @@ the profiler scopes' alike, stay outside the compiled code).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -32,6 +34,12 @@ FP8_LAYERS = re.compile(
     r"^(branches\.\d+\.layers\.\d+\.(qkv|proj|ffn\.0|ffn\.2)"
     r"|branches\.\d+\.cross\.\d+\.kv)$"
 )
+
+
+def autocast_context(device: torch.device, precision: str):
+    """bf16 autocast for precision bf16 and fp8 (its other layers), and for auto on CUDA; else none."""
+    use_bf16 = precision in ("bf16", "fp8") or (precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
 
 def fp8_module_filter(module: nn.Module, fqn: str) -> bool:

@@ -1,24 +1,30 @@
-"""Checkpoints: model, optimizer and data position, written aside and renamed into place, so a job
-killed mid-write leaves the previous checkpoint intact.
+"""Training checkpoints with torch.distributed.checkpoint (DCP), one format for every world size.
 
-Two formats share the step_NNNNNNNN folders: one process's `state.pt`, and a distributed job's
-sharded DCP checkpoint (see sharded_checkpoint.py), which `load_checkpoint` reads back as one full state."""
+Every rank writes its own shards of the model and optimizer (TorchRec-sharded tables, FSDP2 dense
+layers, or, on one rank, whole tensors) into a hidden `.step_NNNNNNNN.partial` folder; rank 0 adds the
+progress (step, losses, ...) and renames the folder into place once every rank is done, so a job killed
+mid-write leaves the previous checkpoint as the latest complete one.
+
+A folder step_NNNNNNNN holds DCP's `.metadata` and shard files plus `progress.pt`. It loads back into
+any sharding and world size (DCP reshards by global offsets), and as one full state on one process
+without a process group (`load_checkpoint`: warm starts and exports).
+"""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from gem_ops.data.atomic import atomic_path
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 _NAME = re.compile(r"^step_(\d{8})$")
-STATE_FILE = "state.pt"
 DCP_METADATA = ".metadata"
 PROGRESS_FILE = "progress.pt"
 
@@ -27,39 +33,23 @@ PROGRESS_FILE = "progress.pt"
 class Checkpoint:
     path: Path
     step: int
-    state: dict[str, Any]
+    state: dict[str, Any]  # "model", "optimizer" as full tensors, and the progress entries
 
 
 def step_folder(directory: str | os.PathLike, step: int) -> Path:
     return Path(directory) / f"step_{step:08d}"
 
 
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / DCP_METADATA).is_file() and (Path(path) / PROGRESS_FILE).is_file()
 
 
-def is_complete_checkpoint(path: Path) -> bool:
-    return (path / STATE_FILE).is_file() or is_sharded_checkpoint(path)
-
-
 def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
-    """Steps of the complete checkpoints (either format) in `directory`, in order."""
+    """Steps of the complete checkpoints in `directory`, in order."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _NAME.match(p.name)) and is_complete_checkpoint(p))
-
-
-def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    destination = step_folder(directory, step)
-    with atomic_path(destination) as tmp:
-        tmp.mkdir()
-        torch.save({**state, "step": step}, tmp / STATE_FILE)
-    for old in checkpoint_steps(directory)[:-keep]:
-        shutil.rmtree(step_folder(directory, old), ignore_errors=True)
-    return destination
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -67,22 +57,68 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return step_folder(directory, steps[-1]) if steps else None
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """A checkpoint folder (step_NNNNNNNN) or a directory of them (the latest is taken), in either format."""
+def checkpoint_folder(path: str | os.PathLike) -> Path:
+    """A checkpoint folder as it is, or the latest complete one in a folder of them."""
+    path = Path(path)
+    if is_complete_checkpoint(path):
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"no checkpoint in {path} (expected {DCP_METADATA} and {PROGRESS_FILE}, directly or "
+                                "in step_* folders)")
+    return latest
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, app_state: dict[str, Any], progress: dict[str, Any],
+                    keep: int = 2) -> Path:
+    """Collective: every rank calls it with its own shards; rank 0 writes the progress and publishes."""
+    directory = Path(directory)
+    destination = step_folder(directory, step)
+    partial = directory / f".{destination.name}.partial"
+    rank = dist.get_rank()
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a job killed mid-write
+        partial.mkdir()
+    dist.barrier()
+    dcp.save(app_state, checkpoint_id=partial)
+    dist.barrier()  # every rank's shard files are written (rank 0 wrote .metadata last, inside save)
+    if rank == 0:
+        torch.save({**progress, "step": step}, partial / PROGRESS_FILE)
+        if destination.exists():  # a re-run of the same step after a restart
+            shutil.rmtree(destination)
+        os.replace(partial, destination)
+        for old in checkpoint_steps(directory)[:-keep]:
+            shutil.rmtree(step_folder(directory, old), ignore_errors=True)
+    dist.barrier()  # nobody goes on (or gets killed) believing a checkpoint exists before it does
+    return destination
+
+
+def load_into(path: str | os.PathLike, app_state: dict[str, Any]) -> dict[str, Any]:
+    """Collective: loads the checkpoint in place into `app_state` (this rank's shards) and returns its
+    progress. Keys of app_state absent from the checkpoint are an error; extra checkpoint keys are not."""
     path = Path(path)
     if not is_complete_checkpoint(path):
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise FileNotFoundError(f"no checkpoint in {path} (expected {STATE_FILE}, or a sharded checkpoint, "
-                                    "directly or in step_* folders)")
-        path = latest
-    if is_sharded_checkpoint(path):
-        from gem_ops.train.sharded_checkpoint import load_full_state
+        raise FileNotFoundError(f"{path} is not a checkpoint (expected {DCP_METADATA} and {PROGRESS_FILE})")
+    dcp.load(app_state, checkpoint_id=path)
+    return read_progress(path)
 
-        state = load_full_state(path)
-        return Checkpoint(path, int(state["step"]), state)
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    return Checkpoint(path, int(state["step"]), state)
+
+def read_progress(path: str | os.PathLike) -> dict[str, Any]:
+    return torch.load(Path(path) / PROGRESS_FILE, map_location="cpu", weights_only=True)
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """One process, no process group: a checkpoint folder (or the latest in a folder of them) as full
+    tensors, plus its progress."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = checkpoint_folder(path)
+    with tempfile.TemporaryDirectory(prefix="gem-dcp-") as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "state.pt")
+        state = torch.load(Path(tmp) / "state.pt", map_location="cpu", weights_only=True)
+    progress = read_progress(path)
+    return Checkpoint(path, int(progress["step"]), {**state, **progress})
 
 
 def previous_checkpoint(runs_dir: str | os.PathLike, before: str) -> Path | None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import ModelConfig
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.loop import train
+from gem_ops.train.engine import train
 
 HEADLINE = ("auc", "ne", "calibration")
 
@@ -20,8 +20,8 @@ def compare_models(logs: SequenceLogs, plan_path: str | os.PathLike, configs: Ma
     results = {}
     for name, config in configs.items():
         began = time.perf_counter()
-        on_step = (lambda step, loss, name=name: progress(name, step, loss)) if progress else None
-        _, result = train(logs, plan_path, config, train_config, on_step=on_step)
+        hooks = [lambda step, loss, name=name: progress(name, step, loss)] if progress else []
+        _, result = train(logs, plan_path, config, train_config, step_hooks=hooks)
         results[name] = {
             "steps": result.steps,
             "train_seconds": round(time.perf_counter() - began, 1),

@@ -111,10 +111,9 @@ def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec) -> SequenceBatch:
 
 class GEMPyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-        from gem_ops.train.loop import model_from_state
+        from gem_ops.train.model_state import load_model_state, model_from_state
 
-        state = torch.load(context.artifacts[MODEL_STATE], map_location="cpu", weights_only=False)
-        self.model = model_from_state(state).eval()
+        self.model = model_from_state(load_model_state(context.artifacts[MODEL_STATE])).eval()
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         return predict_frame(self.model, model_input)
@@ -135,7 +134,7 @@ def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example:
               version_tags: dict[str, str] | None = None) -> str | None:
     """Saves the pyfunc into the run's artifacts and, given a name, registers a new version (with the
     given tags); returns it."""
-    from gem_ops.train.loop import model_state
+    from gem_ops.train.model_state import model_state
 
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "model_state.pt"

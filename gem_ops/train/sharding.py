@@ -1,4 +1,4 @@
-"""How a GEM model is spread over the ranks of a job.
+"""How a GEM model is spread over the ranks of a job (on one rank, by default, it is not).
 
 Embedding tables: TorchRec DistributedModelParallel (table-wise, row-wise, or the planner's choice)
 with the row-wise Adagrad update fused into the backward pass; where TorchRec's sharded kernels are
@@ -28,12 +28,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.optim import CombinedOptimizer, RowWiseAdagrad
 
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.optimizer import build_optimizer, dense_optimizer, split_parameters
+from gem_ops.train.optimizer import build_optimizer, dense_optimizer, sparse_table_gradients, split_parameters
 
 log = logging.getLogger(__name__)
 
-EmbeddingSharding = Literal["table_wise", "row_wise", "auto", "fsdp"]
-EMBEDDING_SHARDINGS = ("table_wise", "row_wise", "auto", "fsdp")
+EmbeddingSharding = Literal["table_wise", "row_wise", "auto", "fsdp", "none"]
+# none: one rank trains the plain model (what `auto` picks on one rank: nothing to shard).
+EMBEDDING_SHARDINGS = ("table_wise", "row_wise", "auto", "fsdp", "none")
 TABLE_MODULES = (EmbeddingBagCollection, EmbeddingCollection)
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 FUSED = "fused"  # fbgemm's TBE kernel with the optimizer step inside the backward
@@ -47,7 +48,7 @@ class ShardedModel:
     embedding_sharding: str  # what was used: table_wise, row_wise, auto (planner) or fsdp
     fsdp_units: list[nn.Module]  # modules under fully_shard, in model order
     dense_parameters: list[nn.Parameter]  # what gradient clipping covers
-    mesh: DeviceMesh
+    mesh: DeviceMesh | None  # None on one unsharded rank
     dmp: DistributedModelParallel | None = None
 
 
@@ -63,9 +64,14 @@ def dmp_usable(device: torch.device) -> bool:
                for op in ("fbgemm::permute_2D_sparse_data", "fbgemm::asynchronous_complete_cumsum"))
 
 
-def resolve_embedding_sharding(requested: str, device: torch.device) -> str:
+def resolve_embedding_sharding(requested: str, device: torch.device, world_size: int) -> str:
     if requested not in EMBEDDING_SHARDINGS:
         raise ValueError(f"embedding sharding {requested!r} is not one of {EMBEDDING_SHARDINGS}")
+    if requested == "none" and world_size > 1:
+        raise ValueError(f"embedding sharding 'none' trains one rank; this job has {world_size}: use auto, "
+                         "table_wise, row_wise or fsdp")
+    if requested in ("none", "auto") and world_size == 1:
+        return "none"
     if requested != "fsdp" and not dmp_usable(device):
         log.warning("TorchRec sharded kernels are missing for %s (fbgemm without its %s build): embedding "
                     "tables fall back to FSDP2 instead of %s sharding", device, device.type, requested)
@@ -252,11 +258,17 @@ def copy_tables_into_shards(sharded: nn.Module, full: dict[str, torch.Tensor]) -
             shard.tensor.copy_(source[r : r + h, c : c + w])
 
 
-def shard_model(model: nn.Module, config: TrainConfig, embedding_sharding: str, mesh: DeviceMesh,
-                device: torch.device, local_world_size: int) -> ShardedModel:
+def shard_model(model: nn.Module, config: TrainConfig, embedding_sharding: str, device: torch.device,
+                local_world_size: int) -> ShardedModel:
     """The model, with its (seeded) weights, spread over the job's ranks; the optimizer built to match."""
-    kind = resolve_embedding_sharding(embedding_sharding, device)
     world_size = dist.get_world_size()
+    kind = resolve_embedding_sharding(embedding_sharding, device, world_size)
+    if kind == "none":
+        if config.sparse_table_gradients:
+            sparse_table_gradients(model)  # the optimizer then touches only the rows each batch looked up
+        optimizer = build_optimizer(model, config, eps=ROWWISE_ADAGRAD_EPS)
+        return ShardedModel(model, optimizer, kind, [], list(split_parameters(model)[1].values()), None)
+    mesh = device_mesh(device.type, world_size, local_world_size)
     if kind == "fsdp":
         units = fsdp_units(model, tables_sharded_elsewhere=False)
         shard_dense(units, mesh)
@@ -289,7 +301,7 @@ def shard_model(model: nn.Module, config: TrainConfig, embedding_sharding: str, 
 def describe_plan(sharded: ShardedModel) -> dict[str, str]:
     """Table -> how it is sharded, for logs and run metadata."""
     if sharded.dmp is None:
-        return {name: "fsdp" for name in table_parameters(sharded.module)}
+        return {name: sharded.embedding_sharding for name in table_parameters(sharded.module)}
     out = {}
     for path, module_plan in sharded.dmp.plan.plan.items():
         for table, ps in module_plan.items():

@@ -10,8 +10,9 @@ shuffled_batches asset predicts from history lengths.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +45,15 @@ class ForwardComputeTimer:
     def _start(self, module, args):
         self._open[id(module)] = self._now()
 
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        """Times a region instead of modules (a job of one rank, where no collective waits inside it)."""
+        self._start(self, ())
+        try:
+            yield
+        finally:
+            self._stop(self, (), None)
+
     def _stop(self, module, args, output):
         start = self._open.pop(id(module), None)
         if start is not None:
@@ -64,7 +74,9 @@ class ForwardComputeTimer:
 
 
 def gather_rows(values: Sequence[float], device: torch.device) -> np.ndarray:
-    """[world_size, len(values)]: every rank's values, on every rank (one all_gather)."""
+    """[world_size, len(values)]: every rank's values, on every rank (one all_gather; none on one rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return np.asarray([list(values)], dtype=np.float64)
     local = torch.tensor(list(values), dtype=torch.float64, device=device)
     rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, local)

@@ -1,4 +1,4 @@
-"""Knowledge transfer from a foundation model to the smaller models that serve (DESIGN.md section 4).
+"""Knowledge transfer from a foundation model to the smaller models that serve.
 
 Direct: GEM -> vertical model. Hierarchical: GEM -> domain foundation model -> vertical model. A teacher
 reaches a student through three mechanisms, each optional:

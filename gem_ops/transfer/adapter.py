@@ -15,6 +15,7 @@ from torch import nn
 
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.heads import masked_bce_loss
+from gem_ops.train.engine import fit_full_batch
 from gem_ops.transfer.knowledge import TeacherPredictions
 
 
@@ -55,13 +56,9 @@ def fit_adapter(logs: SequenceLogs, predictions: TeacherPredictions, indices: np
     labels, mask = batch.labels, batch.label_mask
     rows_t = torch.from_numpy(rows)
     adapter = StudentAdapter(len(logs.surfaces), logits.shape[1], hidden)
-    optimizer = torch.optim.Adam(adapter.parameters(), lr=lr, weight_decay=1e-4)
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss, _ = masked_bce_loss(adapter(logits[rows_t], domain[rows_t], lengths[rows_t]), labels, mask)
-        loss.backward()
-        optimizer.step()
-    return adapter.eval()
+    inputs = (logits[rows_t], domain[rows_t], lengths[rows_t])
+    return fit_full_batch(adapter, lambda: masked_bce_loss(adapter(*inputs), labels, mask)[0], steps, lr,
+                          weight_decay=1e-4)
 
 
 @torch.no_grad()

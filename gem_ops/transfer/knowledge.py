@@ -20,7 +20,7 @@ from gem_ops.metrics.quality import quality_report
 from gem_ops.model.config import FeatureSpec
 from gem_ops.model.features import model_input
 from gem_ops.model.gem import GEMModel
-from gem_ops.train.loop import autocast_context
+from gem_ops.train.acceleration import autocast_context
 
 METADATA_KEY = b"gem.teacher"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import tempfile
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ from gem_ops.data.loader import SequenceLogs
 from gem_ops.metrics.quality import base_rate_entropy
 from gem_ops.model.config import FeatureSpec
 from gem_ops.model.gem import GEMModel
-from gem_ops.train.loop import model_from_state
+from gem_ops.train.model_state import load_model_state, model_from_state
 from gem_ops.transfer.knowledge import (TeacherJoinedLogs, TeacherPredictions, prediction_rows, predictions_quality,
                                        score_examples)
 
@@ -51,7 +50,7 @@ def load_model_version(client: MlflowClient, name: str, version: str) -> GEMMode
     package = found.source[len(root) + 1:] if found.source.startswith(root + "/") else "model"
     with tempfile.TemporaryDirectory() as tmp:
         path = client.download_artifacts(found.run_id, f"{package}/artifacts/model_state.pt", tmp)
-        state = torch.load(Path(path), map_location="cpu", weights_only=False)
+        state = load_model_state(path)
     return model_from_state(state).eval()
 
 

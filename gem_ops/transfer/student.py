@@ -18,7 +18,8 @@ from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import RunTracker
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.loop import TrainResult, seeded_model, train
+from gem_ops.train.engine import TrainResult, train
+from gem_ops.train.model_state import seeded_model
 from gem_ops.transfer.adapter import adapt, fit_adapter
 from gem_ops.transfer.config import TransferConfig
 from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions, predictions_quality
@@ -63,7 +64,7 @@ def write_student_plan(logs: SequenceLogs, indices: np.ndarray, destination: str
         raise ValueError(f"{indices.size} training examples are fewer than one batch ({shuffling.rank_batch_size}); "
                          "widen the student window (student_days) or lower the batch size")
     plan = plan_base_batch_shuffling(lengths, 1, shuffling, indices)
-    return write_plan(plan, destination)
+    return write_plan(plan, destination, min(max_history_len, logs.max_history_len))
 
 
 def train_student(
@@ -104,7 +105,7 @@ def train_student(
                 "train_examples": int(len(train_indices)), "eval_examples": int(len(eval_indices))}
     checkpoints = resumable_checkpoints(work_dir, training)
     model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices, tracker=tracker,
-                          checkpoint_dir=checkpoints)
+                          checkpoint_dir=checkpoints)  # one process: the model comes back whole
     shutil.rmtree(checkpoints, ignore_errors=True)  # only a killed run resumes: a finished one is registered
     return StudentRun(model, result, data, adapter_report)
 

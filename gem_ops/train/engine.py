@@ -1,0 +1,358 @@
+"""The training engine: one step loop for every model and every world size.
+
+GEM under torchrun on 1..N GPUs, the domain foundation models and the verticals in one process, and
+the MFU window all train here. A job joins torchrun's process group, or makes a private one-rank group
+when called as a function. Each rank trains on its rows of a shuffled_batches plan (balanced for the
+model's history length): batches are built and pinned by a background thread while the step before
+runs; the loss is the global batch's (gem_ops.train.loss); the model is spread over the ranks by
+gem_ops.train.sharding (on one rank it stays whole); FP8, compilation and activation checkpointing come
+from the TrainConfig; distillation and representation inputs come with the batches of a
+TeacherJoinedLogs. Every step logs its loss, model TFLOP/s and MFU, and the cross-rank imbalance; eval
+and DCP checkpoints run every so many steps, and a job started again resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from gem_ops.data.loader import SequenceLogs
+from gem_ops.metrics.flops import batch_flops
+from gem_ops.metrics.mfu import StepMFU
+from gem_ops.metrics.quality import flat_metrics
+from gem_ops.model.config import FeatureSpec, ModelConfig
+from gem_ops.model.features import model_input
+from gem_ops.model.gem import GEMModel
+from gem_ops.tracking import RunTracker
+from gem_ops.train.acceleration import autocast_context, prepare_for_training
+from gem_ops.train.batches import rank_schedule
+from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint
+from gem_ops.train.config import TrainConfig
+from gem_ops.train.evaluation import evaluate
+from gem_ops.train.initialization import init_output_biases
+from gem_ops.train.loss import global_batch_loss
+from gem_ops.train.model_state import export_full_model_state, seeded_model
+from gem_ops.train.optimizer import set_dense_lr, split_parameters
+from gem_ops.train.pipes_reporting import LogReporter
+from gem_ops.train.prefetch import prefetched
+from gem_ops.train.process_group import Topology, job_process_group
+from gem_ops.train.sharding import ShardedModel, describe_plan, shard_model
+from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows
+
+log = logging.getLogger(__name__)
+
+MODEL_STATE_FILE = "model_state.pt"
+StepHook = Callable[[int, float], None]  # (step, loss) after every step, on every rank
+
+
+class TrainingReporter(Protocol):
+    """Where rank 0 streams progress (the log, or Dagster Pipes; see pipes_reporting.py)."""
+
+    def step(self, step: int, total: int, metrics: dict[str, float]) -> None: ...
+
+    def message(self, text: str) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    samples: int  # this session's, all ranks
+    seconds: float  # this session's steps, wall time
+    losses: list[float]  # per step, the whole run (resumed runs included)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_reports: list[dict[str, dict[str, float]]] = field(default_factory=list)  # rank 0's
+    checkpoint: Path | None = None
+    resumed_from: int | None = None
+    world_size: int = 1
+    embedding_sharding: str = ""
+    sharding_plan: dict[str, str] = field(default_factory=dict)
+    balance: BalanceLog = field(default_factory=BalanceLog)
+    imbalance: dict[str, float] = field(default_factory=dict)  # measure -> sum of step max / sum of step mean
+    model_state_path: Path | None = None  # full (unsharded) weights, written by rank 0
+    # This session's steps: wall time of the slowest rank (data included), model FLOPs over all ranks,
+    # the time each step ended (time.perf_counter, this rank), and this rank's forward FLOPs by module.
+    step_seconds: list[float] = field(default_factory=list)
+    step_flops: list[float] = field(default_factory=list)
+    step_ends: list[float] = field(default_factory=list)
+    step_module_flops: list[dict[str, float]] = field(default_factory=list)
+    step_samples: list[int] = field(default_factory=list)
+    started: float = 0.0  # time.perf_counter when this session's first step began
+
+    @property
+    def final_report(self) -> dict[str, dict[str, float]]:
+        return self.eval_reports[-1] if self.eval_reports else {}
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds else math.nan
+
+    def metadata(self) -> dict[str, Any]:
+        """Final figures for run metadata (Dagster, logs)."""
+        return {
+            "steps": self.steps, "samples": self.samples, "samples_per_second": self.samples_per_second,
+            "final_train_loss": self.losses[-1] if self.losses else math.nan,
+            "world_size": self.world_size, "embedding_sharding": self.embedding_sharding,
+            "sharding_plan": self.sharding_plan,
+            "imbalance_observed": self.imbalance.get("compute_seconds", math.nan),
+            **{f"imbalance_observed.{m}": v for m, v in self.imbalance.items()},
+            "eval": self.final_report,
+            **{k: v for k, v in flat_metrics(self.final_report).items() if k.endswith((".auc", ".ne", ".calibration"))},
+            "checkpoint": str(self.checkpoint), "model_state": str(self.model_state_path),
+            "resumed_from": self.resumed_from, "step_seconds": self.step_seconds,
+        }
+
+
+def train(
+    logs: SequenceLogs,
+    plan_path: str | os.PathLike,
+    model_config: ModelConfig,
+    config: TrainConfig,
+    *,
+    device: torch.device | str = "cpu",
+    checkpoint_dir: str | os.PathLike | None = None,
+    warm_start: str | os.PathLike | None = None,
+    tracker: RunTracker | None = None,
+    model: GEMModel | None = None,
+    eval_indices: np.ndarray | None = None,
+    embedding_sharding: str = "auto",
+    union_of_ranks: bool = False,
+    reporter: TrainingReporter | None = None,
+    step_hooks: Sequence[StepHook] = (),
+    export_model_state: bool = False,
+) -> tuple[nn.Module, TrainResult]:
+    """Trains this rank's part of the job; returns the trained model (sharded in a job of several ranks)
+    and the run's figures (the eval reports on rank 0).
+
+    A complete checkpoint in checkpoint_dir is resumed (same step count at the end as an uninterrupted
+    run); otherwise `warm_start` (a checkpoint, or a folder of them, of an earlier run) gives the weights.
+    `model`: one already built for model_config (e.g. with tables shared from a teacher); `eval_indices`:
+    the eval examples (default: the eval split); `union_of_ranks`: one process trains on every rank's
+    rows of the plan (the global batches of a job of that many ranks). `export_model_state` writes the
+    full weights to checkpoint_dir/model_state.pt at the end."""
+    with job_process_group(device) as topology:
+        trainer = Trainer(logs, plan_path, model_config, config, topology, model=model, eval_indices=eval_indices,
+                          embedding_sharding=embedding_sharding, union_of_ranks=union_of_ranks,
+                          checkpoint_dir=checkpoint_dir, tracker=tracker or RunTracker.disabled(), reporter=reporter)
+        trainer.restore(warm_start)
+        result = trainer.fit(step_hooks)
+        if export_model_state and checkpoint_dir is not None:
+            result.model_state_path = export_full_model_state(trainer.module, trainer.spec, model_config,
+                                                              Path(checkpoint_dir) / MODEL_STATE_FILE)
+        return trainer.module, result
+
+
+class Trainer:
+    """The engine's state for one job: the model as sharded, its optimizer, the schedule and the result."""
+
+    def __init__(self, logs: SequenceLogs, plan_path: str | os.PathLike, model_config: ModelConfig,
+                 config: TrainConfig, topology: Topology, *, model: GEMModel | None, eval_indices: np.ndarray | None,
+                 embedding_sharding: str, union_of_ranks: bool, checkpoint_dir: str | os.PathLike | None,
+                 tracker: RunTracker, reporter: TrainingReporter | None):
+        self.logs, self.plan_path, self.model_config, self.config = logs, plan_path, model_config, config
+        self.topology, self.device = topology, topology.device
+        self.eval_indices, self.tracker = eval_indices, tracker
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.reporter = reporter if reporter is not None else LogReporter(config.log_every)
+        self.spec = FeatureSpec.from_logs(logs)
+        self.schedule = rank_schedule(logs, plan_path, topology.rank, topology.world_size, config.epochs, config.seed,
+                                      model_config.sequence.max_history_len, union_of_ranks)
+        self.total = min(self.schedule.total_steps, config.max_steps or self.schedule.total_steps)
+        self.model = (seeded_model(self.spec, model_config, self.device, config.seed) if model is None
+                      else model.to(self.device))
+        self.latest = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+        self.union_of_ranks = union_of_ranks
+        self.embedding_sharding = embedding_sharding
+        self.sharded: ShardedModel | None = None
+        self.result = TrainResult(steps=0, samples=0, seconds=0.0, losses=[], world_size=topology.world_size)
+        self.start = 0
+
+    @property
+    def module(self) -> nn.Module:
+        return self.sharded.module if self.sharded is not None else self.model
+
+    def say(self, text: str) -> None:
+        if self.topology.rank == 0:
+            self.reporter.message(text)
+
+    def restore(self, warm_start: str | os.PathLike | None) -> None:
+        """Weights before sharding (a warm start's, or the label rates as output biases), then the model
+        sharded, then a checkpoint of this run resumed into the shards."""
+        if self.latest is None and warm_start is not None:
+            ckpt = load_checkpoint(warm_start)  # full weights, loaded before sharding: any world size
+            missing, unexpected = self.model.load_state_dict(ckpt.state["model"], strict=False)
+            self.say(f"warm start from {ckpt.path} (step {ckpt.step}): weights only, step 0; missing {missing}, "
+                     f"unexpected {unexpected}")
+            self.tracker.set_tags({"gem.warm_start": str(ckpt.path)})
+        elif self.latest is None:
+            init_output_biases(self.model, self.logs, self.plan_path)  # from the whole plan: the same on every rank
+        parameters = {kind: sum(p.numel() for p in group.values())
+                      for kind, group in zip(("embedding", "dense"), split_parameters(self.model))}
+        accelerated = prepare_for_training(self.model, self.config, self.device)  # FP8, compile, checkpointing
+        self.sharded = sharded = shard_model(self.model, self.config, self.embedding_sharding, self.device,
+                                             self.topology.local_world_size)
+        self.result.embedding_sharding, self.result.sharding_plan = sharded.embedding_sharding, describe_plan(sharded)
+        mesh = f"FSDP2 over mesh {tuple(sharded.mesh.shape)}" if sharded.mesh is not None else "unsharded"
+        self.say(f"{self.topology.world_size} rank(s) on {self.topology.nodes} node(s), {self.device.type}; embedding "
+                 f"tables: {sharded.embedding_sharding}; dense: {mesh}; {self.total} steps")
+        if self.latest is not None:
+            progress = self._load_training_state(self.latest)
+            self.start, self.result.losses, self.result.resumed_from = progress["step"], list(progress["losses"]), progress["step"]
+            self.result.balance = BalanceLog.from_dict(progress["balance"])
+            self.say(f"resumed from {self.latest} at step {self.start}")
+        self.tracker.log_params({
+            "model": self.model_config.to_dict(), "train": self.config.to_dict(), "steps": self.total,
+            **{f"parameters.{kind}": n for kind, n in parameters.items()},
+            "acceleration": {k: len(v) for k, v in accelerated.items()},
+            "distributed": {"world_size": self.topology.world_size, "nodes": self.topology.nodes,
+                            "device": self.device.type, "embedding_sharding": sharded.embedding_sharding,
+                            "union_of_ranks": self.union_of_ranks}})
+        self.tracker.log_dict(self.result.sharding_plan, "sharding_plan.json")
+
+    def fit(self, step_hooks: Sequence[StepHook] = ()) -> TrainResult:
+        """Steps from where the run stands to the end, then the final eval and checkpoint."""
+        sharded, config, result, device = self.sharded, self.config, self.result, self.device
+        world = self.topology.world_size
+        units = sharded.fsdp_units
+        timer = ForwardComputeTimer(units, device)  # on one rank: the forward as a whole (timer.span)
+        step_mfu = StepMFU(device, world)
+        objectives = self.model.objectives
+        pending: dict[int, dict[str, float]] = {}
+        inputs = prefetched(self._load, range(self.start, self.total), config.prefetch_batches)
+        self.module.train()
+        result.started = time.perf_counter()
+        try:
+            for step in range(self.start, self.total):
+                stepped = time.perf_counter()
+                lr = set_dense_lr(sharded.optimizer, config, step)
+                with record_function("data"):  # waiting for the prefetched batch, and the copy to the device
+                    _, (size, x, costs) = next(inputs)
+                    x = x.to(device, non_blocking=True)
+                with autocast_context(device, config.precision), record_function("forward"), \
+                        (timer.span() if not units else contextlib.nullcontext()):
+                    sums = self.module.loss_sums(x)
+                loss, share, labelled = global_batch_loss(sums, world)
+                sharded.optimizer.zero_grad(set_to_none=True)
+                with record_function("backward"):
+                    loss.backward()
+                with record_function("optimizer"):
+                    if config.clip_grad_norm > 0:
+                        torch.nn.utils.clip_grad_norm_(sharded.dense_parameters, config.clip_grad_norm)
+                    sharded.optimizer.step()
+                compute = timer.take()  # waits for the device: the step's time below is its real time
+                local = [compute, costs["tokens"], costs["attention_cost"], time.perf_counter() - stepped,
+                         costs["flops"], *share.tolist(), *labelled.tolist()]
+                rows = gather_rows(local, device)
+                n, tasks = len(MEASURES), len(objectives)
+                ratios = result.balance.add(step, rows[:, :n])
+                value = float(rows[:, n + 2 : n + 2 + tasks].sum())
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"training loss is {value} at step {step}; lower lr_dense/lr_sparse")
+                result.losses.append(value)
+                result.samples += size * world
+                result.step_samples.append(size * world)
+                result.steps = step + 1
+                result.step_seconds.append(float(rows[:, n].max()))
+                result.step_flops.append(float(rows[:, n + 1].sum()))
+                result.step_module_flops.append(costs["forward_by_module"])
+                result.step_ends.append(time.perf_counter())
+                metrics = {"train.loss": value, "train.lr_dense": lr, "train.step_seconds": result.step_seconds[-1],
+                           **step_mfu.metrics(result.step_flops[-1], result.step_seconds[-1]),
+                           **{f"train.loss.{t}": float(v) for t, v in zip(objectives, rows[:, n + 2 + tasks :].sum(0))},
+                           **{f"train.imbalance.{m}": r for m, r in ratios.items()}}
+                pending[step] = metrics
+                if self.topology.rank == 0:
+                    self.reporter.step(step, self.total, metrics)
+                for hook in step_hooks:
+                    hook(step, value)
+                if len(pending) >= config.log_every or step + 1 == self.total:
+                    self.tracker.log_metrics_by_step(pending)
+                    pending.clear()
+                if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < self.total:
+                    self.evaluate(step + 1)
+                if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0 and step + 1 < self.total:
+                    self.save(step + 1)
+        finally:
+            inputs.close()  # an early stop leaves no loads running
+            timer.remove()
+        result.seconds = time.perf_counter() - result.started
+        result.imbalance = result.balance.observed()
+        if result.samples and result.seconds:
+            self.tracker.log_metrics({"train.samples_per_second": result.samples_per_second,
+                                      "train.imbalance_observed": result.imbalance["compute_seconds"],
+                                      **{f"train.imbalance_observed.{m}": v for m, v in result.imbalance.items()}},
+                                     step=result.steps)
+        self.evaluate(result.steps)
+        self.save(result.steps)
+        self.say(f"trained {result.steps} steps ({result.samples} samples this session) at "
+                 f"{result.samples_per_second:.0f} samples/s; observed imbalance "
+                 f"{result.imbalance['compute_seconds']:.3f} (compute), {result.imbalance['tokens']:.3f} (tokens)")
+        return result
+
+    def _load(self, step: int) -> tuple[int, Any, dict[str, Any]]:
+        """A step's input, built (and pinned, for a GPU) in the prefetch thread, with what it costs."""
+        with record_function("data.load"):
+            batch = self.logs.batch(self.schedule.examples(step), self.model_config.sequence.max_history_len)
+            x = model_input(batch, self.spec, self.model_config)
+            if self.device.type == "cuda":
+                x = x.pin_memory()
+            tokens = batch.history_lengths.double() + 1.0  # the candidate is a token too
+            flops = batch_flops(batch, self.spec, self.model_config)
+            costs = {"tokens": float(tokens.sum()), "attention_cost": float((tokens * tokens).sum()),
+                     "flops": flops.training, "forward_by_module": flops.forward_by_module}
+            return batch.size, x, costs
+
+    def evaluate(self, step: int) -> None:
+        report = evaluate(self.module, self.logs, self.config, self.device, self.eval_indices)
+        self.result.eval_steps.append(step)
+        self.result.eval_reports.append(report)
+        self.tracker.log_metrics(flat_metrics(report), step=step)
+
+    def save(self, step: int) -> None:
+        if self.checkpoint_dir is None:
+            return
+        progress = {"losses": self.result.losses, "balance": self.result.balance.to_dict(), "spec": asdict(self.spec),
+                    "model_config": self.model_config.to_dict(), "train_config": self.config.to_dict(),
+                    "world_size": self.topology.world_size, "embedding_sharding": self.sharded.embedding_sharding}
+        self.result.checkpoint = save_checkpoint(self.checkpoint_dir, step, self._training_state(), progress,
+                                                 self.config.keep_checkpoints)
+
+    def _training_state(self) -> dict[str, Any]:
+        return {"model": self.sharded.module.state_dict(), "optimizer": self.sharded.optimizer.state_dict()}
+
+    def _load_training_state(self, path: Path) -> dict[str, Any]:
+        sharded = self.sharded
+        for name, optimizer in sharded.optimizer.optimizers:
+            if not (name == "sparse" and sharded.dmp is not None):  # the fused table optimizer has its state
+                # Keyed optimizers load only into initialised state; the dummy step that initialises it
+                # moves the weights (weight decay), which are loaded after it.
+                optimizer.init_state()
+        state = self._training_state()
+        progress = load_into(path, state)
+        sharded.module.load_state_dict(state["model"])
+        sharded.optimizer.load_state_dict(state["optimizer"])
+        return progress
+
+
+def fit_full_batch(module: nn.Module, loss_of: Callable[[], torch.Tensor], steps: int, lr: float,
+                   weight_decay: float = 0.0) -> nn.Module:
+    """A small model fitted on all its examples at once (the Student Adapter): `steps` Adam steps on the
+    loss `loss_of()` computes. Returns the module, in eval mode."""
+    optimizer = torch.optim.Adam(module.parameters(), lr=lr, weight_decay=weight_decay)
+    module.train()
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_of().backward()
+        optimizer.step()
+    return module.eval()

@@ -1,0 +1,228 @@
+"""The MFU window: warm-up steps, a timed window and a few profiled steps of the engine's own loop.
+
+A run with an MFU window is an ordinary training run of the engine (the same launch, the same loop,
+data loading, embeddings and optimizer included) whose length is the window's and whose eval and
+checkpoints are off; rank 0 profiles the steps after the window with torch.profiler, scoped per module
+of the model (forward) and per phase of the step (data, forward, backward, optimizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.autograd.profiler import record_function
+
+from gem_ops.metrics.flops import MODULES
+from gem_ops.metrics.mfu import MFUReport, device_name, measured_matmul_flops, peak_flops
+from gem_ops.model.config import ModelConfig
+from gem_ops.train.config import TrainConfig
+
+# What the CUDA profiler lists with device time that is no GPU work: a kernel launch that waited for
+# room in a full launch queue. Left out of every phase, module and busy figure.
+HOST_WAITS = frozenset({"Command Buffer Full"})
+# Step phases, as scoped by the engine (record_function), and the model's module scopes.
+PHASES = ("data", "data.load", "forward", "backward", "optimizer")  # data.load: the prefetch thread's
+# Nested: sequence.branch (one sequence's layer of a block, with its jagged bookkeeping) holds the
+# summary projection, the sequence layer, the CLS projection and the cross attention.
+MODULE_SCOPES = ("embeddings", "input_projections", "sequence.branch", "sequence.summarize", "sequence.layers",
+                 "sequence.cls_out", "cross_attention", "wukong", "trunk", "towers")
+
+
+@dataclass(frozen=True)
+class MFUWindow:
+    steps: int = 20  # timed
+    warmup_steps: int = 5  # untimed first (lazy initialisation, compilation, autotuning)
+    profile_steps: int = 3  # profiled after the timed ones, after one profiler warm-up step
+
+    def __post_init__(self):
+        if self.steps < 1 or self.warmup_steps < 0 or self.profile_steps < 0:
+            raise ValueError(f"MFU window: steps must be >= 1 and warm-up/profile steps >= 0, got {self.steps}, "
+                             f"{self.warmup_steps}, {self.profile_steps}")
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps + (1 + self.profile_steps if self.profile_steps else 0)
+
+    def train_config(self, config: TrainConfig, plan_steps: int) -> TrainConfig:
+        """The run's settings: the window's length, no periodic eval or checkpoints, a small final eval."""
+        return dataclasses.replace(config, max_steps=self.total_steps, epochs=math.ceil(self.total_steps / plan_steps),
+                                   eval_every=0, checkpoint_every=0, log_every=self.total_steps,
+                                   eval_max_examples=min(config.eval_max_examples, 256))
+
+    @contextlib.contextmanager
+    def observe(self, device: torch.device, profile: bool = True) -> Iterator[WindowObserver]:
+        """Around the training run: yields the step hook to give the engine; `profile` (rank 0's) turns on
+        the profiler and the module scopes."""
+        observer = WindowObserver(self, profile and self.profile_steps > 0, device)
+        with observer.profiler as observer.prof, (module_scopes() if observer.profiling else contextlib.nullcontext()):
+            try:
+                yield observer
+            finally:
+                _set_compiler_stance("default")
+
+    def report(self, result, observer: WindowObserver, device: torch.device, model_config: ModelConfig,
+               train_config: TrainConfig) -> MFUReport:
+        """The window's figures from an engine's TrainResult (a run of exactly this window)."""
+        first, last = self.warmup_steps, self.warmup_steps + self.steps
+        if len(result.step_ends) < last:
+            raise ValueError(f"the run took {len(result.step_ends)} steps, fewer than the window's {last}")
+        began = result.step_ends[first - 1] if first else result.started
+        seconds = result.step_ends[last - 1] - began
+        step_flops = result.step_flops[first:last]
+        local = dict.fromkeys(MODULES, 0.0)
+        for step in result.step_module_flops[first:last]:
+            for k, v in step.items():
+                local[k] = local.get(k, 0.0) + v
+        forward, local_total = sum(step_flops) / 3.0, sum(local.values()) or 1.0
+        peak, source = peak_flops(device)
+        report = MFUReport(
+            device=str(device), device_name=device_name(device), precision=train_config.precision, steps=self.steps,
+            warmup_steps=self.warmup_steps, samples=int(sum(result.step_samples[first:last])), seconds=float(seconds),
+            model_flops=float(sum(step_flops)), peak_flops=peak, peak_source=source,
+            gemm_flops=measured_matmul_flops(device),
+            # Each module's share from this rank's batches, of the window's forward FLOPs over all ranks.
+            forward_flops_by_module={k: v / local_total * forward for k, v in local.items()},
+            step_seconds=result.step_seconds[first:last], step_flops=step_flops, losses=list(result.losses),
+            all_step_seconds=list(result.step_seconds), world_size=result.world_size,
+            settings={"model": model_config.to_dict(), "train": train_config.to_dict(),
+                      "window": dataclasses.asdict(self), "world_size": result.world_size})
+        if observer.profiling:
+            observer.add_profile(report, result.step_seconds[last + 1:])
+        return report
+
+
+class WindowObserver:
+    """The step hook of an MFU run: steps the profiler, and keeps the final eval from compiling anew."""
+
+    def __init__(self, window: MFUWindow, profiling: bool, device: torch.device):
+        self.window, self.profiling, self.device = window, profiling, device
+        self.prof = None
+        self.profiler = contextlib.nullcontext()
+        if profiling:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(
+                wait=window.warmup_steps + window.steps, warmup=1, active=window.profile_steps, repeat=1))
+
+    def __call__(self, step: int, loss: float) -> None:
+        if self.prof is not None:
+            self.prof.step()
+        if step + 1 == self.window.total_steps:  # the final eval runs compiled blocks eagerly: no new graphs
+            _set_compiler_stance("force_eager")
+
+    def add_profile(self, report: MFUReport, profiled_step_seconds: list[float]) -> None:
+        """Seconds per profiled step by phase and by module, and the profiler's table."""
+        prof, device, steps = self.prof, self.device, self.window.profile_steps
+        report.profiled_steps = steps
+        report.phase_seconds = scope_seconds(prof, device, PHASES, steps)
+        if device.type == "cuda":
+            # The backward's kernels are launched by autograd's device thread, outside the engine's
+            # "backward" scope: it is the device's busy time less the other phases'.
+            scopes = {*PHASES, *MODULE_SCOPES}  # their mirrors on the GPU timeline span kernels, not add to them
+            busy = sum(e.time_range.elapsed_us() for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in scopes
+                       and e.name not in HOST_WAITS) / 1e6 / steps
+            others = sum(v for k, v in report.phase_seconds.items() if k != "backward")
+            report.phase_seconds["backward"] = max(0.0, busy - others)
+            report.phase_seconds["device_busy"] = busy
+            report.phase_cpu_seconds = scope_seconds(prof, torch.device("cpu"), PHASES, steps)
+        report.phase_seconds["step"] = float(np.mean(profiled_step_seconds)) if profiled_step_seconds else math.nan
+        report.module_seconds = scope_seconds(prof, device, MODULE_SCOPES, steps)
+        # The forward outside the scoped modules (concatenations, the loss, unscoped projections).
+        top = ("embeddings", "input_projections", "sequence.branch", "wukong", "trunk", "towers")
+        report.module_seconds["other"] = max(0.0, report.phase_seconds.get("forward", 0.0)
+                                             - sum(report.module_seconds[k] for k in top))
+        sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        report.profile_table = prof.key_averages().table(sort_by=sort_by, row_limit=25)
+
+
+@contextlib.contextmanager
+def module_scopes() -> Iterator[None]:
+    """Profiler scopes (record_function) around the forward of each GEM module (MODULE_SCOPES).
+
+    Global forward hooks, named by module class (the engine calls GEMModel.loss_sums, so the model
+    itself may never pass through a hook); a branch names its own summary and CLS projections, and a
+    GEMModel that is called names its trunk and input projections. Other modules cost a dict lookup."""
+    from gem_ops.model.embeddings import GEMEmbeddings
+    from gem_ops.model.gem import GEMModel, SequenceBranch
+    from gem_ops.model.heads import DomainTaskTowers
+    from gem_ops.model.sequence import JaggedCrossAttention, JaggedTransformerLayer
+    from gem_ops.model.wukong import WukongLayer
+
+    by_class = {GEMEmbeddings: "embeddings", SequenceBranch: "sequence.branch", JaggedTransformerLayer: "sequence.layers",
+                JaggedCrossAttention: "cross_attention", WukongLayer: "wukong", DomainTaskTowers: "towers"}
+    names: dict[int, str] = {}
+    open_scopes: dict[int, list] = {}
+
+    def name_children(module: torch.nn.Module) -> None:
+        if isinstance(module, SequenceBranch):
+            for child in module.summarize:
+                names[id(child)] = "sequence.summarize"
+            for child in module.cls_out:
+                names[id(child)] = "sequence.cls_out"
+        elif isinstance(module, GEMModel):
+            names[id(module.trunk)] = "trunk"
+            for name in ("candidate_proj", "dense_proj", "teacher_proj"):
+                if getattr(module, name, None) is not None:
+                    names[id(getattr(module, name))] = "input_projections"
+
+    def before(module, args):
+        scope = names.get(id(module)) or by_class.get(type(module))
+        if isinstance(module, (SequenceBranch, GEMModel)):
+            name_children(module)
+        if scope is not None:
+            rf = record_function(scope)
+            rf.__enter__()
+            open_scopes.setdefault(id(module), []).append(rf)
+
+    def after(module, args, output):
+        stack = open_scopes.get(id(module))
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(before),
+               torch.nn.modules.module.register_module_forward_hook(after, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def scope_seconds(profile, device: torch.device, scopes: tuple[str, ...], steps: int) -> dict[str, float]:
+    """Seconds per step spent in each scope: on CUDA the device time of the kernels its host range
+    launched (or, where none is attributed, the span of its range on the GPU timeline), else CPU time."""
+    cpu, gpu = dict.fromkeys(scopes, 0.0), dict.fromkeys(scopes, 0.0)
+    for event in profile.events():
+        if event.name not in cpu:
+            continue
+        if event.device_type == torch.autograd.DeviceType.CPU:
+            cpu[event.name] += (device_time(event) if device.type == "cuda" else event.cpu_time_total) / 1e6
+        elif device.type == "cuda":  # the range's mirror on the GPU timeline (gpu_user_annotation)
+            gpu[event.name] += event.time_range.elapsed_us() / 1e6
+    return {k: (cpu[k] or gpu[k]) / max(1, steps) for k in scopes}
+
+
+def device_time(event) -> float:
+    """A host range's device time (us), less the host waits (HOST_WAITS) within it."""
+    waits, stack = 0.0, list(event.cpu_children)
+    while stack:
+        child = stack.pop()
+        if child.name in HOST_WAITS:
+            waits += child.device_time_total
+        else:
+            stack.extend(child.cpu_children)
+    return event.device_time_total - waits
+
+
+def _set_compiler_stance(stance: str) -> None:
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    if set_stance is not None:
+        set_stance(stance)
