@@ -212,7 +212,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "model_tflop_per_step", "peak_source", "peak_flops", "gemm_flops", "steps",
                                      "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
                                      "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds",
-                                     "forward_flops_by_module", "max_memory_gib") if k in report}}
+                                     "forward_flops_by_module", "max_memory_gib", "allocator") if k in report}}
     print(f"{shape_name}/{variant}: MFU {100 * run['mfu_window_mean']:.1f}% over the window (median step "
           f"{100 * run['mfu_median_step']:.1f}%), {run['model_tflops']:.0f} model TFLOP/s, "
           f"{run['samples_per_second']:.0f} samples/s, mean step {run['step_seconds_mean'] * 1e3:.0f} ms "

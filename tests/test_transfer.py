@@ -203,7 +203,7 @@ def test_killed_student_resumes_from_its_checkpoint(logs, stale_teacher, tmp_pat
         def on_step(step, loss):
             if step == 7:
                 raise KeyboardInterrupt("killed")
-        return real_train(*args, on_step=on_step, **kwargs)
+        return real_train(*args, step_hooks=[on_step], **kwargs)
 
     monkeypatch.setattr(student, "train", killed_at_step_7)
     with pytest.raises(KeyboardInterrupt):

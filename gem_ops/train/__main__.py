@@ -192,7 +192,11 @@ def measure_mfu(window: MFUWindow, logs: SequenceLogs, plan: Path, model, config
     figures = report.metrics()
     details = {k: v for k, v in report.to_dict().items() if k != "profile_table"}
     if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
         details["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        # A step that finds no free block frees the allocator's cache and retries (a device sync).
+        details["allocator"] = {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_ooms", "num_device_alloc",
+                                                             "num_device_free")}
     reporter.message(f"MFU {100 * report.mfu:.2f}% over the timed window (median step "
                      f"{100 * figures['mfu_median_step']:.2f}%; {report.model_flops_per_second / 1e12:.3g} model "
                      f"TFLOP/s against {report.peak_flops / 1e12:.4g} {report.peak_source} per device), "
