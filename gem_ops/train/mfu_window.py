@@ -92,6 +92,9 @@ class MFUWindow:
             all_step_seconds=list(result.step_seconds), world_size=result.world_size,
             settings={"model": model_config.to_dict(), "train": train_config.to_dict(),
                       "window": dataclasses.asdict(self), "world_size": result.world_size})
+        if observer.alloc_retries:
+            report.settings["allocator_retries_in_window"] = observer.alloc_retries[last - 1] - (
+                observer.alloc_retries[first - 1] if first else 0)
         if observer.profiling:
             observer.add_profile(report, result.step_seconds[last + 1:])
         return report
@@ -103,6 +106,7 @@ class WindowObserver:
     def __init__(self, window: MFUWindow, profiling: bool, device: torch.device):
         self.window, self.profiling, self.device = window, profiling, device
         self.prof = None
+        self.alloc_retries: list[int] = []  # the allocator's count after each step (CUDA)
         self.profiler = contextlib.nullcontext()
         if profiling:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -112,6 +116,8 @@ class WindowObserver:
                 wait=window.warmup_steps + window.steps, warmup=1, active=window.profile_steps, repeat=1))
 
     def __call__(self, step: int, loss: float) -> None:
+        if self.device.type == "cuda":  # a step that found no free block freed the cache and retried: a sync
+            self.alloc_retries.append(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self.prof is not None:
             self.prof.step()
         if step + 1 == self.window.total_steps:  # the final eval runs compiled blocks eagerly: no new graphs
