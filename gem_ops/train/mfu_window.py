@@ -60,7 +60,7 @@ class MFUWindow:
         """Around the training run: yields the step hook to give the engine; `profile` (rank 0's) turns on
         the profiler and the module scopes."""
         observer = WindowObserver(self, profile and self.profile_steps > 0, device)
-        with observer.profiler as observer.prof, (module_scopes() if observer.profiling else contextlib.nullcontext()):
+        with observer.profiler as observer.prof, observer.scopes:
             try:
                 yield observer
             finally:
@@ -107,6 +107,7 @@ class WindowObserver:
         self.window, self.profiling, self.device = window, profiling, device
         self.prof = None
         self.alloc_retries: list[int] = []  # the allocator's count after each step (CUDA)
+        self.scopes = contextlib.ExitStack()
         self.profiler = contextlib.nullcontext()
         if profiling:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -120,6 +121,10 @@ class WindowObserver:
             self.alloc_retries.append(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self.prof is not None:
             self.prof.step()
+        if self.profiling and step + 1 == self.window.warmup_steps + self.window.steps:
+            # The module scopes' global hooks cost host time in every module call (and guards in compiled
+            # code): on for the profiled steps only, after the timed window.
+            self.scopes.enter_context(module_scopes())
         if step + 1 == self.window.total_steps:  # the final eval runs compiled blocks eagerly: no new graphs
             _set_compiler_stance("force_eager")
 
