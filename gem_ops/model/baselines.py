@@ -8,7 +8,7 @@ from torch import nn
 from gem_ops.model import features as F
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.features import ModelInput
-from gem_ops.model.heads import masked_bce_loss
+from gem_ops.model.heads import LossSums, loss_from_sums, masked_bce_sums
 
 
 class LogisticRegression(nn.Module):
@@ -35,7 +35,10 @@ class LogisticRegression(nn.Module):
             logits = logits + self.weights[key](ids[key].values())
         return logits if self.dense is None else logits + self.dense(x.dense)
 
-    def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def loss_sums(self, x: ModelInput) -> LossSums:
         logits = self(x)
-        total, per_task = masked_bce_loss(logits, x.labels, x.label_mask)
-        return total, per_task, logits
+        sums, counts = masked_bce_sums(logits, x.labels, x.label_mask)
+        return LossSums(sums, sums.detach(), counts, logits)
+
+    def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return loss_from_sums(self.loss_sums(x))

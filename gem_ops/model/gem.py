@@ -13,8 +13,6 @@ Then a Wukong layer maps [X_b, CLS tokens, cross-attention outputs] to X_{b+1}.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -22,7 +20,7 @@ from gem_ops.model import jagged
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.embeddings import GEMEmbeddings
 from gem_ops.model.features import ModelInput
-from gem_ops.model.heads import DomainTaskTowers, masked_bce_sums
+from gem_ops.model.heads import DomainTaskTowers, LossSums, loss_from_sums, masked_bce_sums
 from gem_ops.model.sequence import JaggedCrossAttention, JaggedTransformerLayer
 from gem_ops.model.wukong import WukongLayer
 
@@ -165,14 +163,5 @@ class GEMModel(nn.Module):
     def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(this batch's training loss: the sum over tasks of each task's mean, per-task losses on the true
         labels, serving logits)."""
-        sums = self.loss_sums(x)
-        counts = sums.counts.clamp(min=1)
-        return (sums.total / counts).sum(), sums.labelled / counts, sums.logits
+        return loss_from_sums(self.loss_sums(x))
 
-
-@dataclass
-class LossSums:
-    total: torch.Tensor  # [T] training loss summed over labelled examples (distillation included)
-    labelled: torch.Tensor  # [T] the true labels' log loss alone, detached
-    counts: torch.Tensor  # [T] labelled examples
-    logits: torch.Tensor  # [B, T] serving logits

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,22 @@ class DomainTaskTowers(nn.Module):
                 h = F.gelu(h)
         logits = h.view(-1, self.domains, self.tasks)
         return logits[torch.arange(logits.shape[0], device=domain.device), domain]
+
+
+@dataclass
+class LossSums:
+    """A batch's training loss as sums, so that a job of several ranks can normalise by global counts."""
+
+    total: torch.Tensor  # [T] training loss summed over labelled examples (distillation included)
+    labelled: torch.Tensor  # [T] the true labels' log loss alone, detached
+    counts: torch.Tensor  # [T] labelled examples
+    logits: torch.Tensor  # [B, T] serving logits
+
+
+def loss_from_sums(sums: LossSums) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the batch's loss: the sum over tasks of each task's mean, per-task losses on the true labels, logits)."""
+    counts = sums.counts.clamp(min=1)
+    return (sums.total / counts).sum(), sums.labelled / counts, sums.logits
 
 
 def masked_bce_sums(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

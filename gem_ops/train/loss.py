@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gem_ops.model.gem import LossSums
+from gem_ops.model.heads import LossSums
 
 
 def global_batch_loss(sums: LossSums, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
