@@ -121,3 +121,80 @@ def test_the_plan_is_balanced_for_the_history_length_the_model_reads(data, caplo
     assert np.array_equal(schedule.steps, again.examples[:, 0]) and not np.array_equal(schedule.steps, stored[:, 0])
     same = rank_schedule(logs, data.plans[1], 0, 1, epochs=1, seed=0, max_history_len=32)
     assert np.array_equal(same.steps, stored[:, 0])  # the model reads what the plan was balanced for
+
+
+def test_early_stopping_keeps_the_best_weights_and_stops_when_patience_runs_out(data, tmp_path):
+    """With frozen weights (no learning rate) the validation NE never improves after the first evaluation:
+    patience 1 stops at the second, and the first evaluation's step is kept."""
+    config = dataclasses.replace(CONFIG, max_steps=10, lr_dense=0.0, lr_sparse=0.0, validation_days=1, eval_every=2,
+                                 early_stopping_patience=1, calibrate=False)
+    _, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)
+    assert result.stopped_early and result.steps == 4 and result.validation_steps == [2, 4]
+    assert result.best_step == 2
+    assert checkpoint_steps(tmp_path / "best") == [2]
+
+
+def test_the_kept_weights_are_the_best_validated_ones(data, tmp_path):
+    from gem_ops.train.evaluation import evaluate
+
+    logs = data.open()
+    config = dataclasses.replace(CONFIG, max_steps=8, lr_dense=3e-2, validation_days=1, eval_every=2, calibrate=False)
+    model, result = train(logs, data.plans[1], TINY, config)
+    scores = [r["all/click"]["ne"] + r["all/conversion"]["ne"] for r in result.validation_reports]
+    best = result.validation_steps[scores.index(min(scores))]
+    assert result.best_step == best and result.validation_steps == [2, 4, 6, 8]
+    from gem_ops.train.batches import newest_days
+
+    again = evaluate(model, logs, config, torch.device("cpu"), newest_days(logs, data.plans[1], 1))
+    assert again["all/click"]["ne"] == pytest.approx(result.validation_reports[scores.index(min(scores))]["all/click"]["ne"])
+
+
+def test_validation_day_is_held_out_of_training_and_calibration_is_fitted_on_it(data):
+    import numpy as np
+
+    from gem_ops.train.batches import newest_days, rank_schedule
+    from gem_ops.train.evaluation import gathered_predictions
+
+    logs = data.open()
+    held_out = newest_days(logs, data.plans[1], 1)
+    day = logs.column("timestamp")[held_out] // 86_400_000
+    assert held_out.size and (day == day.max()).all()
+    schedule = rank_schedule(logs, data.plans[1], 0, 1, 1, 0, 16, held_out=held_out)
+    assert not np.isin(schedule.steps, held_out).any()
+
+    config = dataclasses.replace(CONFIG, max_steps=6, validation_days=1, eval_every=3, eval_max_examples=100_000)
+    model, result = train(logs, data.plans[1], TINY, config)
+    scale = torch.tensor(result.calibration["scale"])
+    assert scale.shape == (len(logs.surfaces), len(logs.objectives)) and not torch.all(scale == 1)
+    assert torch.equal(model.towers.calibration[0], scale.reshape(-1))
+    out = gathered_predictions(model, logs, config, torch.device("cpu"), held_out)
+    for t in range(len(logs.objectives)):  # calibrated where it was fitted: mean prediction = mean label
+        rows = out["label_mask"][:, t]
+        mean_p = float(torch.sigmoid(out["logits"][rows, t]).mean())
+        assert mean_p == pytest.approx(float(out["labels"][rows, t].mean()), rel=0.05)
+
+
+def test_platt_scaling_recovers_a_known_miscalibration():
+    import numpy as np
+
+    from gem_ops.train.calibration import platt_scaling
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=20_000)
+    y = rng.random(20_000) < 1 / (1 + np.exp(-(2.0 * z - 1.0)))
+    a, b = platt_scaling(z, y)
+    assert a == pytest.approx(2.0, abs=0.1) and b == pytest.approx(-1.0, abs=0.1)
+    assert platt_scaling(z[:5], np.zeros(5)) [0] == pytest.approx(1.0, abs=0.2)  # few labels: near identity
+
+
+def test_cosine_schedule_warms_up_then_decays_to_its_floor():
+    from gem_ops.train.optimizer import set_dense_lr
+
+    class Opt:
+        optimizers = [("dense", torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))]
+
+    config = TrainConfig(lr_dense=1.0, warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1)
+    lrs = [set_dense_lr(Opt, config, step, 110) for step in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.55, abs=0.01) and lrs[-1] == pytest.approx(0.1, abs=0.001)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))

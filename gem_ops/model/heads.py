@@ -11,7 +11,10 @@ from torch import nn
 
 class DomainTaskTowers(nn.Module):
     """One small MLP per (domain, task), run for all towers at once as batched matmuls;
-    each example keeps its own domain's row: cross-domain knowledge lives in the trunk."""
+    each example keeps its own domain's row: cross-domain knowledge lives in the trunk.
+
+    A calibration fitted after training (gem_ops.train.calibration) maps each tower's logit to
+    scale * logit + shift; it is a buffer, identity until set, and reset before training again."""
 
     def __init__(self, in_dim: int, domains: int, tasks: int, hidden: int, layers: int):
         super().__init__()
@@ -22,6 +25,12 @@ class DomainTaskTowers(nn.Module):
             nn.Parameter(torch.randn(towers, a, b) / a**0.5) for a, b in zip(dims[:-1], dims[1:])
         )
         self.biases = nn.ParameterList(nn.Parameter(torch.zeros(towers, b)) for b in dims[1:])
+        self.register_buffer("calibration", identity_calibration(towers))
+        self._register_load_state_dict_pre_hook(_calibration_of_older_states, with_module=True)
+
+    def set_calibration(self, scale: torch.Tensor, shift: torch.Tensor) -> None:
+        """scale, shift [domains, tasks] (identity: ones and zeros)."""
+        self.calibration.copy_(torch.stack([scale.reshape(-1), shift.reshape(-1)]).to(self.calibration))
 
     def forward(self, trunk: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
         """trunk [B, in_dim], domain [B] -> logits [B, tasks]."""
@@ -31,8 +40,20 @@ class DomainTaskTowers(nn.Module):
             h = torch.einsum("bmi,mio->bmo", h, w) + b
             if i < last:
                 h = F.gelu(h)
-        logits = h.view(-1, self.domains, self.tasks)
+        logits = h.squeeze(-1) * self.calibration[0] + self.calibration[1]
+        logits = logits.view(-1, self.domains, self.tasks)
         return logits[torch.arange(logits.shape[0], device=domain.device), domain]
+
+
+def identity_calibration(towers: int) -> torch.Tensor:
+    return torch.stack([torch.ones(towers), torch.zeros(towers)])
+
+
+def _calibration_of_older_states(module, state_dict, prefix, *args) -> None:
+    """States saved before towers had a calibration load as uncalibrated."""
+    key = prefix + "calibration"
+    if key not in state_dict and prefix + "biases.0" in state_dict:
+        state_dict[key] = identity_calibration(module.domains * module.tasks)
 
 
 @dataclass

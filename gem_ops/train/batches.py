@@ -14,6 +14,8 @@ from gem_ops.data.loader import SequenceLogs
 
 log = logging.getLogger(__name__)
 
+MS_PER_DAY = 86_400_000
+
 
 class PlanSchedule:
     """Global step -> this rank's example indices. Epoch e visits the plan's steps in an order seeded by
@@ -50,12 +52,13 @@ def plan_for_world_size(plans: str | os.PathLike, world_size: int) -> Path:
 
 
 def rank_schedule(logs: SequenceLogs, plan_path: str | os.PathLike, rank: int, world_size: int, epochs: int, seed: int,
-                  max_history_len: int, union_of_ranks: bool = False) -> PlanSchedule:
+                  max_history_len: int, union_of_ranks: bool = False, held_out: np.ndarray | None = None) -> PlanSchedule:
     """This rank's schedule (or, with union_of_ranks on one process, every rank's rows side by side).
 
     A Base Batch Shuffling plan balanced at another history length than the model's (e.g. stored
     histories of 1024 events, a model that reads 128) is balanced again over the same examples for the
-    model's lengths, the same way on every rank, so the steps cost what the model will spend."""
+    model's lengths, the same way on every rank, so the steps cost what the model will spend; so is a
+    plan some of whose examples are `held_out` (a validation day), over the others."""
     info = plan_info(plan_path)
     plan_world = int(info.get("world_size") or _plan_world_size(plan_path))
     if union_of_ranks and world_size != 1:
@@ -65,10 +68,14 @@ def rank_schedule(logs: SequenceLogs, plan_path: str | os.PathLike, rank: int, w
                          "plan for the job's world size (plans/world_size=W.parquet)")
     model_cap = min(max_history_len, logs.max_history_len)
     plan_cap = min(info.get("max_history_len") or logs.max_history_len, logs.max_history_len)
-    if info.get("shuffling") and plan_cap != model_cap:
-        steps = rebalanced(logs, plan_path, ShufflingConfig(**info["shuffling"]), plan_world, model_cap)
-        log.info("%s: balanced for histories of %d events, the model reads %d: balanced again for %d",
-                 plan_path, plan_cap, model_cap, model_cap)
+    held_out = np.zeros(0, np.int64) if held_out is None else np.asarray(held_out)
+    if held_out.size and not info.get("shuffling"):
+        raise ValueError(f"{plan_path} records no shuffling settings, so it cannot be balanced again without the "
+                         "held-out examples: write it again with shuffled_batches")
+    if info.get("shuffling") and (plan_cap != model_cap or held_out.size):
+        steps = rebalanced(logs, plan_path, ShufflingConfig(**info["shuffling"]), plan_world, model_cap, held_out)
+        log.info("%s: balanced for histories of %d events, the model reads %d: balanced again for %d%s", plan_path,
+                 plan_cap, model_cap, model_cap, f" without {held_out.size} held-out examples" if held_out.size else "")
     elif union_of_ranks:
         steps = read_plan(plan_path)
     else:
@@ -78,11 +85,25 @@ def rank_schedule(logs: SequenceLogs, plan_path: str | os.PathLike, rank: int, w
 
 
 def rebalanced(logs: SequenceLogs, plan_path: str | os.PathLike, shuffling: ShufflingConfig, world_size: int,
-               max_history_len: int) -> np.ndarray:
-    """[steps, world_size, rank_batch_size]: the plan's examples balanced again at max_history_len."""
+               max_history_len: int, held_out: np.ndarray | None = None) -> np.ndarray:
+    """[steps, world_size, rank_batch_size]: the plan's examples (but the held-out ones) balanced again
+    at max_history_len."""
     examples = np.sort(read_plan(plan_path).reshape(-1))
+    if held_out is not None and held_out.size:
+        examples = np.setdiff1d(examples, held_out, assume_unique=True)
     lengths = logs.history_lengths(max_history_len)[examples]
     return plan_base_batch_shuffling(lengths, world_size, shuffling, examples).examples
+
+
+def newest_days(logs: SequenceLogs, plan_path: str | os.PathLike, days: int) -> np.ndarray:
+    """The plan's examples of its newest `days` days (UTC), sorted: a held-out validation set."""
+    examples = np.sort(read_plan(plan_path).reshape(-1))
+    day = logs.column("timestamp")[examples] // MS_PER_DAY
+    picked = examples[day > day.max() - days]
+    if picked.size == examples.size:
+        raise ValueError(f"{plan_path}: its examples span {days} day(s) or fewer, none would be left to train on "
+                         f"after holding out {days} validation day(s)")
+    return picked
 
 
 def _plan_world_size(plan_path: str | os.PathLike) -> int:

@@ -15,6 +15,9 @@ class TrainConfig:
     lr_sparse: float = 0.05  # row-wise Adagrad on embedding tables
     weight_decay: float = 0.01  # dense parameters only
     warmup_steps: int = 20  # linear warm-up of the dense learning rate
+    # After the warm-up: constant, or a cosine decay over the run's steps down to min_lr_ratio x lr_dense
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.1
     clip_grad_norm: float = 1.0  # dense parameters; 0 disables
     # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: bf16 autocast with the large linear layers in FP8
     # (fp8_recipe; CUDA GPUs with FP8 tensor cores only; see train/acceleration.py)
@@ -30,7 +33,13 @@ class TrainConfig:
     sparse_table_gradients: bool = False
     activation_checkpointing: Literal["none", "sequence"] = "none"  # sequence: recompute the sequence layers
     prefetch_batches: int = 1  # batches loaded ahead in a background thread while a step runs; 0: none
-    eval_every: int = 0  # steps between evaluations; 0: only at the end
+    eval_every: int = 0  # steps between evaluations (on the validation day when there is one); 0: only at the end
+    # The newest days of the training examples held out: early stopping and calibration read them
+    validation_days: int = 0
+    # With validation days: stop after this many evaluations without a better validation NE, and keep the
+    # best evaluated weights (0: train to the end, still keeping the best)
+    early_stopping_patience: int = 0
+    calibrate: bool = True  # with validation days: Platt scaling per (domain, task) fitted on them at the end
     eval_max_examples: int = 20_000  # a fixed subset of the eval split, for speed
     eval_batch_size: int = 512
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
@@ -42,12 +51,20 @@ class TrainConfig:
         for name in ("epochs", "eval_max_examples", "eval_batch_size", "keep_checkpoints", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("precision", "fp8_recipe", "compile", "activation_checkpointing"):
+        for name in ("precision", "fp8_recipe", "compile", "activation_checkpointing", "lr_schedule"):
             allowed = typing.get_args(typing.get_type_hints(type(self))[name])
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.prefetch_batches < 0:
             raise ValueError(f"TrainConfig.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+        if self.validation_days < 0 or self.early_stopping_patience < 0:
+            raise ValueError("TrainConfig.validation_days and early_stopping_patience must be >= 0, got "
+                             f"{self.validation_days} and {self.early_stopping_patience}")
+        if self.early_stopping_patience and not (self.validation_days and self.eval_every):
+            raise ValueError("TrainConfig.early_stopping_patience needs validation_days >= 1 (what to judge on) "
+                             "and eval_every >= 1 (how often)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
 

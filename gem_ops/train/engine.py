@@ -17,6 +17,8 @@ import contextlib
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,16 +33,17 @@ from torch.autograd.profiler import record_function
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.metrics.flops import batch_flops
 from gem_ops.metrics.mfu import StepMFU
-from gem_ops.metrics.quality import flat_metrics
+from gem_ops.metrics.quality import flat_metrics, quality_report
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.features import model_input
 from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import RunTracker
 from gem_ops.train.acceleration import autocast_context, prepare_for_training
-from gem_ops.train.batches import rank_schedule
+from gem_ops.train.batches import newest_days, rank_schedule
+from gem_ops.train.calibration import fit_calibration, reset_calibration, towers_of
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.evaluation import evaluate
+from gem_ops.train.evaluation import evaluate, gathered_predictions
 from gem_ops.train.initialization import init_output_biases
 from gem_ops.train.loss import global_batch_loss
 from gem_ops.train.model_state import export_full_model_state, seeded_model
@@ -89,6 +92,13 @@ class TrainResult:
     step_module_flops: list[dict[str, float]] = field(default_factory=list)
     step_samples: list[int] = field(default_factory=list)
     started: float = 0.0  # time.perf_counter when this session's first step began
+    # With validation days: the reports on them (rank 0's), the step whose weights were kept, and the
+    # calibration fitted on them ({"scale", "shift"}: [domains][tasks]).
+    validation_steps: list[int] = field(default_factory=list)
+    validation_reports: list[dict[str, dict[str, float]]] = field(default_factory=list)
+    best_step: int | None = None
+    stopped_early: bool = False
+    calibration: dict[str, list[list[float]]] = field(default_factory=dict)
 
     @property
     def final_report(self) -> dict[str, dict[str, float]]:
@@ -111,6 +121,7 @@ class TrainResult:
             **{k: v for k, v in flat_metrics(self.final_report).items() if k.endswith((".auc", ".ne", ".calibration"))},
             "checkpoint": str(self.checkpoint), "model_state": str(self.model_state_path),
             "resumed_from": self.resumed_from, "step_seconds": self.step_seconds,
+            "best_step": self.best_step, "stopped_early": self.stopped_early,
         }
 
 
@@ -145,11 +156,14 @@ def train(
         trainer = Trainer(logs, plan_path, model_config, config, topology, model=model, eval_indices=eval_indices,
                           embedding_sharding=embedding_sharding, union_of_ranks=union_of_ranks,
                           checkpoint_dir=checkpoint_dir, tracker=tracker or RunTracker.disabled(), reporter=reporter)
-        trainer.restore(warm_start)
-        result = trainer.fit(step_hooks)
-        if export_model_state and checkpoint_dir is not None:
-            result.model_state_path = export_full_model_state(trainer.module, trainer.spec, model_config,
-                                                              Path(checkpoint_dir) / MODEL_STATE_FILE)
+        try:
+            trainer.restore(warm_start)
+            result = trainer.fit(step_hooks)
+            if export_model_state and checkpoint_dir is not None:
+                result.model_state_path = export_full_model_state(trainer.module, trainer.spec, model_config,
+                                                                  Path(checkpoint_dir) / MODEL_STATE_FILE)
+        finally:
+            trainer.close()
         return trainer.module, result
 
 
@@ -166,8 +180,10 @@ class Trainer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.reporter = reporter if reporter is not None else LogReporter(config.log_every)
         self.spec = FeatureSpec.from_logs(logs)
+        # Held-out validation examples: the newest days of the plan's, out of the training steps.
+        self.validation = newest_days(logs, plan_path, config.validation_days) if config.validation_days else None
         self.schedule = rank_schedule(logs, plan_path, topology.rank, topology.world_size, config.epochs, config.seed,
-                                      model_config.sequence.max_history_len, union_of_ranks)
+                                      model_config.sequence.max_history_len, union_of_ranks, self.validation)
         self.total = min(self.schedule.total_steps, config.max_steps or self.schedule.total_steps)
         self.model = (seeded_model(self.spec, model_config, self.device, config.seed) if model is None
                       else model.to(self.device))
@@ -177,6 +193,9 @@ class Trainer:
         self.sharded: ShardedModel | None = None
         self.result = TrainResult(steps=0, samples=0, seconds=0.0, losses=[], world_size=topology.world_size)
         self.start = 0
+        self.best_score, self.evals_since_best = math.inf, 0
+        self.best_dir = self.checkpoint_dir / "best" if self.checkpoint_dir is not None else None
+        self.temporary_best = False
 
     @property
     def module(self) -> nn.Module:
@@ -195,8 +214,10 @@ class Trainer:
             self.say(f"warm start from {ckpt.path} (step {ckpt.step}): weights only, step 0; missing {missing}, "
                      f"unexpected {unexpected}")
             self.tracker.set_tags({"gem.warm_start": str(ckpt.path)})
+            reset_calibration(self.model)  # refitted after this training
         elif self.latest is None:
-            init_output_biases(self.model, self.logs, self.plan_path)  # from the whole plan: the same on every rank
+            # From the whole plan (but the validation examples): the same on every rank.
+            init_output_biases(self.model, self.logs, self.plan_path, self.validation)
         parameters = {kind: sum(p.numel() for p in group.values())
                       for kind, group in zip(("embedding", "dense"), split_parameters(self.model))}
         accelerated = prepare_for_training(self.model, self.config, self.device)  # FP8, compile, checkpointing
@@ -210,7 +231,12 @@ class Trainer:
             progress = self._load_training_state(self.latest)
             self.start, self.result.losses, self.result.resumed_from = progress["step"], list(progress["losses"]), progress["step"]
             self.result.balance = BalanceLog.from_dict(progress["balance"])
-            self.say(f"resumed from {self.latest} at step {self.start}")
+            validation = progress.get("validation", {})
+            self.result.best_step = validation.get("best_step")
+            self.best_score = validation.get("best_score", math.inf)
+            self.evals_since_best = validation.get("evals_since_best", 0)
+            self.result.stopped_early = progress.get("stopped_early", False)
+            self.say(f"resumed from {self.latest} at step {self.start}" + (" (stopped early)" if self.result.stopped_early else ""))
         self.tracker.log_params({
             "model": self.model_config.to_dict(), "train": self.config.to_dict(), "steps": self.total,
             **{f"parameters.{kind}": n for kind, n in parameters.items()},
@@ -229,13 +255,14 @@ class Trainer:
         step_mfu = StepMFU(device, world)
         objectives = self.model.objectives
         pending: dict[int, dict[str, float]] = {}
-        inputs = prefetched(self._load, range(self.start, self.total), config.prefetch_batches)
+        end = self.start if result.stopped_early else self.total  # a run that stopped early does not train again
+        inputs = prefetched(self._load, range(self.start, end), config.prefetch_batches)
         self.module.train()
         result.started = time.perf_counter()
         try:
-            for step in range(self.start, self.total):
+            for step in range(self.start, end):
                 stepped = time.perf_counter()
-                lr = set_dense_lr(sharded.optimizer, config, step)
+                lr = set_dense_lr(sharded.optimizer, config, step, self.total)
                 with record_function("data"):  # waiting for the prefetched batch, and the copy to the device
                     _, (size, x, costs) = next(inputs)
                     x = x.to(device, non_blocking=True)
@@ -280,7 +307,13 @@ class Trainer:
                     self.tracker.log_metrics_by_step(pending)
                     pending.clear()
                 if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < self.total:
-                    self.evaluate(step + 1)
+                    if self.validation is None:
+                        self.evaluate(step + 1)
+                    elif self.validate(step + 1):
+                        result.stopped_early = True
+                        self.say(f"early stop at step {step + 1}: no better validation NE in "
+                                 f"{self.evals_since_best} evaluations; keeping step {result.best_step}")
+                        break
                 if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0 and step + 1 < self.total:
                     self.save(step + 1)
         finally:
@@ -293,6 +326,12 @@ class Trainer:
                                       "train.imbalance_observed": result.imbalance["compute_seconds"],
                                       **{f"train.imbalance_observed.{m}": v for m, v in result.imbalance.items()}},
                                      step=result.steps)
+        if self.validation is not None:
+            if not result.validation_steps or result.validation_steps[-1] != result.steps:
+                self.validate(result.steps)
+            self.restore_best()
+            if config.calibrate:
+                self.calibrate()
         self.evaluate(result.steps)
         self.save(result.steps)
         self.say(f"trained {result.steps} steps ({result.samples} samples this session) at "
@@ -313,6 +352,64 @@ class Trainer:
                      "flops": flops.training, "forward_by_module": flops.forward_by_module}
             return batch.size, x, costs
 
+    def validate(self, step: int) -> bool:
+        """Evaluates on the validation examples, keeps the weights if their NE is the best yet, and says
+        whether training should stop (patience exhausted). Collective."""
+        report = evaluate(self.module, self.logs, self.config, self.device, self.validation)
+        self.result.validation_steps.append(step)
+        self.result.validation_reports.append(report)
+        self.tracker.log_metrics(flat_metrics(report, "validation"), step=step)
+        score = broadcast(validation_ne(report, self.model.objectives) if self.topology.rank == 0 else None)
+        if score < self.best_score:
+            self.best_score, self.evals_since_best, self.result.best_step = score, 0, step
+            save_checkpoint(self.best_folder(), step, {"model": self.module.state_dict()}, {"score": score}, keep=1)
+        else:
+            self.evals_since_best += 1
+        patience = self.config.early_stopping_patience
+        return bool(patience) and self.evals_since_best >= patience
+
+    def restore_best(self) -> None:
+        """The best validated weights back in the model (when training went on past them). Collective."""
+        if self.result.best_step is None or self.result.best_step == self.result.steps:
+            return
+        state = {"model": self.module.state_dict()}
+        load_into(latest_checkpoint(self.best_folder()), state)
+        self.module.load_state_dict(state["model"])
+        self.say(f"kept the weights of step {self.result.best_step} (validation NE {self.best_score:.4f})")
+
+    def calibrate(self) -> None:
+        """Platt scaling per (domain, task) fitted on the validation examples, set in the towers. Collective."""
+        towers = towers_of(self.module)
+        if towers is None:
+            return
+        reset_calibration(self.module)
+        out = gathered_predictions(self.module, self.logs, self.config, self.device, self.validation)
+        fitted = None
+        if out is not None:
+            fitted = fit_calibration(out["logits"], out["labels"], out["label_mask"], out["surface"], towers.domains)
+        scale, shift = broadcast(fitted)
+        towers.set_calibration(scale, shift)
+        self.result.calibration = {"scale": scale.tolist(), "shift": shift.tolist()}
+        if out is not None:
+            calibrated = out["logits"] * scale[out["surface"]] + shift[out["surface"]]
+            report = quality_report(calibrated, out["labels"], out["label_mask"], out["surface"],
+                                    self.spec.surfaces, self.model.objectives)
+            self.tracker.log_metrics(flat_metrics(report, "validation.calibrated"), step=self.result.steps)
+            self.tracker.log_dict(self.result.calibration, "calibration.json")
+
+    def best_folder(self) -> Path:
+        """Where the best validated weights are kept: under the run's checkpoint folder, else in a
+        temporary folder of the run's (the same on every rank; removed by `close`)."""
+        if self.best_dir is None:
+            made = tempfile.mkdtemp(prefix="gem-best-") if self.topology.rank == 0 else None
+            self.best_dir = Path(broadcast(made))
+            self.temporary_best = True
+        return self.best_dir
+
+    def close(self) -> None:
+        if self.temporary_best and self.topology.rank == 0:
+            shutil.rmtree(self.best_dir, ignore_errors=True)
+
     def evaluate(self, step: int) -> None:
         report = evaluate(self.module, self.logs, self.config, self.device, self.eval_indices)
         self.result.eval_steps.append(step)
@@ -324,7 +421,10 @@ class Trainer:
             return
         progress = {"losses": self.result.losses, "balance": self.result.balance.to_dict(), "spec": asdict(self.spec),
                     "model_config": self.model_config.to_dict(), "train_config": self.config.to_dict(),
-                    "world_size": self.topology.world_size, "embedding_sharding": self.sharded.embedding_sharding}
+                    "world_size": self.topology.world_size, "embedding_sharding": self.sharded.embedding_sharding,
+                    "stopped_early": self.result.stopped_early,
+                    "validation": {"best_step": self.result.best_step, "best_score": self.best_score,
+                                   "evals_since_best": self.evals_since_best}}
         self.result.checkpoint = save_checkpoint(self.checkpoint_dir, step, self._training_state(), progress,
                                                  self.config.keep_checkpoints)
 
@@ -343,6 +443,24 @@ class Trainer:
         sharded.module.load_state_dict(state["model"])
         sharded.optimizer.load_state_dict(state["optimizer"])
         return progress
+
+
+def validation_ne(report: dict[str, dict[str, float]], objectives: Sequence[str]) -> float:
+    """The early-stopping criterion: the mean over objectives of the validation NE over all domains
+    (objectives without both classes on the validation days left out; inf if none has them)."""
+    values = [report[f"all/{t}"]["ne"] for t in objectives if math.isfinite(report.get(f"all/{t}", {}).get("ne", math.nan))]
+    return sum(values) / len(values) if values else math.inf
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's value on every rank (as it is on one rank)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def fit_full_batch(module: nn.Module, loss_of: Callable[[], torch.Tensor], steps: int, lr: float,

@@ -40,9 +40,20 @@ def predict_logits(model: GEMModel, logs: SequenceLogs, indices: list[np.ndarray
 
 def evaluate(model: GEMModel, logs: SequenceLogs, config: TrainConfig, device: torch.device,
              indices: np.ndarray | None = None) -> dict[str, dict[str, float]]:
-    """Quality on the eval split (or the given eval examples), per domain and task. Collective in a job
-    of several ranks (the sharded lookups are): each rank scores its slice of every batch, and every rank
-    runs the same number of batches; the report is rank 0's, other ranks get {}."""
+    """Quality on the eval split (or the given examples), per domain and task: rank 0's report, {} on
+    other ranks (collective in a job of several ranks)."""
+    out = gathered_predictions(model, logs, config, device, indices)
+    if out is None:
+        return {}
+    return quality_report(out["logits"], out["labels"], out["label_mask"], out["surface"],
+                          model.spec.surfaces, model.objectives)
+
+
+def gathered_predictions(model: GEMModel, logs: SequenceLogs, config: TrainConfig, device: torch.device,
+                         indices: np.ndarray | None = None) -> dict[str, torch.Tensor] | None:
+    """predict_logits over the eval split (or the given examples, at most config.eval_max_examples of them),
+    on rank 0; None on other ranks. Collective in a job of several ranks (the sharded lookups are): each
+    rank scores its slice of every batch, and every rank runs the same number of batches."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     batches = eval_batches(logs, config.eval_max_examples, config.eval_batch_size,
@@ -55,7 +66,6 @@ def evaluate(model: GEMModel, logs: SequenceLogs, config: TrainConfig, device: t
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(out, gathered, dst=0)
         if rank != 0:
-            return {}
+            return None
         out = {k: torch.cat([g[k] for g in gathered]) for k in out}
-    return quality_report(out["logits"], out["labels"], out["label_mask"], out["surface"],
-                          model.spec.surfaces, model.objectives)
+    return out

@@ -38,13 +38,18 @@ def label_rate_logits(logs: SequenceLogs, indices: np.ndarray, columns: list[int
 
 
 @torch.no_grad()
-def init_output_biases(model: torch.nn.Module, logs: SequenceLogs, plan_path: str | os.PathLike) -> bool:
-    """Sets the output bias of every DomainTaskTowers in the model; False when it has none."""
+def init_output_biases(model: torch.nn.Module, logs: SequenceLogs, plan_path: str | os.PathLike,
+                       held_out: np.ndarray | None = None) -> bool:
+    """Sets the output bias of every DomainTaskTowers in the model from the label rates of the plan's
+    examples (but the held-out ones); False when it has none."""
     towers = [m for m in model.modules() if isinstance(m, DomainTaskTowers)]
     if not towers:
         return False
     spec = FeatureSpec.from_logs(logs)
-    logits = label_rate_logits(logs, plan_examples(plan_path), model.config.task_columns(spec), len(spec.surfaces))
+    examples = plan_examples(plan_path)
+    if held_out is not None and held_out.size:
+        examples = np.setdiff1d(examples, held_out)
+    logits = label_rate_logits(logs, examples, model.config.task_columns(spec), len(spec.surfaces))
     for tower in towers:
         tower.biases[-1].copy_(logits.reshape(-1, 1).to(tower.biases[-1]))
     return True

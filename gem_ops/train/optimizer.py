@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torchrec.optim import CombinedOptimizer, KeyedOptimizerWrapper, RowWiseAdagrad
@@ -97,9 +99,14 @@ def build_optimizer(model: nn.Module, config: TrainConfig, **adagrad: float) -> 
     return CombinedOptimizer(optimizers)
 
 
-def set_dense_lr(optimizer: CombinedOptimizer, config: TrainConfig, step: int) -> float:
-    """Linear warm-up, then constant."""
-    lr = config.lr_dense * min(1.0, (step + 1) / max(1, config.warmup_steps))
+def set_dense_lr(optimizer: CombinedOptimizer, config: TrainConfig, step: int, total_steps: int) -> float:
+    """Linear warm-up, then constant or a cosine decay to min_lr_ratio x lr_dense at total_steps."""
+    warmup = max(1, config.warmup_steps)
+    lr = config.lr_dense * min(1.0, (step + 1) / warmup)
+    if config.lr_schedule == "cosine" and step >= warmup:
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        floor = config.min_lr_ratio
+        lr = config.lr_dense * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
     for name, opt in optimizer.optimizers:
         if name == "dense":
             for group in opt.param_groups:
