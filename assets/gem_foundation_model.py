@@ -13,7 +13,6 @@ from gem_ops.train.checkpoint import previous_checkpoint
 
 
 class GEMTrainingConfig(TorchrunJobConfig):
-    eval_every: int = 0
     warm_start: bool = Field(True, description="Start from the latest earlier partition's checkpoint, if any.")
     registered_model_name: str = "gem_foundation_model"
 

@@ -21,6 +21,16 @@ class ModelTrainingConfig(dg.Config):
     max_steps: int | None = None
     lr_dense: float = 1e-3
     lr_sparse: float = 0.05
+    warmup_steps: int = 20
+    lr_schedule: str = Field("cosine", description="After the warm-up: cosine (decay to min_lr_ratio x lr_dense) or constant.")
+    min_lr_ratio: float = 0.1
+    validation_days: int = Field(
+        1, description="Newest training days held out for early stopping and calibration (0: none).")
+    eval_every: int = Field(50, description="Steps between evaluations on the validation days (0: at the end only).")
+    early_stopping_patience: int = Field(
+        3, description="Stop after this many evaluations without a better validation NE (0: train to the end); the "
+        "best evaluated weights are kept either way.")
+    calibrate: bool = Field(True, description="Fit Platt scaling per (domain, task) on the validation days at the end.")
     eval_max_examples: int = 20_000
     checkpoint_every: int = Field(50, description="Steps between checkpoints: a killed or restarted job resumes there.")
     precision: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp8.")

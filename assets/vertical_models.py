@@ -31,6 +31,21 @@ class VerticalModelsConfig(StudentTrainingConfig):
                            "allowed on top of ne_tolerance: 1.645 keeps a challenger out only when it is worse at 95% "
                            "one-sided confidence; 0 keeps out any excess, however small the sample.")
     promotion_max_examples: int = Field(20_000, description="Eval examples per domain on which challenger and champion are compared.")
+    compare_alone: bool = Field(True, description="Also train each vertical without its teacher (not registered), to "
+                                                  "report it beside the transferred one.")
+
+
+def summary_table(outcomes, mode: str) -> str:
+    """Markdown: each vertical's eval AUC / NE / calibration beside GEM's and the alone model's."""
+    def cell(figures, who):
+        v = figures.get(who)
+        return "–" if v is None else f"{v['auc']:.3f} / {v['ne']:.3f} / {v['calibration']:.2f}"
+
+    lines = [f"| vertical ({mode}) | positives | GEM | vertical | alone | promoted |", "|---|---|---|---|---|---|"]
+    for o in outcomes:
+        lines.append(f"| {o.name} v{o.version} | {int(o.figures['vertical']['positives'])} | {cell(o.figures, 'gem')} | "
+                     f"{cell(o.figures, 'vertical')} | {cell(o.figures, 'alone')} | {'yes' if o.decision.promoted else 'no'} |")
+    return "\n".join(lines) + "\n\nAUC / NE / calibration on the eval day."
 
 
 def _teacher(mode: str, lake: LakeResource, day: str, domain: str, client) -> Teacher | None:
@@ -61,23 +76,27 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
     settings = VerticalSettings(**config.student_settings(), mode=config.mode, prefix=config.registered_model_prefix,
                                 ne_tolerance=config.ne_tolerance, ne_standard_errors=config.ne_standard_errors,
                                 promotion_max_examples=config.promotion_max_examples,
-                                seed=config.seed)
-    models, decisions = {}, []
+                                seed=config.seed, compare_alone=config.compare_alone)
+    gem = read_predictions(predictions_path(lake, day))
+    outcomes = []
     with mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())
         for domain in config.selected(logs.surfaces):
             data = DomainData.of(logs, domain, window)
             teacher = _teacher(config.mode, lake, day, domain, client)
-            for name, version, decision in domain_verticals(client, run, logs, data, teacher, settings,
-                                                            lake.path("vertical_models", day), day):
-                decisions.append(decision)
-                models[name] = {"version": version, "promoted": decision.promoted, "reason": decision.reason,
-                                "ne": round(decision.challenger["ne"], 4), "auc": round(decision.challenger["auc"], 4)}
-                context.log.info(f"{name} v{version}: {models[name]}")
-        run.log_dict([d.to_dict() for d in decisions], "promotion_decisions.json")
+            for outcome in domain_verticals(client, run, logs, data, teacher, settings,
+                                            lake.path("vertical_models", day), day, gem):
+                outcomes.append(outcome)
+                context.log.info(f"{outcome.name} v{outcome.version}: {outcome.summary()}")
+        run.log_dict([o.decision.to_dict() for o in outcomes], "promotion_decisions.json")
+        table = summary_table(outcomes, config.mode)
+        run.log_text(table, "summary.md")
+    context.log.info("vertical models against GEM and the same models trained alone (eval day):\n" + table)
+    decisions = [o.decision for o in outcomes]
     kept_out = [d.model for d in decisions if not d.promoted]
     return dg.MaterializeResult(
-        metadata={"models": dg.MetadataValue.json(models), "mode": config.mode},
+        metadata={"models": dg.MetadataValue.json({o.name: o.summary() for o in outcomes}), "mode": config.mode,
+                  "summary": dg.MetadataValue.md(table)},
         check_results=[dg.AssetCheckResult(
             check_name=CHECK, passed=not kept_out, severity=dg.AssetCheckSeverity.ERROR,
             metadata={"kept_out": kept_out, "decisions": dg.MetadataValue.json([d.to_dict() for d in decisions])},

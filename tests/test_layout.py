@@ -1,6 +1,6 @@
 """The layout's rules, checked on the source: no import circles inside gem_ops (package __init__
 re-exports aside), gem_ops never imports dagster, only the engine backpropagates a training loss, and
-every Markdown file the project cites is in the project."""
+every Markdown document the project cites is in the project."""
 
 import ast
 import re
@@ -105,7 +105,8 @@ def test_cited_markdown_files_are_in_the_project():
         path = ROOT / name
         if path.suffix not in (".py", ".md", ".txt", ".toml", ".yaml", ".cfg") or not path.is_file():
             continue
-        for cited in re.findall(r"[\w./-]*\b[\w-]+\.md\b", path.read_text(errors="replace")):
+        # Documents are named in capitals (README.md, ...), with or without a folder.
+        for cited in re.findall(r"(?<![\w.])((?:[\w-]+/)*[A-Z][A-Z0-9_-]*\.md)\b", path.read_text(errors="replace")):
             if not any((base / cited).is_file() for base in (ROOT, path.parent)):
                 missing.append(f"{name} cites {cited}")
     assert not missing, missing

@@ -50,9 +50,11 @@ class MFUWindow:
         return self.warmup_steps + self.steps + (1 + self.profile_steps if self.profile_steps else 0)
 
     def train_config(self, config: TrainConfig, plan_steps: int) -> TrainConfig:
-        """The run's settings: the window's length, no periodic eval or checkpoints, a small final eval."""
+        """The run's settings: the window's length, no validation, periodic eval or checkpoints, a small
+        final eval."""
         return dataclasses.replace(config, max_steps=self.total_steps, epochs=math.ceil(self.total_steps / plan_steps),
-                                   eval_every=0, checkpoint_every=0, log_every=self.total_steps,
+                                   eval_every=0, checkpoint_every=0, log_every=self.total_steps, validation_days=0,
+                                   early_stopping_patience=0,
                                    eval_max_examples=min(config.eval_max_examples, 256))
 
     @contextlib.contextmanager

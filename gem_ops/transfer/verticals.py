@@ -4,6 +4,7 @@ registry.promote_if_not_worse)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from gem_ops.tracking import RunTracker
 from gem_ops.transfer.config import StudentSettings
 from gem_ops.transfer.hierarchy import DomainData, train_vertical_model
 from gem_ops.transfer.registry import CHALLENGER, PromotionDecision, lineage_tags, promote_if_not_worse, register_student
+from gem_ops.transfer.knowledge import TeacherPredictions, predictions_quality
 from gem_ops.transfer.student import Teacher
 from gem_ops.transfer.windows import labelled_tasks
 
@@ -28,6 +30,22 @@ class VerticalSettings(StudentSettings):
     ne_standard_errors: float = 0.0
     promotion_max_examples: int = 20_000
     seed: int = 0
+    compare_alone: bool = True  # also train the same vertical without a teacher, for the summary (not registered)
+
+
+@dataclass(frozen=True)
+class VerticalOutcome:
+    """One vertical model: its registration and promotion, and its eval figures on its domain and task
+    beside GEM's and beside the same model trained alone."""
+
+    name: str
+    version: str
+    decision: PromotionDecision
+    figures: dict[str, dict[str, float]]  # "vertical" / "alone" / "gem" -> auc, ne, calibration, count, positives
+
+    def summary(self) -> dict:
+        return {"version": self.version, "promoted": self.decision.promoted, "reason": self.decision.reason,
+                **{f"{who}.{m}": round(v[m], 4) for who, v in self.figures.items() for m in ("auc", "ne", "calibration")}}
 
 
 def comparison_examples(data: DomainData, limit: int, seed: int) -> np.ndarray:
@@ -38,10 +56,10 @@ def comparison_examples(data: DomainData, limit: int, seed: int) -> np.ndarray:
 
 
 def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLogs, data: DomainData,
-                     teacher: Teacher | None, settings: VerticalSettings, work_dir: Path,
-                     run_label: str) -> Iterator[tuple[str, str, PromotionDecision]]:
-    """(registered name, version, promotion decision) for each objective with labels in both splits; each
-    model in its own MLflow run nested under `tracker`'s."""
+                     teacher: Teacher | None, settings: VerticalSettings, work_dir: Path, run_label: str,
+                     gem: TeacherPredictions | None = None) -> Iterator[VerticalOutcome]:
+    """A VerticalOutcome for each objective with labels in both splits, each model in its own MLflow run
+    nested under `tracker`'s; `gem`: GEM's scores of the eval examples, for the figures beside it."""
     tasks = [t for t in labelled_tasks(logs, data.train) if t in labelled_tasks(logs, data.eval)]
     compare = comparison_examples(data, settings.promotion_max_examples, settings.seed)
     scored: dict = {}  # the teachers of this domain's models, scored once for all its comparisons
@@ -55,4 +73,15 @@ def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLo
             decision = promote_if_not_worse(client, name, logs, compare, task, version, settings.ne_tolerance, scored,
                                             settings.ne_standard_errors)
             child.log_dict(decision.to_dict(), "promotion.json")
-        yield name, version, decision
+            group = f"{data.domain}/{task}"
+            figures = {"vertical": vm.result.final_report[group]}
+            if settings.compare_alone and teacher is not None:
+                alone = train_vertical_model(logs, data, task, settings.base, settings.train,
+                                             work_dir / f"{data.domain}_{task}_alone", settings.transfer, None,
+                                             settings.shuffling)
+                figures["alone"] = alone.result.final_report[group]
+            if gem is not None:
+                figures["gem"] = predictions_quality(logs, gem, data.eval, (task,))[group]
+            child.log_metrics({f"compare.{who}.{m}": v[m] for who, v in figures.items()
+                               for m in ("auc", "ne", "calibration") if math.isfinite(v[m])})
+        yield VerticalOutcome(name, version, decision, figures)
