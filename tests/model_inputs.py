@@ -12,6 +12,7 @@ SPEC = FeatureSpec(
     objectives=("click", "conversion"),
     sparse_features=("user_segment", "item_category"),
     dense_features=("item_bid",),
+    history_item_features=("item_category",),
 )
 
 
@@ -38,6 +39,7 @@ def random_batch(history_lengths: list[int], seed: int = 0, spec: FeatureSpec = 
         history_event_type=torch.randint(0, len(spec.event_types), (N,), generator=g),
         history_action=torch.randint(0, 1 << len(spec.objectives), (N,), generator=g),
         history_age_seconds=torch.rand(N, generator=g) * 1e6,
+        history_item_features={n: torch.randint(-1, 50, (N,), generator=g) for n in spec.history_item_features},
     )
 
 
@@ -48,7 +50,9 @@ def take(batch: SequenceBatch, rows: list[int]) -> SequenceBatch:
     lengths = torch.tensor([int(offsets[r + 1] - offsets[r]) for r in rows])
     values = {}
     for name, value in batch.__dict__.items():
-        if name.startswith("history_") and name != "history_offsets":
+        if name == "history_item_features":
+            values[name] = {k: v[positions] for k, v in value.items()}
+        elif name.startswith("history_") and name != "history_offsets":
             values[name] = value[positions]
         elif name == "sparse_features":
             values[name] = {k: v[rows] for k, v in value.items()}

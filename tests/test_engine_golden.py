@@ -27,7 +27,8 @@ DRIFTING = replace(STRONG_SIGNAL, n_users=600, surfaces=(
     SurfaceSpec("stories", 0.15, 0.06, None), SurfaceSpec("search", 0.15, 0.2, 0.4)))
 WINDOWS = TransferWindows(student_days=2, staleness_days=2)
 SHUFFLING = ShufflingConfig(sub_batch_size=32, sub_batches_per_rank=2)
-SMALL = model_config("vertical", width=0.5, **{"sequence.max_history_len": 16})
+# The model of the recording, before history tokens carried their items' features.
+SMALL = model_config("vertical", width=0.5, history_item_features=False, **{"sequence.max_history_len": 16})
 QUICK = TrainConfig(max_steps=12, eval_max_examples=1000, warmup_steps=3, lr_dense=3e-3)
 # The same examples, weights and updates; the engine sums a step's loss per task before dividing by the
 # labelled count, the old loop averaged first: float rounding only (measured: <= 5e-6 relative).

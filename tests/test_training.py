@@ -135,12 +135,13 @@ def test_early_stopping_keeps_the_best_weights_and_stops_when_patience_runs_out(
 
 
 def test_the_kept_weights_are_the_best_validated_ones(data, tmp_path):
+    from gem_ops.train.engine import validation_ne
     from gem_ops.train.evaluation import evaluate
 
     logs = data.open()
     config = dataclasses.replace(CONFIG, max_steps=8, lr_dense=3e-2, validation_days=1, eval_every=2, calibrate=False)
     model, result = train(logs, data.plans[1], TINY, config)
-    scores = [r["all/click"]["ne"] + r["all/conversion"]["ne"] for r in result.validation_reports]
+    scores = [validation_ne(r, ("click", "conversion")) for r in result.validation_reports]
     best = result.validation_steps[scores.index(min(scores))]
     assert result.best_step == best and result.validation_steps == [2, 4, 6, 8]
     from gem_ops.train.batches import newest_days
@@ -185,6 +186,16 @@ def test_platt_scaling_recovers_a_known_miscalibration():
     a, b = platt_scaling(z, y)
     assert a == pytest.approx(2.0, abs=0.1) and b == pytest.approx(-1.0, abs=0.1)
     assert platt_scaling(z[:5], np.zeros(5)) [0] == pytest.approx(1.0, abs=0.2)  # few labels: near identity
+
+
+def test_validation_ne_pools_the_objectives_by_their_labels():
+    from gem_ops.train.engine import validation_ne
+
+    report = {"all/click": {"ne": 0.9, "log_loss": 0.09, "count": 1000},  # entropy 0.1 per example
+              "all/conversion": {"ne": 2.0, "log_loss": 0.02, "count": 100},  # entropy 0.01: few bits
+              "all/other": {"ne": float("nan"), "log_loss": 0.0, "count": 10}}
+    assert validation_ne(report, ("click", "conversion", "other")) == pytest.approx((90 + 2) / (100 + 1))
+    assert validation_ne({}, ("click",)) == float("inf")
 
 
 def test_cosine_schedule_warms_up_then_decays_to_its_floor():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from gem_ops.data.sequence_layout import EXAMPLES, TIMELINE_FIELDS, TIMELINES, read_manifest
+from gem_ops.data.sequence_layout import EXAMPLES, ITEMS, TIMELINE_FIELDS, TIMELINES, read_manifest
 
 
 @dataclass
@@ -37,6 +37,8 @@ class SequenceBatch:
     # Knowledge transfer: a teacher's logits [B, n_objectives] and representation [B, H], when joined in.
     teacher_logits: torch.Tensor | None = None
     teacher_representation: torch.Tensor | None = None
+    # name -> [N]: each history event's item feature (item_category, ...); -1 where the item has none
+    history_item_features: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -87,6 +89,8 @@ class SequenceLogs:
         self._label_mask = np.stack([pc.is_valid(examples.column(c)).to_numpy(zero_copy_only=False)
                                      for c in self._labels], 1)
         self.n_examples = examples.num_rows
+        self.history_item_features: list[str] = summary.get("item_features", [])
+        self._items = ItemFeatures(self.path / ITEMS, self.history_item_features)
 
     def __len__(self) -> int:
         return self.n_examples
@@ -141,7 +145,28 @@ class SequenceLogs:
             history_event_type=torch.from_numpy(t["event_type"][positions].astype(np.int64)),
             history_action=torch.from_numpy(t["action"][positions].astype(np.int64)),
             history_age_seconds=torch.from_numpy(((request_ts - t["timestamp"][positions]) / 1000.0).astype(np.float32)),
+            history_item_features=self._items.of(t["item_id"][positions]),
         )
+
+
+class ItemFeatures:
+    """Item id -> its sparse item features (items.parquet), looked up for history events."""
+
+    def __init__(self, path: Path, names: list[str]):
+        self.names = names
+        if not names:
+            self.ids, self.values = np.zeros(0, np.int64), {}
+            return
+        table = pq.read_table(path, columns=["item_id", *names])
+        self.ids = table.column("item_id").to_numpy()  # sorted by the writer
+        self.values = {name: _column(table, name, fill_null=-1).astype(np.int64) for name in names}
+
+    def of(self, item_ids: np.ndarray) -> dict[str, torch.Tensor]:
+        if not self.names:
+            return {}
+        row = np.searchsorted(self.ids, item_ids).clip(max=max(len(self.ids) - 1, 0))
+        known = self.ids[row] == item_ids
+        return {name: torch.from_numpy(np.where(known, values[row], -1)) for name, values in self.values.items()}
 
 
 def _read_tables(folder: Path) -> pa.Table:

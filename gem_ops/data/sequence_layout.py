@@ -11,6 +11,10 @@ TIMELINE_FIELDS = ("item_id", "timestamp", "surface", "event_type", "action")
 MANIFEST = "manifest.json"
 TIMELINES = "timelines"
 EXAMPLES = "examples"
+# One row per item: item_id and the item's sparse features (item_<name> integer columns), its last
+# values in the input; the loader gives every history event its item's features from it.
+ITEMS = "items.parquet"
+ITEM_FEATURE_PREFIX = "item_"
 
 
 def read_manifest(path: str | os.PathLike) -> dict:

@@ -33,7 +33,8 @@ import pyarrow.parquet as pq
 
 from gem_ops.data.atomic import atomic_path
 from gem_ops.data.heap import reusable_heap
-from gem_ops.data.sequence_layout import EXAMPLES, MANIFEST, TIMELINE_FIELDS, TIMELINES, read_manifest  # noqa: F401
+from gem_ops.data.sequence_layout import (  # noqa: F401
+    EXAMPLES, ITEM_FEATURE_PREFIX, ITEMS, MANIFEST, TIMELINE_FIELDS, TIMELINES, read_manifest)
 from gem_ops.data.schema import CATEGORY_COLUMNS, SORTED_BY_KEY, USER_TIME_ORDER, EventLogColumns, classify_columns
 
 
@@ -82,6 +83,7 @@ class SequenceLogsSummary:
     timeline_length_quantiles: dict[str, float] = field(default_factory=dict)
     history_length_quantiles: dict[str, float] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    item_features: list[str] = field(default_factory=list)  # sparse item features history events carry
 
 
 def build_sequence_logs(
@@ -161,9 +163,24 @@ def build_sequence_logs(
             history_length_quantiles=writer.history_quantiles(),
             stage_seconds=timer.seconds,
         )
+        with timer("items"):
+            item_features = _write_items(paths, columns, tmp / ITEMS)
+        summary.item_features = item_features
+        summary.stage_seconds = timer.seconds
         manifest = {"summary": asdict(summary), "config": asdict(config), "labels": list(columns.labels)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
     return summary
+
+
+def _write_items(paths: list[str], columns, destination: Path) -> list[str]:
+    """items.parquet: every item's sparse item features (their last values in file order); returns their
+    names. History events read their items' features from it, organic views and all."""
+    names = [c for c in columns.sparse_features if c.startswith(ITEM_FEATURE_PREFIX)]
+    items = (pl.scan_parquet(paths).select(["item_id", *names])
+             .unique(subset="item_id", keep="last", maintain_order=False)
+             .sort("item_id").collect())
+    items.write_parquet(destination)
+    return names
 
 
 def _build_streaming(paths, codes, encoder: _Encoder, chunk_events: int, eval_start_ms: int,

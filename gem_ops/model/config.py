@@ -23,11 +23,14 @@ class FeatureSpec:
     objectives: tuple[str, ...]
     sparse_features: tuple[str, ...]
     dense_features: tuple[str, ...]
+    # Item features every history event carries (its item's item_category, ...), a subset of sparse_features.
+    history_item_features: tuple[str, ...] = ()
 
     @classmethod
     def from_logs(cls, logs: Any) -> FeatureSpec:
-        return cls(*(tuple(getattr(logs, name)) for name in
-                     ("surfaces", "event_types", "objectives", "sparse_features", "dense_features")))
+        return cls(*(tuple(getattr(logs, name, ())) for name in
+                     ("surfaces", "event_types", "objectives", "sparse_features", "dense_features",
+                      "history_item_features")))
 
     @property
     def n_actions(self) -> int:
@@ -85,6 +88,8 @@ class ModelConfig:
     tower_hidden: int = 64
     tower_layers: int = 1
     use_sequence: bool = True  # False: the non-sequence model alone (a baseline)
+    # History tokens carry their items' features (FeatureSpec.history_item_features) where the data has them
+    history_item_features: bool = True
     dropout: float = 0.0
     tasks: tuple[str, ...] = ()  # the objectives this model predicts, in order; empty: all the data's
     # Knowledge transfer (gem_ops.transfer): a teacher representation of this width enters as one more

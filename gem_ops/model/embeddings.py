@@ -36,6 +36,9 @@ def sequence_tables(spec: FeatureSpec, config: ModelConfig) -> list[EmbeddingCon
         F.HISTORY_AGE: (emb.age_buckets, [F.HISTORY_AGE]),
         F.HISTORY_MATCH: (2, [F.HISTORY_MATCH]),
     }
+    for feature in F.history_features(spec, config):
+        tables[f"history_{feature}"] = (emb.sparse_buckets, [f"history_{feature}"])
+        tables[f"history_{feature}_match"] = (2, [f"history_{feature}_match"])
     return [EmbeddingConfig(name=name, embedding_dim=emb.sequence_dim, num_embeddings=rows, feature_names=keys)
             for name, (rows, keys) in tables.items()]
 
@@ -48,6 +51,7 @@ class GEMEmbeddings(nn.Module):
         self.pooled = EmbeddingBagCollection(tables=pooled_tables(spec, config), device=device)
         self.sequence = EmbeddingCollection(tables=sequence_tables(spec, config), device=device)
         self.pooled_keys = F.pooled_keys(spec)
+        self.history_keys = F.sequence_keys(spec, config)[1:]  # all but the candidate
         self.n_pooled = len(self.pooled_keys)
         self.dim = config.embedding.dim
         self.history_norm = nn.LayerNorm(config.embedding.sequence_dim, device=device)
@@ -58,5 +62,5 @@ class GEMEmbeddings(nn.Module):
         pooled = torch.stack([by_key[key] for key in self.pooled_keys], dim=1)
         seq = self.sequence(x.sequence)
         candidate = seq[F.CANDIDATE_ITEM].values()
-        history = sum(seq[key].values() for key in F.SEQUENCE_KEYS[1:])  # item + context of each event
+        history = sum(seq[key].values() for key in self.history_keys)  # item + context of each event
         return pooled, candidate, self.history_norm(history)

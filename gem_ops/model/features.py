@@ -26,6 +26,18 @@ HISTORY_MATCH = "history_match"  # 1 where the history event's item is the candi
 SEQUENCE_KEYS = (CANDIDATE_ITEM, HISTORY_ITEM, HISTORY_SURFACE, HISTORY_EVENT_TYPE, HISTORY_ACTION, HISTORY_AGE,
                  HISTORY_MATCH)
 
+
+def history_features(spec: FeatureSpec, config: ModelConfig) -> tuple[str, ...]:
+    """The item features the model's history tokens carry."""
+    return spec.history_item_features if config.history_item_features else ()
+
+
+def sequence_keys(spec: FeatureSpec, config: ModelConfig) -> tuple[str, ...]:
+    """Per history item feature f, besides the base keys: the event's item's f (history_f) and whether it
+    equals the candidate's (history_f_match): "this user watched items of the candidate's category" in
+    one lookup."""
+    return (*SEQUENCE_KEYS, *(k for f in history_features(spec, config) for k in (f"history_{f}", f"history_{f}_match")))
+
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: a multiplicative hash spreading id patterns
 
 
@@ -92,8 +104,13 @@ def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) ->
         # candidate's attention can find in one step, where matching learnt embeddings takes many).
         (batch.history_item_id == candidate_per_event).long(),
     ]
+    for name in history_features(spec, config):
+        values = batch.history_item_features[name]
+        candidate_value = torch.repeat_interleave(batch.sparse_features[name], batch.history_lengths,
+                                                  output_size=values.numel())
+        history += [hash_ids(values, emb.sparse_buckets), ((values == candidate_value) & (values >= 0)).long()]
     sequence = KeyedJaggedTensor.from_lengths_sync(
-        keys=list(SEQUENCE_KEYS),
+        keys=list(sequence_keys(spec, config)),
         values=torch.cat([hash_ids(batch.item_id, emb.item_buckets), *history]),
         lengths=torch.cat([torch.ones(B, dtype=torch.int32), *[lengths] * len(history)]),
     )

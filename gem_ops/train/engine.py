@@ -446,10 +446,17 @@ class Trainer:
 
 
 def validation_ne(report: dict[str, dict[str, float]], objectives: Sequence[str]) -> float:
-    """The early-stopping criterion: the mean over objectives of the validation NE over all domains
-    (objectives without both classes on the validation days left out; inf if none has them)."""
-    values = [report[f"all/{t}"]["ne"] for t in objectives if math.isfinite(report.get(f"all/{t}", {}).get("ne", math.nan))]
-    return sum(values) / len(values) if values else math.inf
+    """The early-stopping criterion: the NE of all objectives pooled over the validation days, the
+    examples' log loss summed over objectives over their base-rate entropy summed likewise, so a rare
+    objective with a handful of labels weighs what its labels carry (objectives without both classes are
+    left out; inf if none has them)."""
+    loss = entropy = 0.0
+    for task in objectives:
+        group = report.get(f"all/{task}", {})
+        if math.isfinite(group.get("ne", math.nan)):
+            loss += group["log_loss"] * group["count"]
+            entropy += group["log_loss"] / group["ne"] * group["count"]
+    return loss / entropy if entropy > 0 else math.inf
 
 
 def broadcast(value: Any) -> Any:

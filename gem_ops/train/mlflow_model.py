@@ -54,6 +54,7 @@ def batch_to_frame(batch: SequenceBatch, spec: FeatureSpec) -> pd.DataFrame:
         "history_event_type": split(event_types[batch.history_event_type.numpy()]),
         "history_action": split(batch.history_action.numpy()),
         "history_age_seconds": split(batch.history_age_seconds.numpy()),
+        **{f"history_{name}": split(batch.history_item_features[name].numpy()) for name in spec.history_item_features},
     }
     if batch.teacher_representation is not None:
         frame[TEACHER_REPRESENTATION] = batch.teacher_representation.float().numpy().tolist()
@@ -62,8 +63,9 @@ def batch_to_frame(batch: SequenceBatch, spec: FeatureSpec) -> pd.DataFrame:
 
 def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec) -> SequenceBatch:
     """The request table back to a batch; unknown surface or event-type names are an error naming the column."""
-    missing = [c for c in ("user_id", "item_id", "surface", *spec.sparse_features, *spec.dense_features, *HISTORY_COLUMNS)
-               if c not in frame.columns]
+    item_columns = [f"history_{name}" for name in spec.history_item_features]
+    missing = [c for c in ("user_id", "item_id", "surface", *spec.sparse_features, *spec.dense_features, *HISTORY_COLUMNS,
+                           *item_columns) if c not in frame.columns]
     if missing:
         raise ValueError(f"request table lacks column(s) {missing}")
     lengths = np.array([len(h) for h in frame["history_item_id"]], dtype=np.int64)
@@ -106,6 +108,7 @@ def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec) -> SequenceBatch:
                                 if TEACHER_REPRESENTATION in frame.columns and n else None),
         history_action=t_(flat("history_action", np.int64)),
         history_age_seconds=t_(flat("history_age_seconds", np.float32)),
+        history_item_features={name: t_(flat(f"history_{name}", np.int64)) for name in spec.history_item_features},
     )
 
 
@@ -178,4 +181,5 @@ def _cut_histories(batch: SequenceBatch, limit: int) -> SequenceBatch:
     rows = torch.arange(batch.history_item_id.numel())
     rows, offsets = select(rows, batch.history_offsets, positions_from_end(batch.history_offsets, rows.numel()) < limit)
     values = {f: getattr(batch, f)[rows] for f in HISTORY_COLUMNS}
-    return SequenceBatch(**{**batch.__dict__, **values, "history_offsets": offsets})
+    features = {name: v[rows] for name, v in batch.history_item_features.items()}
+    return SequenceBatch(**{**batch.__dict__, **values, "history_offsets": offsets, "history_item_features": features})

@@ -24,8 +24,11 @@ SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 def _shape_fields(table: str) -> tuple[str, ...]:
-    # Any other pooled table is a sparse feature's, sized by sparse_buckets.
-    return SHAPE_FIELDS.get(table, ("sparse_buckets", *_POOLED_WIDTH))
+    if table in SHAPE_FIELDS:
+        return SHAPE_FIELDS[table]
+    if table.startswith("history_"):  # a history item feature's (sparse_buckets rows) or its match flag's
+        return _SEQUENCE_WIDTH if table.endswith("_match") else ("sparse_buckets", *_SEQUENCE_WIDTH)
+    return ("sparse_buckets", *_POOLED_WIDTH)  # any other pooled table is a sparse feature's
 
 
 def sharing_config(student: ModelConfig, teacher: ModelConfig, tables: tuple[str, ...]) -> ModelConfig:
