@@ -1,20 +1,31 @@
-"""Offline quality of GEM against two baselines on the same split of the bundled MovieLens sample.
+"""Offline quality of GEM against the models users would pick instead, on the same data, split, training
+budget and engine, over several seeds: the default synthetic log and the bundled MovieLens sample.
 
-The models, each trained with the same loop, plan, epochs and optimizer settings:
-    gem                  the GEM preset (pyramid sequence arm, InterFormer, Wukong)
+The models (`--models`):
+    gem                  the GEM preset (pyramid sequence arm, InterFormer, Wukong), `--width`, `--max-history-len`
     gem_no_sequence      the same model without its sequence arm
     logistic_regression  per-task logistic regression on the same hashed ids
-AUC, normalized entropy and calibration per task (and per surface) on the eval days, saved to
-benchmarks/results/gem_quality.json.
+    dlrm, dcn            TorchRec's DLRM and DLRM-DCN (DCN-v2 cross layers) on the same ids and dense features
+Every model trains through gem_ops.train.engine with the same settings: up to `--epochs` passes, the newest
+training day held out for early stopping (every `--eval-every` steps, patience `--patience`) and Platt
+calibration, then is judged on the eval day(s). Per dataset, model and seed: AUC, NE and calibration per
+(domain, objective) and over all, the training FLOPs (the analytic count of the steps run) and seconds.
+The summary gives each figure's mean and spread (max - min) over the seeds, and for every group with at
+least `--min-positives` positives whether GEM's mean AUC beats every other model's by more than the
+larger of the two spreads. `--budgets` adds GEM and DLRM at other widths (FLOPs against quality).
 
-    python benchmarks/gem_quality.py [--epochs 2] [--max-history-len 256] [--width 1.0]
+    python benchmarks/gem_quality.py --device cuda --seeds 0 1 2 --budgets 0.25 0.5 2.0
+    python benchmarks/gem_quality.py --datasets synthetic --seeds 0 --max-steps 20 --output-name gem_quality_dryrun
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 import tempfile
+import time
 from datetime import date
 from pathlib import Path
 
@@ -24,53 +35,134 @@ from benchmarks.common import save  # noqa: E402
 
 END = date(2026, 11, 14)
 DAYS = 14
+METRICS = ("auc", "ne", "calibration")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--max-history-len", type=int, default=256)
-    parser.add_argument("--eval-days", type=int, default=2)
-    parser.add_argument("--width", type=float, default=1.0)
-    parser.add_argument("--lr-dense", type=float, default=2e-3)
-    parser.add_argument("--models", nargs="+", default=["gem", "gem_no_sequence", "logistic_regression"])
-    args = parser.parse_args()
-
+def prepare(dataset: str, root: Path, max_history_len: int):
     from gem_ops.data.batch_shuffling import ShufflingConfig
     from gem_ops.data.movielens import MOVIELENS_HISTORY_EVENT_TYPES
     from gem_ops.data.prepare import prepare_training_data
     from gem_ops.data.raw_event_logs import EventSource
     from gem_ops.data.sequence_logs import SequenceLogsConfig
-    from gem_ops.model.config import model_config
-    from gem_ops.train.comparison import compare_models, headline
-    from gem_ops.train.config import TrainConfig
+    from gem_ops.data.synthetic import SyntheticConfig
 
+    if dataset == "movielens":
+        source = EventSource("movielens", movielens_replay_days=DAYS)
+        sequences = SequenceLogsConfig(max_history_len=max_history_len, eval_days=2,
+                                       history_event_types=MOVIELENS_HISTORY_EVENT_TYPES)
+    else:  # the pipeline's embedded default: raw_event_logs' synthetic source, 5000 users
+        source = EventSource("synthetic", SyntheticConfig(n_users=5_000))
+        sequences = SequenceLogsConfig(max_history_len=max_history_len, eval_days=1)
+    return prepare_training_data(source, END, DAYS, root / dataset, sequences, ShufflingConfig(128, 4))
+
+
+def model_configs(args) -> dict[str, object]:
+    from gem_ops.model.config import model_config
+
+    history = {"sequence.max_history_len": args.max_history_len}
     configs = {
-        "gem": model_config("gem", width=args.width, **{"sequence.max_history_len": args.max_history_len}),
+        "gem": model_config("gem", width=args.width, **history),
         "gem_no_sequence": model_config("gem", width=args.width, use_sequence=False),
         "logistic_regression": model_config("logistic_regression"),
+        "dlrm": model_config("dlrm"),
+        "dcn": model_config("dcn"),
     }
-    train_config = TrainConfig(epochs=args.epochs, lr_dense=args.lr_dense, eval_max_examples=1_000_000)
-    with tempfile.TemporaryDirectory() as tmp:
-        data = prepare_training_data(
-            EventSource("movielens", movielens_replay_days=DAYS), END, DAYS, tmp,
-            SequenceLogsConfig(max_history_len=args.max_history_len, eval_days=args.eval_days,
-                               history_event_types=MOVIELENS_HISTORY_EVENT_TYPES),
-            ShufflingConfig(sub_batch_size=128, sub_batches_per_rank=2),
-        )
-        logs = data.open()
-        split = {"train": int(logs.split_indices("train").size), "eval": int(logs.split_indices("eval").size)}
-        print(f"MovieLens: {len(logs)} examples, {split}", flush=True)
-        def progress(name: str, step: int, loss: float) -> None:
-            if (step + 1) % 100 == 0:
-                print(f"  {name} step {step + 1}: loss {loss:.4f}", flush=True)
+    configs = {name: configs[name] for name in args.models}
+    for width in args.budgets:  # FLOPs against quality: the same architectures narrower or wider
+        configs[f"gem@{width:g}"] = model_config("gem", width=args.width * width, **history)
+        configs[f"dlrm@{width:g}"] = model_config("dlrm", width=width)
+    return configs
 
-        results = compare_models(logs, data.plans[1], {n: configs[n] for n in args.models}, train_config, progress)
-    for name, figures in headline(results).items():
-        print(f"{name}: {figures} ({results[name]['train_seconds']} s)")
-    settings = {**vars(args), "end": END.isoformat(), "days": DAYS, "split": split,
-                "train_config": train_config.to_dict(), "models": {n: configs[n].to_dict() for n in args.models}}
-    save("gem_quality", settings, results)
+
+def run(logs, plan, config, args, seed: int) -> dict:
+    from gem_ops.train.config import TrainConfig
+    from gem_ops.train.engine import train
+
+    train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
+                               lr_schedule="cosine", validation_days=1, eval_every=args.eval_every,
+                               early_stopping_patience=args.patience, eval_max_examples=1_000_000, seed=seed)
+    began = time.perf_counter()
+    _, result = train(logs, plan, config, train_config, device=args.device)
+    report = result.final_report
+    return {"steps": result.steps, "best_step": result.best_step, "stopped_early": result.stopped_early,
+            "train_seconds": round(time.perf_counter() - began, 1), "train_flops": float(sum(result.step_flops)),
+            "eval": {g: {m: v[m] for m in (*METRICS, "count", "positives")} for g, v in report.items()}}
+
+
+def summarize(runs: dict[str, list[dict]], min_positives: int) -> dict:
+    """Per model and group: each metric's mean and spread over seeds; GEM against every other model."""
+    table = {}
+    for name, seeds in runs.items():
+        groups = seeds[0]["eval"]
+        table[name] = {g: {m: _spread([s["eval"][g][m] for s in seeds if g in s["eval"]]) for m in METRICS}
+                       | {"positives": groups[g]["positives"]} for g in groups}
+        table[name]["train_flops"] = _spread([s["train_flops"] for s in seeds])
+    verdicts = {}
+    if "gem" in table:
+        for group, figures in table["gem"].items():
+            if group == "train_flops" or figures["positives"] < min_positives:
+                continue
+            gem = figures["auc"]
+            margins = {}
+            for other in (n for n in table if n != "gem" and "@" not in n and group in table[n]):
+                theirs = table[other][group]["auc"]
+                margins[other] = {"auc_gain": gem["mean"] - theirs["mean"],
+                                  "beyond_spread": gem["mean"] - theirs["mean"] > max(gem["spread"], theirs["spread"])}
+            verdicts[group] = {"positives": figures["positives"], "vs": margins,
+                               "gem_best": all(m["beyond_spread"] for m in margins.values())}
+    return {"models": table, "gem_against_each": verdicts}
+
+
+def _spread(values: list[float]) -> dict:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return {"mean": math.nan, "spread": math.nan, "seeds": 0}
+    return {"mean": statistics.mean(values), "spread": max(values) - min(values), "seeds": len(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--datasets", nargs="+", default=["synthetic", "movielens"], choices=("synthetic", "movielens"))
+    parser.add_argument("--models", nargs="+", default=["gem", "gem_no_sequence", "logistic_regression", "dlrm", "dcn"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--budgets", nargs="*", type=float, default=[], help="extra widths of GEM and DLRM")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--patience", type=int, default=3)
+    parser.add_argument("--lr-dense", type=float, default=3e-3)
+    parser.add_argument("--width", type=float, default=0.5)
+    parser.add_argument("--max-history-len", type=int, default=256)
+    parser.add_argument("--min-positives", type=int, default=200)
+    parser.add_argument("--data", type=Path, default=None, help="prepared data (<dataset>/sequence_logs, plans) to reuse")
+    parser.add_argument("--output-name", default="gem_quality")
+    args = parser.parse_args()
+
+    configs = model_configs(args)
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dataset in args.datasets:
+            if args.data is not None:
+                from gem_ops.data.prepare import TrainingData
+
+                data = TrainingData(args.data / dataset / "sequence_logs", {1: args.data / dataset / "plans" / "world_size=1.parquet"})
+            else:
+                data = prepare(dataset, Path(tmp), args.max_history_len)
+            logs = data.open()
+            runs = {}
+            for name, config in configs.items():
+                runs[name] = []
+                for seed in args.seeds:
+                    runs[name].append(run(logs, data.plans[1], config, args, seed))
+                    figures = runs[name][-1]["eval"]
+                    print(f"{dataset} {name} seed {seed}: " + ", ".join(
+                        f"{g} {figures[g]['auc']:.4f}/{figures[g]['ne']:.4f}" for g in figures if g.startswith("all/")),
+                          flush=True)
+            results[dataset] = {"split": {"train": int(logs.split_indices("train").size),
+                                          "eval": int(logs.split_indices("eval").size)},
+                                "runs": runs, "summary": summarize(runs, args.min_positives)}
+            save(args.output_name, {**vars(args), "models": {n: c.to_dict() for n, c in configs.items()}}, results)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ CONFIGS = {
         "sequence.branches": ["all", "engaged", "event_type:organic_view"], "sequence.first_level_tokens": 32,
         "sequence.activation": "silu", "blocks": 2}),
     "no_sequence": model_config("gem", width=0.5, use_sequence=False, **SMALL_TABLES),
+    # TorchRec's DLRM and DLRM-DCN baselines.
+    "dlrm": model_config("dlrm", **SMALL_TABLES),
+    "dcn": model_config("dcn", **SMALL_TABLES),
 }
 
 

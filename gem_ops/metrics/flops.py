@@ -41,6 +41,9 @@ MODULES = (
     "wukong.lcb",  # Linear Compress Block and the residual mixing
     "trunk",
     "towers",
+    "dlrm.dense",  # the baselines' (torchrec.models.dlrm): the dense arch's MLP,
+    "dlrm.interaction",  # the pairwise dot products (DLRM) or the low-rank cross layers (DCN-v2),
+    "dlrm.over",  # and the over arch's MLP
 )
 
 
@@ -119,6 +122,8 @@ def branch_lengths(config: ModelConfig, spec: FeatureSpec, history_offsets: torc
 def gem_flops(config: ModelConfig, spec: FeatureSpec, lengths: Mapping[str, np.ndarray], batch_size: int) -> FlopCount:
     """Forward FLOPs of GEMModel.loss on a batch whose branches have these per-example history lengths."""
     count = FlopCount(samples=batch_size, tokens=int(sum(int(np.sum(v)) for v in lengths.values())))
+    if config.architecture in ("dlrm", "dcn"):
+        return dlrm_flops(config, spec, count)
     if config.architecture != "gem":
         return count  # the logistic regression: lookups and a tiny dense term
     B = float(batch_size)
@@ -163,6 +168,25 @@ def gem_flops(config: ModelConfig, spec: FeatureSpec, lengths: Mapping[str, np.n
     towers = len(spec.surfaces) * len(objectives) * (2 if getattr(config, "distillation_weight", 0.0) > 0 else 1)
     dims = [config.trunk_hidden] + [config.tower_hidden] * config.tower_layers + [1]
     count.add("towers", sum(linear_flops(B * towers, a, b) for a, b in zip(dims[:-1], dims[1:])))
+    return count
+
+
+def dlrm_flops(config: ModelConfig, spec: FeatureSpec, count: FlopCount) -> FlopCount:
+    """gem_ops.model.baselines.TorchRecDLRM's forward: torchrec's DenseArch, InteractionArch (or
+    InteractionDCNArch) and OverArch at the config's widths."""
+    B, d, mlp, r = float(count.samples), config.embedding.dim, config.wukong.mlp_hidden, config.wukong.fm_rank
+    features = 1 + len(spec.sparse_features) + 1 + 1  # user, sparse features, surface, candidate item
+    tasks = len(config.objectives(spec))
+    count.add("dlrm.dense", linear_flops(B, max(1, len(spec.dense_features)), mlp) + linear_flops(B, mlp, d))
+    if config.architecture == "dcn":
+        width = d * (features + 1)  # the dense arch's output and every embedding, concatenated
+        count.add("dlrm.interaction", config.blocks * 2 * linear_flops(B, width, r))
+        over_in = width
+    else:
+        count.add("dlrm.interaction", 2.0 * B * (features + 1) ** 2 * d)  # all pairs' dot products, one bmm
+        over_in = d + features * (features + 1) // 2
+    count.add("dlrm.over", linear_flops(B, over_in, mlp) + linear_flops(B, mlp, mlp)
+              + linear_flops(B, mlp, len(spec.surfaces) * tasks))
     return count
 
 

@@ -1,4 +1,5 @@
-"""Baselines that share GEM's inputs, training loop and metrics."""
+"""Baselines that share GEM's inputs, training engine and metrics: a logistic regression, and TorchRec's
+own DLRM and DLRM with DCN-v2's low-rank cross network (torchrec.models.dlrm) on the non-sequence inputs."""
 
 from __future__ import annotations
 
@@ -34,6 +35,57 @@ class LogisticRegression(nn.Module):
         for key in F.pooled_keys(self.spec):
             logits = logits + self.weights[key](ids[key].values())
         return logits if self.dense is None else logits + self.dense(x.dense)
+
+    def loss_sums(self, x: ModelInput) -> LossSums:
+        logits = self(x)
+        sums, counts = masked_bce_sums(logits, x.labels, x.label_mask)
+        return LossSums(sums, sums.detach(), counts, logits)
+
+    def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return loss_from_sums(self.loss_sums(x))
+
+
+class TorchRecDLRM(nn.Module):
+    """torchrec.models.dlrm.DLRM (architecture "dlrm") or DLRM_DCN (architecture "dcn": DCN-v2's low-rank
+    cross network as the interaction) over GEM's non-sequence inputs: the pooled ids (user, sparse
+    features, surface) and the candidate item as one more pooled id, one embedding_dim table each, and
+    the dense features (a zero column when there are none). The over-arch ends in one logit per
+    (domain, task); each example reads its own domain's, as GEM's towers do. No history."""
+
+    def __init__(self, spec: FeatureSpec, config: ModelConfig, device: torch.device | None = None):
+        super().__init__()
+        from torchrec.models.dlrm import DLRM, DLRM_DCN
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        self.spec, self.config = spec, config
+        self.objectives = config.objectives(spec)
+        emb, mlp = config.embedding, config.wukong.mlp_hidden
+        rows = {F.USER_ID: emb.user_buckets, F.SURFACE: len(spec.surfaces), F.CANDIDATE_ITEM: emb.item_buckets}
+        rows.update({name: emb.sparse_buckets for name in spec.sparse_features})
+        self.keys = (*F.pooled_keys(spec), F.CANDIDATE_ITEM)
+        tables = [EmbeddingBagConfig(name=key, embedding_dim=emb.dim, num_embeddings=rows[key], feature_names=[key],
+                                     pooling=PoolingType.SUM) for key in self.keys]
+        ebc = EmbeddingBagCollection(tables=tables, device=device)
+        self.domains, self.tasks = len(spec.surfaces), len(self.objectives)
+        shape = {"embedding_bag_collection": ebc, "dense_in_features": max(1, len(spec.dense_features)),
+                 "dense_arch_layer_sizes": [mlp, emb.dim], "over_arch_layer_sizes": [mlp, mlp, self.domains * self.tasks],
+                 "dense_device": device}
+        if config.architecture == "dcn":
+            self.dlrm = DLRM_DCN(**shape, dcn_num_layers=config.blocks, dcn_low_rank_dim=config.wukong.fm_rank)
+        else:
+            self.dlrm = DLRM(**shape)
+
+    def forward(self, x: ModelInput) -> torch.Tensor:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        candidate = x.sequence[F.CANDIDATE_ITEM].values()
+        ids = KeyedJaggedTensor.from_lengths_sync(
+            keys=list(self.keys), values=torch.cat([x.pooled.values(), candidate]),
+            lengths=torch.cat([x.pooled.lengths(), torch.ones_like(candidate, dtype=x.pooled.lengths().dtype)]))
+        dense = x.dense if x.dense.shape[1] else x.dense.new_zeros(x.dense.shape[0], 1)
+        logits = self.dlrm(dense, ids).view(-1, self.domains, self.tasks)
+        return logits[torch.arange(logits.shape[0], device=logits.device), x.surface]
 
     def loss_sums(self, x: ModelInput) -> LossSums:
         logits = self(x)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal
 
 Activation = Literal["softmax", "silu"]
-Architecture = Literal["gem", "logistic_regression"]
+Architecture = Literal["gem", "logistic_regression", "dlrm", "dcn"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ class SequenceConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: Architecture = "gem"  # logistic_regression: the baseline on the same ids
+    # logistic_regression, dlrm, dcn: baselines on the same ids and dense features, without the history
+    architecture: Architecture = "gem"
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     wukong: WukongConfig = field(default_factory=WukongConfig)
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
@@ -172,6 +173,13 @@ PRESETS: dict[str, ModelConfig] = {
     # Baseline: logistic regression on the same hashed ids (no history, so histories are not loaded).
     "logistic_regression": ModelConfig(architecture="logistic_regression", use_sequence=False,
                                        sequence=SequenceConfig(max_history_len=1)),
+    # TorchRec's DLRM and DLRM-DCN (DCN-v2 cross layers: `blocks` of them, rank fm_rank) on the same
+    # ids and dense features, 64-wide tables and 512-wide MLPs (mlp_hidden); no history.
+    "dlrm": ModelConfig(architecture="dlrm", use_sequence=False, embedding=EmbeddingConfig(dim=64),
+                        wukong=WukongConfig(mlp_hidden=512), sequence=SequenceConfig(max_history_len=1)),
+    "dcn": ModelConfig(architecture="dcn", use_sequence=False, embedding=EmbeddingConfig(dim=64),
+                       wukong=WukongConfig(fm_rank=64, mlp_hidden=512), sequence=SequenceConfig(max_history_len=1),
+                       blocks=3),
 }
 
 
