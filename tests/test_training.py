@@ -167,7 +167,7 @@ def test_validation_day_is_held_out_of_training_and_calibration_is_fitted_on_it(
     model, result = train(logs, data.plans[1], TINY, config)
     scale = torch.tensor(result.calibration["scale"])
     assert scale.shape == (len(logs.surfaces), len(logs.objectives)) and not torch.all(scale == 1)
-    assert torch.equal(model.towers.calibration[0], scale.reshape(-1))
+    assert torch.equal(model.output_calibration.calibration[0], scale)
     out = gathered_predictions(model, logs, config, torch.device("cpu"), held_out)
     for t in range(len(logs.objectives)):  # calibrated where it was fitted: mean prediction = mean label
         rows = out["label_mask"][:, t]
@@ -209,3 +209,16 @@ def test_cosine_schedule_warms_up_then_decays_to_its_floor():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[60] == pytest.approx(0.55, abs=0.01) and lrs[-1] == pytest.approx(0.1, abs=0.001)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_platt_scaling_stays_finite_on_separable_and_one_class_groups():
+    import numpy as np
+
+    from gem_ops.train.calibration import platt_scaling
+
+    separable = platt_scaling(np.array([-3.0, -2.0, 2.0, 3.0]), np.array([0, 0, 1, 1]))
+    only_negatives = platt_scaling(np.linspace(-1, 1, 50), np.zeros(50))
+    extreme = platt_scaling(np.array([-40.0, 40.0, 35.0]), np.array([1, 0, 0]))
+    for a, b in (separable, only_negatives, extreme):
+        assert np.isfinite(a) and np.isfinite(b) and abs(a) < 50 and abs(b) < 50
+    assert only_negatives[1] < -1  # pushed toward predicting no positives, as far as the prior lets it

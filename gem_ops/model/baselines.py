@@ -9,7 +9,7 @@ from torch import nn
 from gem_ops.model import features as F
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.features import ModelInput
-from gem_ops.model.heads import LossSums, loss_from_sums, masked_bce_sums
+from gem_ops.model.heads import LossSums, OutputCalibration, loss_from_sums, masked_bce_sums
 
 
 class LogisticRegression(nn.Module):
@@ -28,13 +28,20 @@ class LogisticRegression(nn.Module):
             nn.init.zeros_(table.weight)
         self.dense = nn.Linear(len(spec.dense_features), tasks, device=device) if spec.dense_features else None
         self.bias = nn.Parameter(torch.zeros(tasks, device=device))
+        self.output_calibration = OutputCalibration(len(spec.surfaces), tasks).to(device)
 
+    @torch.no_grad()
+    def init_output_bias(self, logits: torch.Tensor) -> None:
+        """logits [domains, tasks]: the surface's weights start at them (the other terms at 0)."""
+        self.weights[F.SURFACE].weight.copy_(logits.to(self.weights[F.SURFACE].weight))
     def forward(self, x: ModelInput) -> torch.Tensor:
         ids = x.pooled.to_dict()
         logits = self.bias + self.weights[F.CANDIDATE_ITEM](x.sequence[F.CANDIDATE_ITEM].values())
         for key in F.pooled_keys(self.spec):
             logits = logits + self.weights[key](ids[key].values())
-        return logits if self.dense is None else logits + self.dense(x.dense)
+        if self.dense is not None:
+            logits = logits + self.dense(x.dense)
+        return self.output_calibration(logits, x.surface)
 
     def loss_sums(self, x: ModelInput) -> LossSums:
         logits = self(x)
@@ -75,7 +82,13 @@ class TorchRecDLRM(nn.Module):
             self.dlrm = DLRM_DCN(**shape, dcn_num_layers=config.blocks, dcn_low_rank_dim=config.wukong.fm_rank)
         else:
             self.dlrm = DLRM(**shape)
+        self.output_calibration = OutputCalibration(self.domains, self.tasks).to(device)
 
+    @torch.no_grad()
+    def init_output_bias(self, logits: torch.Tensor) -> None:
+        """logits [domains, tasks]: the over arch's last bias starts at them."""
+        last = self.dlrm.over_arch.model[-1]
+        last.bias.copy_(logits.reshape(-1).to(last.bias))
     def forward(self, x: ModelInput) -> torch.Tensor:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -85,7 +98,7 @@ class TorchRecDLRM(nn.Module):
             lengths=torch.cat([x.pooled.lengths(), torch.ones_like(candidate, dtype=x.pooled.lengths().dtype)]))
         dense = x.dense if x.dense.shape[1] else x.dense.new_zeros(x.dense.shape[0], 1)
         logits = self.dlrm(dense, ids).view(-1, self.domains, self.tasks)
-        return logits[torch.arange(logits.shape[0], device=logits.device), x.surface]
+        return self.output_calibration(logits[torch.arange(logits.shape[0], device=logits.device), x.surface], x.surface)
 
     def loss_sums(self, x: ModelInput) -> LossSums:
         logits = self(x)

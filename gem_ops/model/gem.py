@@ -104,6 +104,17 @@ class GEMModel(nn.Module):
         if device is not None:
             self.to(device)
 
+    @property
+    def output_calibration(self):
+        """The serving towers' calibration (gem_ops.train.calibration fits it)."""
+        return self.towers.output
+
+    def init_output_bias(self, logits: torch.Tensor) -> None:
+        """logits [domains, tasks]: the towers' (and a distillation head's) output before any learning."""
+        for towers in (self.towers, self.distillation_towers):
+            if towers is not None:
+                towers.init_output_bias(logits)
+
     def encode(self, x: ModelInput) -> torch.Tensor:
         """The shared trunk's representation [B, trunk_hidden] (what knowledge transfer reuses)."""
         pooled, candidate, history = self.embeddings(x)

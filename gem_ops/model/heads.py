@@ -25,12 +25,12 @@ class DomainTaskTowers(nn.Module):
             nn.Parameter(torch.randn(towers, a, b) / a**0.5) for a, b in zip(dims[:-1], dims[1:])
         )
         self.biases = nn.ParameterList(nn.Parameter(torch.zeros(towers, b)) for b in dims[1:])
-        self.register_buffer("calibration", identity_calibration(towers))
-        self._register_load_state_dict_pre_hook(_calibration_of_older_states, with_module=True)
+        self.output = OutputCalibration(domains, tasks)
 
-    def set_calibration(self, scale: torch.Tensor, shift: torch.Tensor) -> None:
-        """scale, shift [domains, tasks] (identity: ones and zeros)."""
-        self.calibration.copy_(torch.stack([scale.reshape(-1), shift.reshape(-1)]).to(self.calibration))
+    @torch.no_grad()
+    def init_output_bias(self, logits: torch.Tensor) -> None:
+        """logits [domains, tasks]: what every tower outputs before it has learnt anything."""
+        self.biases[-1].copy_(logits.reshape(-1, 1).to(self.biases[-1]))
 
     def forward(self, trunk: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
         """trunk [B, in_dim], domain [B] -> logits [B, tasks]."""
@@ -40,20 +40,36 @@ class DomainTaskTowers(nn.Module):
             h = torch.einsum("bmi,mio->bmo", h, w) + b
             if i < last:
                 h = F.gelu(h)
-        logits = h.squeeze(-1) * self.calibration[0] + self.calibration[1]
-        logits = logits.view(-1, self.domains, self.tasks)
-        return logits[torch.arange(logits.shape[0], device=domain.device), domain]
+        logits = h.view(-1, self.domains, self.tasks)
+        return self.output(logits[torch.arange(logits.shape[0], device=domain.device), domain], domain)
 
 
-def identity_calibration(towers: int) -> torch.Tensor:
-    return torch.stack([torch.ones(towers), torch.zeros(towers)])
+class OutputCalibration(nn.Module):
+    """A calibration of a model's output fitted after training (gem_ops.train.calibration): each
+    (domain, task) logit becomes scale * logit + shift. A buffer, identity until set, reset before training
+    again; states saved without it load as uncalibrated."""
+
+    def __init__(self, domains: int, tasks: int):
+        super().__init__()
+        self.domains, self.tasks = domains, tasks
+        self.register_buffer("calibration", identity_calibration(domains, tasks))
+        self._register_load_state_dict_pre_hook(_uncalibrated_if_missing, with_module=True)
+
+    def set_calibration(self, scale: torch.Tensor, shift: torch.Tensor) -> None:
+        """scale, shift [domains, tasks] (identity: ones and zeros)."""
+        self.calibration.copy_(torch.stack([scale, shift]).to(self.calibration))
+
+    def forward(self, logits: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+        """logits [B, tasks] of examples of these domains [B]."""
+        return logits * self.calibration[0, domain] + self.calibration[1, domain]
 
 
-def _calibration_of_older_states(module, state_dict, prefix, *args) -> None:
-    """States saved before towers had a calibration load as uncalibrated."""
-    key = prefix + "calibration"
-    if key not in state_dict and prefix + "biases.0" in state_dict:
-        state_dict[key] = identity_calibration(module.domains * module.tasks)
+def identity_calibration(domains: int, tasks: int) -> torch.Tensor:
+    return torch.stack([torch.ones(domains, tasks), torch.zeros(domains, tasks)])
+
+
+def _uncalibrated_if_missing(module, state_dict, prefix, *args) -> None:
+    state_dict.setdefault(prefix + "calibration", identity_calibration(module.domains, module.tasks))
 
 
 @dataclass

@@ -18,21 +18,35 @@ NEWTON_STEPS = 25
 
 
 def platt_scaling(logits: np.ndarray, labels: np.ndarray, prior: float = PRIOR_STRENGTH) -> tuple[float, float]:
-    """(a, b) minimising the log loss of sigmoid(a * logit + b) plus prior/2 * ((a - 1)^2 + b^2)."""
+    """(a, b) minimising the log loss of sigmoid(a * logit + b) plus prior/2 * ((a - 1)^2 + b^2): Newton
+    steps, each halved until the objective falls (a full step can overshoot on separable groups)."""
     z = np.clip(np.asarray(logits, np.float64), -30, 30)
     y = np.asarray(labels, np.float64)
     if z.size == 0:
         return 1.0, 0.0
     features = np.stack([z, np.ones_like(z)], 1)  # [N, 2]
-    theta = np.array([1.0, 0.0])
     target = np.array([1.0, 0.0])
+
+    def objective(theta: np.ndarray) -> float:
+        t = features @ theta
+        return float(np.sum(np.logaddexp(0.0, t) - y * t) + prior / 2 * np.sum((theta - target) ** 2))
+
+    theta = target.copy()
+    current = objective(theta)
     for _ in range(NEWTON_STEPS):
-        p = 1.0 / (1.0 + np.exp(-(features @ theta)))
+        p = 0.5 * (1.0 + np.tanh(0.5 * (features @ theta)))  # the sigmoid, without overflow
         gradient = features.T @ (p - y) + prior * (theta - target)
         hessian = (features * (p * (1 - p))[:, None]).T @ features + prior * np.eye(2)
         step = np.linalg.solve(hessian, gradient)
-        theta -= step
-        if np.abs(step).max() < 1e-9:
+        for _ in range(30):
+            candidate = objective(theta - step)
+            if candidate <= current:
+                break
+            step = step / 2
+        else:
+            break
+        theta, improvement, current = theta - step, current - candidate, candidate
+        if improvement < 1e-10 * max(1.0, abs(current)):
             break
     return float(theta[0]), float(theta[1])
 
@@ -51,15 +65,12 @@ def fit_calibration(logits: torch.Tensor, labels: torch.Tensor, label_mask: torc
     return scale, shift
 
 
-def towers_of(model: torch.nn.Module):
-    """The model's serving towers (None for a model without them, e.g. the logistic regression)."""
-    from gem_ops.model.heads import DomainTaskTowers
-
-    towers = getattr(model, "towers", None)
-    return towers if isinstance(towers, DomainTaskTowers) else None
+def output_calibration(model: torch.nn.Module):
+    """The model's OutputCalibration (None for a model without one)."""
+    return getattr(model, "output_calibration", None)
 
 
 def reset_calibration(model: torch.nn.Module) -> None:
-    towers = towers_of(model)
-    if towers is not None:
-        towers.set_calibration(torch.ones(towers.domains, towers.tasks), torch.zeros(towers.domains, towers.tasks))
+    head = output_calibration(model)
+    if head is not None:
+        head.set_calibration(torch.ones(head.domains, head.tasks), torch.zeros(head.domains, head.tasks))

@@ -40,7 +40,7 @@ from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import RunTracker
 from gem_ops.train.acceleration import autocast_context, prepare_for_training
 from gem_ops.train.batches import newest_days, rank_schedule
-from gem_ops.train.calibration import fit_calibration, reset_calibration, towers_of
+from gem_ops.train.calibration import fit_calibration, output_calibration, reset_calibration
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.evaluation import evaluate, gathered_predictions
@@ -378,17 +378,17 @@ class Trainer:
         self.say(f"kept the weights of step {self.result.best_step} (validation NE {self.best_score:.4f})")
 
     def calibrate(self) -> None:
-        """Platt scaling per (domain, task) fitted on the validation examples, set in the towers. Collective."""
-        towers = towers_of(self.module)
-        if towers is None:
+        """Platt scaling per (domain, task) fitted on the validation examples, set in the model's output. Collective."""
+        head = output_calibration(self.module)
+        if head is None:
             return
         reset_calibration(self.module)
         out = gathered_predictions(self.module, self.logs, self.config, self.device, self.validation)
         fitted = None
         if out is not None:
-            fitted = fit_calibration(out["logits"], out["labels"], out["label_mask"], out["surface"], towers.domains)
+            fitted = fit_calibration(out["logits"], out["labels"], out["label_mask"], out["surface"], head.domains)
         scale, shift = broadcast(fitted)
-        towers.set_calibration(scale, shift)
+        head.set_calibration(scale, shift)
         self.result.calibration = {"scale": scale.tolist(), "shift": shift.tolist()}
         if out is not None:
             calibrated = out["logits"] * scale[out["surface"]] + shift[out["surface"]]

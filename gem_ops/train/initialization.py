@@ -1,4 +1,5 @@
-"""Output biases set from the training data's label rates before the first step.
+"""Output biases set from the training data's label rates before the first step (every model: GEM's
+towers, the baselines' output layers).
 
 A tower starts at p = 0.5; a rare task (a conversion rate of 0.3%) would spend hundreds of steps
 moving its bias to logit -6 at a dense learning rate of 1e-3, and a short training would end far from
@@ -14,7 +15,6 @@ import torch
 
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import FeatureSpec
-from gem_ops.model.heads import DomainTaskTowers
 
 
 def plan_examples(plan_path: str | os.PathLike) -> np.ndarray:
@@ -40,16 +40,13 @@ def label_rate_logits(logs: SequenceLogs, indices: np.ndarray, columns: list[int
 @torch.no_grad()
 def init_output_biases(model: torch.nn.Module, logs: SequenceLogs, plan_path: str | os.PathLike,
                        held_out: np.ndarray | None = None) -> bool:
-    """Sets the output bias of every DomainTaskTowers in the model from the label rates of the plan's
-    examples (but the held-out ones); False when it has none."""
-    towers = [m for m in model.modules() if isinstance(m, DomainTaskTowers)]
-    if not towers:
+    """Sets the model's output biases (its `init_output_bias`) from the label rates of the plan's examples
+    (but the held-out ones); False for a model without one."""
+    if not hasattr(model, "init_output_bias"):
         return False
     spec = FeatureSpec.from_logs(logs)
     examples = plan_examples(plan_path)
     if held_out is not None and held_out.size:
         examples = np.setdiff1d(examples, held_out)
-    logits = label_rate_logits(logs, examples, model.config.task_columns(spec), len(spec.surfaces))
-    for tower in towers:
-        tower.biases[-1].copy_(logits.reshape(-1, 1).to(tower.biases[-1]))
+    model.init_output_bias(label_rate_logits(logs, examples, model.config.task_columns(spec), len(spec.surfaces)))
     return True
