@@ -53,16 +53,19 @@ def test_model_trains_the_same_with_sparse_table_gradients(steps=3):
     models = [seeded_model(SPEC, config) for _ in range(2)]
     names = sparse_table_gradients(models[1])
     assert names and all(m.sparse for n, m in models[1].named_modules() if n in names)
-    train = TrainConfig(lr_sparse=0.2)
+    # Dense parameters held still: AdamW normalises gradients that are exactly zero in theory (the key
+    # projection's bias under softmax) but differ by rounding between the two runs into full steps.
+    train = TrainConfig(lr_sparse=0.2, lr_dense=0.0)
     optimizers = [build_optimizer(model, train) for model in models]
     for _ in range(steps):
         for model, optimizer in zip(models, optimizers):
             optimizer.zero_grad(set_to_none=True)
             model.loss(x)[0].backward()
             optimizer.step()
-    # Summation order differs (1e-7 after one step); AdamW's normalised steps carry it to about 1e-5.
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    assert any((m.weight != seeded_model(SPEC, config).get_submodule(n).weight).any() for n, m in models[1].named_modules()
+               if n in names)  # the tables did train
 
 
 def _adamw(model: nn.Module) -> torch.optim.AdamW:
