@@ -15,6 +15,7 @@ from gem_ops.transfer.hierarchy import DomainData
 from gem_ops.transfer.knowledge import read_predictions
 from gem_ops.transfer.registry import load_model_version
 from gem_ops.transfer.student import Teacher
+from gem_ops.transfer.user_representations import read_user_representations
 
 
 class DomainFoundationModelsConfig(StudentTrainingConfig):
@@ -37,7 +38,8 @@ def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFo
     gem_predictions = read_predictions(predictions_path(lake, day))
     client = mlflow.get_client()
     identity = gem_predictions.teacher
-    gem = Teacher(load_model_version(client, identity["name"], identity["version"]), gem_predictions, identity)
+    gem = Teacher(load_model_version(client, identity["name"], identity["version"]), gem_predictions, identity,
+                  read_user_representations(identity["representations"]))
     window = TransferWindows(student_days=identity["student_days"])
     settings = DomainModelSettings(**config.student_settings(), prefix=config.registered_model_prefix)
     summary = {}

@@ -17,6 +17,7 @@ from gem_ops.transfer.hierarchy import DomainData
 from gem_ops.transfer.knowledge import read_predictions
 from gem_ops.transfer.registry import load_model_version
 from gem_ops.transfer.student import Teacher
+from gem_ops.transfer.user_representations import read_user_representations
 from gem_ops.transfer.verticals import VerticalSettings, domain_verticals
 
 CHECK = "challengers_not_worse_than_champions"
@@ -56,7 +57,8 @@ def _teacher(mode: str, lake: LakeResource, day: str, domain: str, client) -> Te
     path = predictions_path(lake, day) if mode == "direct" else fm_predictions_path(lake, day, domain)
     predictions = read_predictions(path)
     identity = predictions.teacher
-    return Teacher(load_model_version(client, identity["name"], identity["version"]), predictions, identity)
+    return Teacher(load_model_version(client, identity["name"], identity["version"]), predictions, identity,
+                   read_user_representations(identity["representations"]))
 
 
 @dg.asset(

@@ -77,6 +77,7 @@ def run_dataset(name: str, args, work: Path) -> dict:
     from gem_ops.transfer.hierarchy import DomainData, as_teacher, students_examples, train_domain_foundation_model, \
         train_vertical_model
     from gem_ops.transfer.knowledge import score_examples
+    from gem_ops.transfer.user_representations import compute_user_representations
     from gem_ops.transfer.student import Teacher, prediction_report, write_student_plan
 
     source, history_types = {"synthetic": synthetic_source, "movielens": movielens_source}[name]()
@@ -99,7 +100,10 @@ def run_dataset(name: str, args, work: Path) -> dict:
     gem_model, gem_run = train(logs, plan, gem_config, train_config(args.gem_steps))
     print(f"{name}: GEM {gem_run.steps} steps on {teacher_rows.size} stale examples in "
           f"{time.perf_counter() - began:.0f} s; eval {figures(gem_run.final_report, logs.objectives[0])}", flush=True)
-    gem = Teacher(gem_model, score_examples(gem_model, logs, students_examples(logs, window)), {"name": "gem"})
+    scored = students_examples(logs, window)
+    table = compute_user_representations(gem_model, logs, scored, {"name": "gem"})
+    gem = Teacher(gem_model, score_examples(gem_model, logs, scored, {"name": "gem"}, representations=table),
+                  {"name": "gem"}, table)
 
     domains = args.domains or _largest_domains(logs, window, args.top_domains)
     results = {}

@@ -27,6 +27,8 @@ from gem_ops.transfer.registry import (CHALLENGER, CHAMPION, TEACHER_NAME, TEACH
                                        register_student)
 from gem_ops.transfer.sharing import embedding_tables, share_tables, sharing_config
 from gem_ops.transfer.student import Teacher, prediction_report, student_config, train_student, write_student_plan
+from gem_ops.transfer.user_representations import (NO_ITEM, compute_user_representations, read_user_representations,
+                                                   write_user_representations)
 from tests.training_data import learnable_data
 
 # Feed's click rate climbs and reels' falls day by day: a teacher trained on old days is miscalibrated now.
@@ -53,7 +55,36 @@ def stale_teacher(logs, tmp_path_factory):
     model, _ = train(logs, plan, SMALL, replace(QUICK, max_steps=80))
     scored = np.concatenate([windows.student_examples(logs, WINDOWS), windows.eval_examples(logs)])
     identity = model_identity("teacher_test", "1", "gem")
-    return Teacher(model, score_examples(model, logs, scored, identity), identity)
+    table = compute_user_representations(model, logs, scored, identity)
+    return Teacher(model, score_examples(model, logs, scored, identity, representations=table), identity, table)
+
+
+def test_user_representations_are_per_domain_user_and_day_and_need_no_candidate(logs, stale_teacher, tmp_path):
+    """One row per (domain, user, day) the scored examples fall on, from the history before that day
+    alone: examples of one user on one day and domain read the same vector, whatever their candidates."""
+    table, predictions = stale_teacher.representations, stale_teacher.predictions
+    idx = predictions.example_index
+    keys = np.stack([logs.column("surface")[idx], logs.column("user_row")[idx],
+                     logs.column("timestamp")[idx] // 86_400_000], 1)
+    assert len(table) == len(np.unique(keys, axis=0)) and table.dim == SMALL.trunk_hidden
+    first = {}
+    for row, key in enumerate(map(tuple, keys)):
+        if key in first:
+            np.testing.assert_array_equal(predictions.representation[row], predictions.representation[first[key]])
+        first.setdefault(key, row)
+    assert len(first) < len(idx)  # some users have several requests a day: the test saw repeats
+    # The vector is the teacher's output for a request with no candidate, at the day's first instant.
+    user_row, day = keys[0, 1], keys[0, 2]
+    request = logs.neutral_requests([user_row], [day * 86_400_000], [keys[0, 0]], NO_ITEM, 32)
+    assert bool((request.history_age_seconds > 0).all())  # only events before the day
+    stale_teacher.model.eval()
+    with torch.no_grad():
+        vector = stale_teacher.model.encode(model_input(request, stale_teacher.model.spec, stale_teacher.model.config))
+    np.testing.assert_allclose(predictions.representation[0].astype(np.float32), vector[0].numpy(), rtol=1e-2, atol=1e-3)
+    back = read_user_representations(write_user_representations(table, tmp_path / "r.parquet"))
+    np.testing.assert_array_equal(back.vectors, table.vectors)
+    assert back.lookup(np.array([keys[0, 0]]), logs.user_ids[[user_row]], np.array([day * 86_400_000 + 5])).any()
+    assert not back.lookup(np.array([keys[0, 0]]), np.array([-7]), np.array([day * 86_400_000])).any()  # unknown: 0
 
 
 def test_windows_split_old_and_fresh_days(logs):
@@ -127,7 +158,7 @@ def test_distillation_head_and_teacher_token(logs, stale_teacher):
     assert config.distillation_weight == 1.0 and config.teacher_representation_dim == SMALL.trunk_hidden
     spec = FeatureSpec.from_logs(logs)
     model = seeded_model(spec, config)
-    joined = TeacherJoinedLogs(logs, stale_teacher.predictions)
+    joined = TeacherJoinedLogs(logs, stale_teacher.predictions, stale_teacher.representations)
     x = model_input(joined.batch(stale_teacher.predictions.example_index[:64], 32), spec, config)
     assert x.labels.shape == (64, 1) and x.teacher_logits.shape == (64, 1)
     total, per_task, _ = model.loss(x)

@@ -107,17 +107,39 @@ def test_first_challengers_become_champions_and_later_ones_not_good_enough_are_k
         assert tags["promotion.champion_version"] == str(first[name]["version"])
 
 
-def test_a_vertical_with_representation_transfer_serves_from_mlflow(transferred):
+def test_a_vertical_with_representation_transfer_serves_without_its_teachers(transferred, tmp_path):
+    """The registered vertical reads its teacher's user representation as a looked-up request column: with
+    every teacher's registered package deleted, it still serves through mlflow.pyfunc, and its predictions
+    equal the registry's scoring of it, which also looks the vectors up instead of running a teacher."""
+    import shutil
+    from urllib.parse import urlparse
+
+    from gem_ops.transfer.registry import TEACHER_REPRESENTATIONS, score_version
+    from gem_ops.transfer.user_representations import read_user_representations, representations_of_examples
+
     client = transferred["client"]
     name = "vertical_feed_click"
     version = current_version(client, name, CHAMPION)
+    tags = client.get_model_version(name, version).tags
+    teachers = [(tags["teacher.model_name"], tags["teacher.model_version"]),
+                (tags["teacher.teacher.model_name"], tags["teacher.teacher.model_version"])]
+    for teacher, teacher_version in teachers:  # the domain FM and GEM: gone
+        shutil.rmtree(urlparse(client.get_model_version(teacher, teacher_version).source).path)
+
     mlflow.set_tracking_uri(transferred["uri"])
     model = mlflow.pyfunc.load_model(f"models:/{name}/{version}")
-    example = model.input_example
-    assert TEACHER_REPRESENTATION in example.columns
-    out = model.predict(example)
-    assert list(out.columns) == ["p_click"] and np.all((out["p_click"] > 0) & (out["p_click"] < 1))
+    assert TEACHER_REPRESENTATION in model.input_example.columns
     logs = SequenceLogs(transferred["root"] / "lake" / "sequence_logs" / transferred["day"])
-    frame = batch_to_frame(logs.batch([0, 1], 16), FeatureSpec.from_logs(logs))  # without the teacher's column
+    feed = list(logs.surfaces).index("feed")
+    rows = np.flatnonzero((logs.column("surface") == feed) & (logs.column("split") == 1))[:20]
+    batch = logs.batch(rows, 16)
+    frame = batch_to_frame(batch, FeatureSpec.from_logs(logs))
     with pytest.raises(Exception, match="teacher.representation"):
-        model.predict(frame)
+        model.predict(frame)  # the vector is an input: a request must carry it
+    table = read_user_representations(tags[TEACHER_REPRESENTATIONS])
+    frame[TEACHER_REPRESENTATION] = representations_of_examples(table, logs, rows).astype(np.float32).tolist()
+    served = model.predict(frame)["p_click"].to_numpy()
+    _, scored = score_version(client, name, version, logs, rows)
+    order = np.argsort(scored.example_index)
+    np.testing.assert_allclose(served, 1 / (1 + np.exp(-scored.logits[order, 0])), rtol=1e-4, atol=1e-6)
+    assert np.all((served > 0) & (served < 1))

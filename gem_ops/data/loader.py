@@ -117,14 +117,6 @@ class SequenceLogs:
         if idx.size and (idx.min() < 0 or idx.max() >= self.n_examples):
             raise IndexError(f"example index out of range [0, {self.n_examples}) in {self.path}")
         ex = self._examples
-        lengths = self.history_lengths(max_history_len)[idx].astype(np.int64)
-        end = self.timeline_offsets[ex["user_row"][idx]] + ex["history_end"][idx]
-        offsets = np.zeros(idx.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        # Flat positions of every history event: each example's run [end - length, end).
-        positions = np.repeat(end - lengths - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
-        request_ts = np.repeat(ex["timestamp"][idx], lengths)
-        t = self._timeline
         return SequenceBatch(
             example_index=torch.from_numpy(idx),
             timestamp=torch.from_numpy(ex["timestamp"][idx]),
@@ -139,14 +131,54 @@ class SequenceLogs:
             ),
             labels=torch.from_numpy(self._label_values[idx]),
             label_mask=torch.from_numpy(self._label_mask[idx]),
-            history_offsets=torch.from_numpy(offsets),
-            history_item_id=torch.from_numpy(t["item_id"][positions]),
-            history_surface=torch.from_numpy(t["surface"][positions].astype(np.int64)),
-            history_event_type=torch.from_numpy(t["event_type"][positions].astype(np.int64)),
-            history_action=torch.from_numpy(t["action"][positions].astype(np.int64)),
-            history_age_seconds=torch.from_numpy(((request_ts - t["timestamp"][positions]) / 1000.0).astype(np.float32)),
-            history_item_features=self._items.of(t["item_id"][positions]),
+            **self._histories(ex["user_row"][idx], self.history_lengths(max_history_len)[idx].astype(np.int64),
+                              ex["history_end"][idx], ex["timestamp"][idx]),
         )
+
+    def neutral_requests(self, user_rows: np.ndarray, request_ms: np.ndarray, surfaces: np.ndarray, item_id: int,
+                         max_history_len: int | None = None) -> SequenceBatch:
+        """Requests with no candidate (item `item_id`, unknown item features, no dense features, no labels)
+        of the timelines' users `user_rows` at times `request_ms` on `surfaces`: each one's history is the
+        user's events strictly before its time (the most recent max_history_len of them)."""
+        user_rows = np.asarray(user_rows, dtype=np.int64)
+        request_ms = np.asarray(request_ms, dtype=np.int64)
+        ts = self._timeline["timestamp"]
+        starts, stops = self.timeline_offsets[user_rows], self.timeline_offsets[user_rows + 1]
+        ends = np.array([np.searchsorted(ts[a:b], t) for a, b, t in zip(starts, stops, request_ms)], dtype=np.int64)
+        limit = self.max_history_len if max_history_len is None else min(max_history_len, self.max_history_len)
+        n = user_rows.size
+        return SequenceBatch(
+            example_index=torch.full((n,), -1, dtype=torch.int64),
+            timestamp=torch.from_numpy(request_ms),
+            user_id=torch.from_numpy(self.user_ids[user_rows].astype(np.int64)),
+            item_id=torch.full((n,), item_id, dtype=torch.int64),
+            surface=torch.from_numpy(np.asarray(surfaces, dtype=np.int64)),
+            sparse_features={name: torch.full((n,), -1, dtype=torch.int64) for name in self.sparse_features},
+            dense_features=torch.zeros(n, len(self.dense_features)),
+            labels=torch.zeros(n, len(self.objectives)),
+            label_mask=torch.zeros(n, len(self.objectives), dtype=torch.bool),
+            **self._histories(user_rows, np.minimum(ends, limit), ends, request_ms),
+        )
+
+    def _histories(self, user_rows: np.ndarray, lengths: np.ndarray, ends: np.ndarray,
+                   request_ms: np.ndarray) -> dict[str, torch.Tensor]:
+        """The jagged history fields of requests: each one's `lengths` timeline events before its `ends`."""
+        end = self.timeline_offsets[user_rows] + ends
+        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # Flat positions of every history event: each request's run [end - length, end).
+        positions = np.repeat(end - lengths - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+        request_ts = np.repeat(request_ms, lengths)
+        t = self._timeline
+        return {
+            "history_offsets": torch.from_numpy(offsets),
+            "history_item_id": torch.from_numpy(t["item_id"][positions]),
+            "history_surface": torch.from_numpy(t["surface"][positions].astype(np.int64)),
+            "history_event_type": torch.from_numpy(t["event_type"][positions].astype(np.int64)),
+            "history_action": torch.from_numpy(t["action"][positions].astype(np.int64)),
+            "history_age_seconds": torch.from_numpy(((request_ts - t["timestamp"][positions]) / 1000.0).astype(np.float32)),
+            "history_item_features": self._items.of(t["item_id"][positions]),
+        }
 
 
 class ItemFeatures:

@@ -17,6 +17,7 @@ from gem_ops.transfer.hierarchy import DomainData, as_teacher, train_domain_foun
 from gem_ops.transfer.knowledge import write_predictions
 from gem_ops.transfer.registry import lineage_tags, model_identity, register_student
 from gem_ops.transfer.student import Teacher
+from gem_ops.transfer.user_representations import representations_path, write_user_representations
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,21 @@ def domain_foundation_model(client: MlflowClient, tracker: RunTracker, logs: Seq
                             gem: Teacher, settings: DomainModelSettings, work_dir: str | os.PathLike,
                             predictions_path: str | os.PathLike, run_label: str) -> DomainModel:
     """Trains, registers (in an MLflow run nested under `tracker`'s) and scores one domain's FM; its
-    predictions, with its identity and GEM's as their teacher, are written to `predictions_path`."""
+    predictions, with its identity and GEM's as their teacher, are written to `predictions_path`, and its
+    user representations beside them (`<name>.representations.parquet`)."""
     name = f"{settings.prefix}_{data.domain}"
     tags = lineage_tags("direct", gem.identity) | {"domain": data.domain}
     with tracker.child(f"{name} [{run_label}]", tags) as child:
         fm = train_domain_foundation_model(logs, data, settings.base, settings.train, work_dir, settings.transfer,
                                            gem, settings.shuffling, child)
         version = register_student(client, child.run_id, fm.model, fm.data, data.eval, name, tags)
+        representations = representations_path(predictions_path)
         identity = {**model_identity(name, version, "domain_fm"), "teacher": gem.identity,
-                    "student_days": gem.identity["student_days"], "domain": data.domain}
-        write_predictions(as_teacher(fm, data, identity).predictions, predictions_path)
+                    "student_days": gem.identity["student_days"], "domain": data.domain,
+                    "representations": str(representations)}
+        teacher = as_teacher(fm, data, identity)
+        write_user_representations(teacher.representations, representations)
+        write_predictions(teacher.predictions, predictions_path)
         if fm.adapter_report:
             child.log_metrics(flat_metrics(fm.adapter_report["teacher"], "adapter.before")
                               | flat_metrics(fm.adapter_report["adapted"], "adapter.after"))

@@ -18,6 +18,7 @@ from gem_ops.train.config import TrainConfig
 from gem_ops.transfer import windows
 from gem_ops.transfer.config import TransferConfig, TransferWindows
 from gem_ops.transfer.knowledge import score_examples
+from gem_ops.transfer.user_representations import compute_user_representations
 from gem_ops.transfer.student import StudentRun, Teacher, train_student
 
 
@@ -52,8 +53,11 @@ def train_domain_foundation_model(logs: SequenceLogs, data: DomainData, base: Mo
 
 
 def as_teacher(run: StudentRun, data: DomainData, identity: dict[str, Any]) -> Teacher:
-    """A trained FM as the teacher of its domain's vertical models: it scores their examples."""
-    return Teacher(run.model, score_examples(run.model, run.data, data.all, identity), identity)
+    """A trained FM as the teacher of its domain's vertical models: its user representations of their
+    (domain, user, day)s, and its scores of their examples."""
+    table = compute_user_representations(run.model, run.data, data.all, identity)
+    return Teacher(run.model, score_examples(run.model, run.data, data.all, identity, representations=table), identity,
+                   table)
 
 
 def train_vertical_model(logs: SequenceLogs, data: DomainData, task: str, base: ModelConfig, train_config: TrainConfig,

@@ -1,5 +1,7 @@
-"""Knowledge generation: a teacher scores examples once; its logits and trunk representations are
-stored with the teacher's identity and joined into the students' batches by example index."""
+"""Knowledge generation: a teacher scores examples once; its logits, and the candidate-independent user
+representation each example reads (gem_ops.transfer.user_representations: a lookup by domain, user and
+day, never a teacher forward pass at serving), are stored with the teacher's identity and joined into
+the students' batches by example index."""
 
 from __future__ import annotations
 
@@ -21,17 +23,18 @@ from gem_ops.model.config import FeatureSpec
 from gem_ops.model.features import model_input
 from gem_ops.model.gem import GEMModel
 from gem_ops.train.acceleration import autocast_context
+from gem_ops.transfer.user_representations import UserRepresentations, representations_of_examples
 
 METADATA_KEY = b"gem.teacher"
 
 
 @dataclass
 class TeacherPredictions:
-    """Per scored example: the teacher's logit per objective and its trunk representation."""
+    """Per scored example: the teacher's logit per objective and the user representation it reads."""
 
     example_index: np.ndarray  # [N] int64, rows of the sequence logs' examples
     logits: np.ndarray  # [N, T] float32, in `objectives` order
-    representation: np.ndarray  # [N, H] float16
+    representation: np.ndarray  # [N, H] float16 (H = 0: the teacher offers none)
     objectives: tuple[str, ...]
     teacher: dict[str, Any] = field(default_factory=dict)  # e.g. model name, version, run id, kind
 
@@ -82,30 +85,32 @@ def predictions_quality(logs: SequenceLogs, predictions: TeacherPredictions, ind
 
 @torch.no_grad()
 def score_examples(model: GEMModel, logs: SequenceLogs, indices: np.ndarray, teacher: dict[str, Any] | None = None,
-                   batch_size: int = 1024, device: torch.device | str = "cpu", precision: str = "auto") -> TeacherPredictions:
-    """The teacher's logits and representations of the given examples (in length-sorted batches)."""
+                   batch_size: int = 1024, device: torch.device | str = "cpu", precision: str = "auto",
+                   representations: UserRepresentations | None = None) -> TeacherPredictions:
+    """The model's logits of the given examples (in length-sorted batches), with each example's row of
+    `representations` (none without them)."""
     device = torch.device(device)
     was_training = model.training
     model.eval().to(device)
     indices = np.asarray(indices, dtype=np.int64)
     max_len = model.config.sequence.max_history_len
     order = indices[np.argsort(logs.history_lengths(max_len)[indices], kind="stable")]
-    parts: dict[str, list[np.ndarray]] = {"index": [], "logits": [], "rep": []}
+    parts: dict[str, list[np.ndarray]] = {"index": [], "logits": []}
     for start in range(0, order.size, batch_size):
         chunk = order[start : start + batch_size]
         x = model_input(logs.batch(chunk, max_len), model.spec, model.config).to(device)
         with autocast_context(device, precision):
-            trunk = model.encode(x)
-            logits = model.towers(trunk, x.surface)
+            logits = model(x)
         parts["index"].append(chunk)
         parts["logits"].append(logits.float().cpu().numpy())
-        parts["rep"].append(trunk.float().cpu().numpy().astype(np.float16))
     model.train(was_training)
-    hidden = model.config.trunk_hidden
+    example_index = np.concatenate(parts["index"]) if parts["index"] else np.zeros(0, np.int64)
+    representation = (representations_of_examples(representations, logs, example_index) if representations is not None
+                      else np.zeros((example_index.size, 0), np.float16))
     return TeacherPredictions(
-        example_index=np.concatenate(parts["index"]) if parts["index"] else np.zeros(0, np.int64),
+        example_index=example_index,
         logits=np.concatenate(parts["logits"]) if parts["logits"] else np.zeros((0, len(model.objectives)), np.float32),
-        representation=np.concatenate(parts["rep"]) if parts["rep"] else np.zeros((0, hidden), np.float16),
+        representation=representation,
         objectives=tuple(model.objectives),
         teacher=dict(teacher or {}),
     )
@@ -118,8 +123,10 @@ def write_predictions(predictions: TeacherPredictions, destination: str | os.Pat
     columns = {"example_index": pa.array(predictions.example_index, pa.int64())}
     for t, name in enumerate(predictions.objectives):
         columns[f"logit_{name}"] = pa.array(predictions.logits[:, t], pa.float32())
-    flat = pa.array(np.ascontiguousarray(predictions.representation).reshape(-1), pa.float16())
-    columns["representation"] = pa.FixedSizeListArray.from_arrays(flat, h) if n else pa.array([], pa.list_(pa.float16(), h))
+    if h:  # a teacher without user representations stores none
+        flat = pa.array(np.ascontiguousarray(predictions.representation).reshape(-1), pa.float16())
+        columns["representation"] = (pa.FixedSizeListArray.from_arrays(flat, h) if n
+                                     else pa.array([], pa.list_(pa.float16(), h)))
     meta = {"objectives": list(predictions.objectives), "teacher": predictions.teacher}
     table = pa.table(columns).replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()})
     with atomic_path(destination) as tmp:
@@ -136,13 +143,16 @@ def read_predictions(path: str | os.PathLike) -> TeacherPredictions:
     if raw is None:
         raise ValueError(f"{path}: not a teacher predictions file (no {METADATA_KEY.decode()} metadata)")
     meta = json.loads(raw)
-    rep = table.column("representation").combine_chunks()
-    h = rep.type.list_size
-    values = rep.values.to_numpy(zero_copy_only=False) if len(rep) else np.zeros(0, np.float16)
+    if "representation" in table.column_names:
+        rep = table.column("representation").combine_chunks()
+        h = rep.type.list_size
+        values = rep.values.to_numpy(zero_copy_only=False) if len(rep) else np.zeros(0, np.float16)
+    else:
+        h, values = 0, np.zeros(0, np.float16)
     return TeacherPredictions(
         example_index=table.column("example_index").to_numpy(),
         logits=np.stack([table.column(f"logit_{t}").to_numpy() for t in meta["objectives"]], 1).astype(np.float32),
-        representation=values.reshape(-1, h).copy(),  # writable, for torch
+        representation=values.reshape(table.num_rows, h).copy(),  # writable, for torch
         objectives=tuple(meta["objectives"]),
         teacher=meta["teacher"],
     )
@@ -150,12 +160,14 @@ def read_predictions(path: str | os.PathLike) -> TeacherPredictions:
 
 class TeacherJoinedLogs:
     """Sequence logs whose batches carry a teacher's logits and representation (everything else is the
-    wrapped logs'). Every batched example must have been scored."""
+    wrapped logs'). Every batched example must have been scored; neutral requests (a student computing its
+    own user representations) read the teacher's table by domain, user and day."""
 
-    def __init__(self, logs: SequenceLogs, predictions: TeacherPredictions):
+    def __init__(self, logs: SequenceLogs, predictions: TeacherPredictions,
+                 representations: UserRepresentations | None = None):
         if tuple(predictions.objectives) != tuple(logs.objectives):
             raise ValueError(f"teacher objectives {predictions.objectives} differ from the data's {logs.objectives}")
-        self.logs, self.predictions = logs, predictions
+        self.logs, self.predictions, self.representations = logs, predictions, representations
         self._row = np.full(len(logs), -1, dtype=np.int64)
         self._row[predictions.example_index] = np.arange(len(predictions))
         self._logits = torch.from_numpy(predictions.logits)
@@ -176,3 +188,10 @@ class TeacherJoinedLogs:
                            "score the student's training and eval examples")
         rows_t = torch.from_numpy(rows)
         return replace(batch, teacher_logits=self._logits[rows_t], teacher_representation=self._rep[rows_t])
+
+    def neutral_requests(self, user_rows, request_ms, surfaces, item_id: int, max_history_len: int | None = None):
+        batch = self.logs.neutral_requests(user_rows, request_ms, surfaces, item_id, max_history_len)
+        if self.representations is None:
+            return batch
+        rep = self.representations.lookup(batch.surface.numpy(), batch.user_id.numpy(), batch.timestamp.numpy())
+        return replace(batch, teacher_representation=torch.from_numpy(rep))

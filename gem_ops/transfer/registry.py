@@ -1,5 +1,5 @@
-"""Models in the MLflow registry: lineage tags, loading a version back (with the teachers it reads
-representations from), and champion/challenger promotion of vertical models."""
+"""Models in the MLflow registry: lineage tags, loading a version back (with the user representations
+table it reads), and champion/challenger promotion of vertical models."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ from gem_ops.model.gem import GEMModel
 from gem_ops.train.model_state import load_model_state, model_from_state
 from gem_ops.transfer.knowledge import (TeacherJoinedLogs, TeacherPredictions, prediction_rows, predictions_quality,
                                        score_examples)
+from gem_ops.transfer.user_representations import read_user_representations, representations_of_examples
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 TEACHER_NAME, TEACHER_VERSION, TEACHER_KIND = "teacher.model_name", "teacher.model_version", "teacher.kind"
+TEACHER_REPRESENTATIONS = "teacher.representations"  # the user representations table the model reads
 TRANSFER_MODE = "transfer.mode"
 PROMOTION_PREFIX = "promotion."
 
@@ -37,6 +39,8 @@ def lineage_tags(mode: str, teacher: dict[str, Any] | None) -> dict[str, str]:
     if teacher:
         tags.update({TEACHER_NAME: teacher["name"], TEACHER_VERSION: str(teacher["version"]),
                      TEACHER_KIND: teacher.get("kind", "")})
+        if teacher.get("representations"):
+            tags[TEACHER_REPRESENTATIONS] = str(teacher["representations"])
         if teacher.get("teacher"):
             grand = teacher["teacher"]
             tags.update({"teacher.teacher.model_name": grand["name"], "teacher.teacher.model_version": str(grand["version"])})
@@ -56,8 +60,8 @@ def load_model_version(client: MlflowClient, name: str, version: str) -> GEMMode
 
 def score_version(client: MlflowClient, name: str, version: str, logs: SequenceLogs, indices: np.ndarray,
                   _cache: dict | None = None) -> tuple[GEMModel, TeacherPredictions]:
-    """A registered model's predictions on `indices`. A model that reads a teacher representation is fed
-    the representation of the very teacher version it was trained with (from its lineage tags)."""
+    """A registered model's predictions on `indices`. A model that reads a teacher representation looks it
+    up in the table named by its lineage tags, as it would at serving: no teacher runs."""
     cache = {} if _cache is None else _cache
     key = (name, str(version))
     if key in cache:
@@ -66,25 +70,17 @@ def score_version(client: MlflowClient, name: str, version: str, logs: SequenceL
     data: SequenceLogs | TeacherJoinedLogs = logs
     if model.config.teacher_representation_dim:
         tags = client.get_model_version(name, str(version)).tags
-        if TEACHER_NAME not in tags:
-            raise ValueError(f"model {name} v{version} reads a teacher representation but has no {TEACHER_NAME} tag")
-        _, teacher = score_version(client, tags[TEACHER_NAME], tags[TEACHER_VERSION], logs, indices, cache)
-        data = TeacherJoinedLogs(logs, _full_objectives(teacher, logs))
+        if TEACHER_REPRESENTATIONS not in tags:
+            raise ValueError(f"model {name} v{version} reads a teacher representation but has no "
+                             f"{TEACHER_REPRESENTATIONS} tag naming the table it reads")
+        table = read_user_representations(tags[TEACHER_REPRESENTATIONS])
+        looked_up = TeacherPredictions(np.asarray(indices, dtype=np.int64),
+                                       np.full((len(indices), len(logs.objectives)), np.nan, np.float32),
+                                       representations_of_examples(table, logs, indices), tuple(logs.objectives))
+        data = TeacherJoinedLogs(logs, looked_up, table)
     identity = model_identity(name, version, "")
     cache[key] = (model, score_examples(model, data, indices, identity))
     return cache[key]
-
-
-def _full_objectives(predictions: TeacherPredictions, logs: SequenceLogs) -> TeacherPredictions:
-    """A teacher's predictions with a column per data objective (NaN where the teacher has no such task);
-    only the representation of a teacher is read here."""
-    if tuple(predictions.objectives) == tuple(logs.objectives):
-        return predictions
-    logits = np.full((len(predictions), len(logs.objectives)), np.nan, dtype=np.float32)
-    for t, name in enumerate(predictions.objectives):
-        logits[:, list(logs.objectives).index(name)] = predictions.logits[:, t]
-    return TeacherPredictions(predictions.example_index, logits, predictions.representation, tuple(logs.objectives),
-                              predictions.teacher)
 
 
 def version_quality(client: MlflowClient, name: str, version: str, logs: SequenceLogs, indices: np.ndarray,

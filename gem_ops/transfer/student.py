@@ -24,6 +24,7 @@ from gem_ops.transfer.adapter import adapt, fit_adapter
 from gem_ops.transfer.config import TransferConfig
 from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions, predictions_quality
 from gem_ops.transfer.sharing import share_tables, sharing_config
+from gem_ops.transfer.user_representations import UserRepresentations
 
 
 @dataclass
@@ -33,7 +34,8 @@ class Teacher:
 
     model: GEMModel
     predictions: TeacherPredictions
-    identity: dict[str, Any] = field(default_factory=dict)  # model name, version, kind, ...
+    identity: dict[str, Any] = field(default_factory=dict)  # model name, version, kind, representations path, ...
+    representations: UserRepresentations | None = None  # its user representations (predictions hold each example's)
 
 
 @dataclass
@@ -96,7 +98,7 @@ def train_student(
             adapter_report = {"teacher": prediction_report(logs, predictions, eval_indices, config),
                               "adapted": prediction_report(logs, adapted, eval_indices, config)}
             predictions = adapted
-        data = TeacherJoinedLogs(logs, predictions)
+        data = TeacherJoinedLogs(logs, predictions, teacher.representations)
     model = seeded_model(FeatureSpec.from_logs(logs), config, "cpu", train_config.seed)
     if teacher is not None and transfer.shared_tables:
         share_tables(model, teacher.model, transfer.shared_tables, transfer.freeze_shared)
