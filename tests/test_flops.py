@@ -52,6 +52,8 @@ CONFIGS = {
         "sequence.branches": ["all", "engaged", "event_type:organic_view"], "sequence.first_level_tokens": 32,
         "sequence.activation": "silu", "blocks": 2}),
     "no_sequence": model_config("gem", width=0.5, use_sequence=False, **SMALL_TABLES),
+    # A student reading a teacher's wider tables through projections (parameter sharing).
+    "shared_tables": model_config("vertical", **SMALL_TABLES, **{"embedding.table_widths": [["item", 64], ["user_id", 48]]}),
     # TorchRec's DLRM and DLRM-DCN baselines.
     "dlrm": model_config("dlrm", **SMALL_TABLES),
     "dcn": model_config("dcn", **SMALL_TABLES),

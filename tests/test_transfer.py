@@ -176,12 +176,14 @@ def test_distillation_head_and_teacher_token(logs, stale_teacher):
 
 def test_parameter_sharing_copies_and_freezes_the_named_tables(logs):
     spec = FeatureSpec.from_logs(logs)
-    teacher = seeded_model(spec, model_config("gem", width=0.5), seed=1)
+    teacher = seeded_model(spec, model_config("gem"), seed=1)  # wider than the vertical preset everywhere
     base = model_config("vertical")
     with pytest.raises(ValueError, match="cannot share embedding table 'item'.*sharing_config"):
         share_tables(seeded_model(spec, base), teacher, ("item",))
     config = sharing_config(base, teacher.config, ("item", "user_id"))
-    assert config.embedding.sequence_dim == teacher.config.embedding.sequence_dim
+    assert (config.embedding.sequence_dim, config.embedding.dim) == (base.embedding.sequence_dim, base.embedding.dim)
+    assert dict(config.embedding.table_widths) == {"item": teacher.config.embedding.sequence_dim,
+                                                   "user_id": teacher.config.embedding.dim}
     assert config.embedding.item_buckets == teacher.config.embedding.item_buckets
     assert config.embedding.sparse_buckets == base.embedding.sparse_buckets  # not shared: stays small
     student = seeded_model(spec, config, seed=2)
@@ -198,6 +200,38 @@ def test_parameter_sharing_copies_and_freezes_the_named_tables(logs):
     optimizer.step()
     assert torch.equal(ours["item"], before["item"]) and torch.equal(ours["user_id"], before["user_id"])
     assert not torch.equal(ours["history_age"], before["history_age"])  # unshared tables learn
+
+
+def test_a_shared_table_reaches_a_narrower_student_through_its_projection(logs):
+    """The student keeps its width and its size apart from the table: its candidate embedding is the
+    teacher's table row through a projection that starts at the table's principal directions and learns."""
+    from gem_ops.model.features import CANDIDATE_ITEM
+
+    spec = FeatureSpec.from_logs(logs)
+    teacher = seeded_model(spec, model_config("gem"), seed=1)  # sequence width 64 against the vertical's 32
+    base = model_config("vertical")
+    student = seeded_model(spec, sharing_config(base, teacher.config, ("item",)), seed=2)
+    share_tables(student, teacher, ("item",), freeze=True)
+    projection = student.embeddings.projections["item"]
+    assert (projection.in_features, projection.out_features) == (teacher.config.embedding.sequence_dim,
+                                                                base.embedding.sequence_dim)
+    assert student.branches[0].layers[0].qkv.in_features == base.embedding.sequence_dim  # the arm stays narrow
+    table = embedding_tables(teacher)["item"].detach()
+    rows = projection.weight.detach()
+    np.testing.assert_allclose((rows @ rows.T).numpy(), np.eye(rows.shape[0]), atol=1e-5)  # orthonormal
+    x = model_input(logs.batch(np.arange(16), 32), spec, student.config)
+    seq = student.embeddings._sequence_lookups(x.sequence)
+    ids = x.sequence[CANDIDATE_ITEM].values()
+    torch.testing.assert_close(student.embeddings._at_width(CANDIDATE_ITEM, seq[CANDIDATE_ITEM].values()),
+                               projection(table[ids]))
+    optimizer = build_optimizer(student, QUICK)
+    before = projection.weight.detach().clone()
+    student.loss(x)[0].backward()
+    optimizer.step()
+    assert not torch.equal(projection.weight, before) and torch.equal(embedding_tables(student)["item"], table)
+    alone = seeded_model(spec, base)
+    size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert size(student) - size(alone) == table.numel() - embedding_tables(alone)["item"].numel() + projection.weight.numel()
 
 
 def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_path):

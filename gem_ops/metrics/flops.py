@@ -23,6 +23,8 @@ import torch
 from gem_ops.model.config import FeatureSpec, ModelConfig
 
 CROSS_QUERIES = 2  # gem.CROSS_QUERIES: the candidate item and the mean interaction token
+# The sequence tables (embeddings.sequence_tables) besides the history item features' history_* ones.
+_SEQUENCE_TABLES = ("item", "history_surface", "history_event_type", "history_action", "history_age", "history_match")
 TRAINING_MULTIPLIER = 3.0  # forward + backward (2x forward)
 
 # The modules of the breakdown, in the order of the model.
@@ -119,8 +121,10 @@ def branch_lengths(config: ModelConfig, spec: FeatureSpec, history_offsets: torc
     return out
 
 
-def gem_flops(config: ModelConfig, spec: FeatureSpec, lengths: Mapping[str, np.ndarray], batch_size: int) -> FlopCount:
-    """Forward FLOPs of GEMModel.loss on a batch whose branches have these per-example history lengths."""
+def gem_flops(config: ModelConfig, spec: FeatureSpec, lengths: Mapping[str, np.ndarray], batch_size: int,
+              history_tokens: int = 0) -> FlopCount:
+    """Forward FLOPs of GEMModel.loss on a batch whose branches have these per-example history lengths
+    (`history_tokens`: the batch's history events before any branch selects, for shared tables' projections)."""
     count = FlopCount(samples=batch_size, tokens=int(sum(int(np.sum(v)) for v in lengths.values())))
     if config.architecture in ("dlrm", "dcn"):
         return dlrm_flops(config, spec, count)
@@ -133,6 +137,10 @@ def gem_flops(config: ModelConfig, spec: FeatureSpec, lengths: Mapping[str, np.n
     n_dense = len(spec.dense_features)
 
     count.add("input_projections", linear_flops(B, ds, d) + linear_flops(B, n_dense, d) + linear_flops(B, rep, d))
+    for table, stored in config.embedding.table_widths:  # shared tables read through a projection
+        pooled = table not in _SEQUENCE_TABLES and not table.startswith("history_")
+        rows = B if pooled else history_tokens + (B if table == "item" else 0)
+        count.add("input_projections", linear_flops(rows, stored, d if pooled else ds))
     n_pooled = 1 + len(spec.sparse_features) + 1  # user, sparse features, surface
     n = n_pooled + 1 + (1 if n_dense else 0) + (1 if rep else 0)
     n_out = wk.n_fm + wk.n_lcb
@@ -193,4 +201,4 @@ def dlrm_flops(config: ModelConfig, spec: FeatureSpec, count: FlopCount) -> Flop
 def batch_flops(batch, spec: FeatureSpec, config: ModelConfig) -> FlopCount:
     """Forward FLOPs of a loader batch (SequenceBatch) or a ModelInput, from its actual lengths."""
     lengths = branch_lengths(config, spec, batch.history_offsets, batch.history_action, batch.history_event_type)
-    return gem_flops(config, spec, lengths, int(batch.history_offsets.numel()) - 1)
+    return gem_flops(config, spec, lengths, int(batch.history_offsets.numel()) - 1, int(batch.history_offsets[-1]))

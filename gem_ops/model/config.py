@@ -46,6 +46,12 @@ class EmbeddingConfig:
     user_buckets: int = 65_536
     sparse_buckets: int = 4_096  # each other sparse id feature
     age_buckets: int = 40  # log2 buckets of the time between an event and the request
+    # Tables stored at another width than the model's (table name, width), each read through a learnt
+    # projection to the model's width: a teacher's table shared with a narrower student.
+    table_widths: tuple[tuple[str, int], ...] = ()
+
+    def table_width(self, table: str, model_width: int) -> int:
+        return dict((name, width) for name, width in self.table_widths).get(table, model_width)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem_ops.model import features as F
 from gem_ops.model.config import FeatureSpec, ModelConfig
@@ -20,8 +21,8 @@ def pooled_tables(spec: FeatureSpec, config: ModelConfig) -> list[EmbeddingBagCo
     rows = {F.USER_ID: emb.user_buckets, F.SURFACE: len(spec.surfaces)}
     rows.update({name: emb.sparse_buckets for name in spec.sparse_features})
     return [
-        EmbeddingBagConfig(name=key, embedding_dim=emb.dim, num_embeddings=rows[key], feature_names=[key],
-                           pooling=PoolingType.SUM)
+        EmbeddingBagConfig(name=key, embedding_dim=emb.table_width(key, emb.dim), num_embeddings=rows[key],
+                           feature_names=[key], pooling=PoolingType.SUM)
         for key in F.pooled_keys(spec)
     ]
 
@@ -39,8 +40,14 @@ def sequence_tables(spec: FeatureSpec, config: ModelConfig) -> list[EmbeddingCon
     for feature in F.history_features(spec, config):
         tables[f"history_{feature}"] = (emb.sparse_buckets, [f"history_{feature}"])
         tables[f"history_{feature}_match"] = (2, [f"history_{feature}_match"])
-    return [EmbeddingConfig(name=name, embedding_dim=emb.sequence_dim, num_embeddings=rows, feature_names=keys)
-            for name, (rows, keys) in tables.items()]
+    return [EmbeddingConfig(name=name, embedding_dim=emb.table_width(name, emb.sequence_dim), num_embeddings=rows,
+                            feature_names=keys) for name, (rows, keys) in tables.items()]
+
+
+def table_projections(tables, model_width: int, device) -> dict[str, nn.Linear]:
+    """A learnt linear map to the model's width for every table stored at another width."""
+    return {t.name: nn.Linear(t.embedding_dim, model_width, bias=False, device=device)
+            for t in tables if t.embedding_dim != model_width}
 
 
 class GEMEmbeddings(nn.Module):
@@ -48,8 +55,20 @@ class GEMEmbeddings(nn.Module):
 
     def __init__(self, spec: FeatureSpec, config: ModelConfig, device: torch.device | None = None):
         super().__init__()
-        self.pooled = EmbeddingBagCollection(tables=pooled_tables(spec, config), device=device)
-        self.sequence = EmbeddingCollection(tables=sequence_tables(spec, config), device=device)
+        pooled, sequence = pooled_tables(spec, config), sequence_tables(spec, config)
+        ds = config.embedding.sequence_dim
+        self.pooled = EmbeddingBagCollection(tables=pooled, device=device)
+        self.sequence = EmbeddingCollection(tables=[t for t in sequence if t.embedding_dim == ds], device=device)
+        # A TorchRec EmbeddingCollection holds tables of one width: shared tables of other widths get
+        # collections of their own (none but in a student sharing a teacher's tables).
+        widths = sorted({t.embedding_dim for t in sequence} - {ds})
+        self.sequence_other = nn.ModuleDict({str(w): EmbeddingCollection(
+            tables=[t for t in sequence if t.embedding_dim == w], device=device) for w in widths})
+        self.sequence_keys = [k for t in sequence if t.embedding_dim == ds for k in t.feature_names]
+        # Tables shared from a wider (or narrower) teacher reach the model's width through these.
+        self.projections = nn.ModuleDict({**table_projections(pooled, config.embedding.dim, device),
+                                          **table_projections(sequence, config.embedding.sequence_dim, device)})
+        self.table_of = {key: t.name for t in [*pooled, *sequence] for key in t.feature_names}
         self.pooled_keys = F.pooled_keys(spec)
         self.history_keys = F.sequence_keys(spec, config)[1:]  # all but the candidate
         self.n_pooled = len(self.pooled_keys)
@@ -59,8 +78,22 @@ class GEMEmbeddings(nn.Module):
     def forward(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # By key, not by position: a sharded collection returns its tables grouped by rank.
         by_key = self.pooled(x.pooled).to_dict()
-        pooled = torch.stack([by_key[key] for key in self.pooled_keys], dim=1)
-        seq = self.sequence(x.sequence)
-        candidate = seq[F.CANDIDATE_ITEM].values()
-        history = sum(seq[key].values() for key in self.history_keys)  # item + context of each event
+        pooled = torch.stack([self._at_width(key, by_key[key]) for key in self.pooled_keys], dim=1)
+        seq = self._sequence_lookups(x.sequence)
+        candidate = self._at_width(F.CANDIDATE_ITEM, seq[F.CANDIDATE_ITEM].values())
+        history = sum(self._at_width(key, seq[key].values()) for key in self.history_keys)  # item + context of each event
         return pooled, candidate, self.history_norm(history)
+
+    def _sequence_lookups(self, ids: KeyedJaggedTensor) -> dict:
+        if not self.sequence_other:
+            return self.sequence(ids)
+        by_key = ids.to_dict()
+        out = self.sequence(KeyedJaggedTensor.from_jt_dict({k: by_key[k] for k in self.sequence_keys}))
+        for collection in self.sequence_other.values():
+            keys = [k for config in collection.embedding_configs() for k in config.feature_names]
+            out.update(collection(KeyedJaggedTensor.from_jt_dict({k: by_key[k] for k in keys})))
+        return out
+
+    def _at_width(self, key: str, values: torch.Tensor) -> torch.Tensor:
+        table = self.table_of[key]
+        return self.projections[table](values) if table in self.projections else values

@@ -1,10 +1,13 @@
 """Parameter sharing: a student starts from its teacher's embedding tables (optionally frozen). A shared
-table must have the teacher's shape, so the student's config takes the teacher's rows and width for it."""
+table has the teacher's shape (rows and width); the student keeps its own widths, and reads a table of
+another width through a learnt projection (EmbeddingConfig.table_widths), so it never grows to the
+teacher's size beyond the table itself."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from gem_ops.model import features as F
@@ -32,27 +35,31 @@ def _shape_fields(table: str) -> tuple[str, ...]:
 
 
 def sharing_config(student: ModelConfig, teacher: ModelConfig, tables: tuple[str, ...]) -> ModelConfig:
-    """The student's config with each shared table shaped like the teacher's."""
+    """The student's config with each shared table stored like the teacher's (its rows and width); the
+    student keeps its own widths, and a table at another width reaches them through a learnt projection."""
     emb = student.embedding
+    widths = dict(emb.table_widths)
     for table in tables:
-        emb = replace(emb, **{name: getattr(teacher.embedding, name) for name in _shape_fields(table)})
-    heads = student.sequence.heads
-    if emb.sequence_dim % heads:
-        raise ValueError(f"sharing {tables} gives the student sequence_dim {emb.sequence_dim}, "
-                         f"not a multiple of its {heads} attention heads")
-    return replace(student, embedding=emb)
+        rows, width_field = _shape_fields(table)[:-1], _shape_fields(table)[-1]
+        emb = replace(emb, **{name: getattr(teacher.embedding, name) for name in rows})
+        theirs = teacher.embedding.table_width(table, getattr(teacher.embedding, width_field))
+        if theirs != getattr(student.embedding, width_field):
+            widths[table] = theirs
+    return replace(student, embedding=replace(emb, table_widths=tuple(sorted(widths.items()))))
 
 
 def embedding_tables(model: nn.Module) -> dict[str, nn.Parameter]:
     """Table name -> weight, for the pooled and the sequence collections."""
     emb = model.embeddings
     tables = {name: bag.weight for name, bag in emb.pooled.embedding_bags.items()}
-    tables.update({name: e.weight for name, e in emb.sequence.embeddings.items()})
+    for collection in (emb.sequence, *emb.sequence_other.values()):
+        tables.update({name: e.weight for name, e in collection.embeddings.items()})
     return tables
 
 
 def share_tables(student: nn.Module, teacher: nn.Module, tables: tuple[str, ...], freeze: bool = False) -> list[str]:
-    """Copies the named tables from teacher to student (freezing them if asked); returns the names."""
+    """Copies the named tables from teacher to student (freezing them if asked), and starts the projection of
+    a table stored at another width than the student's at the table's principal directions; returns the names."""
     theirs, ours = embedding_tables(teacher), embedding_tables(student)
     for table in tables:
         if table not in theirs or table not in ours:
@@ -62,4 +69,21 @@ def share_tables(student: nn.Module, teacher: nn.Module, tables: tuple[str, ...]
                              f"student {tuple(ours[table].shape)} (build the student with sharing_config)")
         ours[table].data.copy_(theirs[table].data)
         ours[table].requires_grad_(not freeze)
+        projection = student.embeddings.projections[table] if table in student.embeddings.projections else None
+        if projection is not None:
+            principal_projection(theirs[table].detach(), projection)
     return list(tables)
+
+
+@torch.no_grad()
+def principal_projection(table: torch.Tensor, projection: nn.Linear) -> None:
+    """The projection's rows set to the table's top principal directions (as many as the student's width;
+    random orthonormal rows where the student is wider): at the start it keeps what varies most."""
+    width = projection.out_features
+    centred = table.float() - table.float().mean(0)
+    _, _, directions = torch.linalg.svd(centred, full_matrices=False)  # [min(rows, d), d]
+    weight = torch.empty(width, table.shape[1])
+    torch.nn.init.orthogonal_(weight)
+    k = min(width, directions.shape[0])
+    weight[:k] = directions[:k]
+    projection.weight.copy_(weight.to(projection.weight))
