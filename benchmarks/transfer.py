@@ -1,19 +1,26 @@
-"""Knowledge transfer: vertical models trained alone, with direct transfer (GEM -> VM) and with
-hierarchical transfer (GEM -> domain FM -> VM), each with and without the Student Adapter, at the same
-student size and training budget, on drifting synthetic logs and on the bundled MovieLens sample.
+"""Knowledge transfer to the vertical models, over several seeds: each vertical (domain, objective) trained
+alone, with plain distillation, with direct transfer (GEM -> VM: Student Adapter, the teacher's looked-up
+user representation, the shared item table through a projection), the same without the adapter, and with
+hierarchical transfer (GEM -> domain FM -> VM), at the same student size, data and budget, on drifting
+synthetic logs and on the bundled MovieLens sample.
 
-The teacher (GEM) learns from the training days that end `staleness_days` before the students' do; the
-students learn from the newest `student_days` training days of their domain; all are judged on the
-same eval days. For each vertical model (domain, objective): AUC and NE of every variant, of the
-teachers on the same examples, and the share of the teacher-student gap that transfer closes,
-(student - alone) / (teacher - alone). Saved to benchmarks/results/transfer.json.
+The teacher (GEM) learns from the training days that end `staleness_days` before the students' do (a stale
+teacher); the students learn from the newest `student_days` training days of their domain, the newest of
+them held out for early stopping and calibration; all are judged on the same eval days. Everything trains
+through gem_ops.train.engine. Per vertical, over the seeds: each variant's AUC / NE / calibration (mean and
+spread), the teachers' on the same examples, and the share of the teacher-alone AUC gap a variant closes,
+computed only where the teacher beats the alone model by more than the seeds' spread. Beside them, each
+student's parameter count and its single-request latency on the CPU (one user, `--candidates` candidates,
+the median of `--latency-reps` forward passes, one thread). Saved to benchmarks/results/transfer.json.
 
-    python benchmarks/transfer.py [--datasets synthetic movielens] [--gem-steps 400] [--student-epochs 2]
+    python benchmarks/transfer.py --seeds 0 1 2 [--datasets synthetic movielens] [--gem-epochs 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 import tempfile
 import time
@@ -27,8 +34,15 @@ from benchmarks.common import save  # noqa: E402
 
 END = date(2026, 11, 14)
 DAYS = 14
-VARIANTS = ("alone", "direct", "direct_no_adapter", "hierarchical", "hierarchical_no_adapter")
 FIGURES = ("auc", "ne", "calibration")
+# variant -> (teacher: none / gem / fm, TransferConfig settings)
+VARIANTS = {
+    "alone": (None, {}),
+    "distillation": ("gem", {"student_adapter": False, "representation": False, "shared_tables": ()}),
+    "direct": ("gem", {}),
+    "direct_no_adapter": ("gem", {"student_adapter": False}),
+    "hierarchical": ("fm", {}),
+}
 
 
 def synthetic_source():
@@ -49,100 +63,111 @@ def movielens_source():
     return EventSource("movielens", movielens_replay_days=DAYS), MOVIELENS_HISTORY_EVENT_TYPES
 
 
-def figures(report: dict, task: str) -> dict:
-    return {m: round(report[f"all/{task}"][m], 4) for m in FIGURES}
+def cpu_latency(model, logs, row: int, candidates: int, reps: int) -> float:
+    """Median seconds of one request's forward pass on the CPU: one user's history, `candidates` candidates."""
+    import torch
+
+    from gem_ops.model.features import model_input
+
+    batch = logs.batch([row] * candidates, model.config.sequence.max_history_len)
+    x = model_input(batch, model.spec, model.config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+            times = []
+            for _ in range(reps):
+                began = time.perf_counter()
+                model(x)
+                times.append(time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times)
 
 
-def gap_closed(student: dict, alone: dict, teacher: dict) -> dict:
-    """Share of the teacher-student gap closed, per figure (NE: lower is better, the same formula); None
-    where the teacher is not better than the student trained alone (there is no gap to close)."""
-    out = {}
-    for m, sign in (("auc", 1), ("ne", -1)):
-        gap = teacher[m] - alone[m]
-        out[m] = round((student[m] - alone[m]) / gap, 3) if sign * gap > 1e-4 else None
-    return out
-
-
-def run_dataset(name: str, args, work: Path) -> dict:
-    import numpy as np
-
+def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
+    """GEM, the domain FMs and every vertical variant of one seed."""
     from gem_ops.data.batch_shuffling import ShufflingConfig
-    from gem_ops.data.prepare import prepare_training_data
-    from gem_ops.data.sequence_logs import SequenceLogsConfig
     from gem_ops.model.config import model_config
     from gem_ops.train.config import TrainConfig
     from gem_ops.train.engine import train
     from gem_ops.transfer import windows
-    from gem_ops.transfer.config import TransferConfig, TransferWindows
-    from gem_ops.transfer.hierarchy import DomainData, as_teacher, students_examples, train_domain_foundation_model, \
-        train_vertical_model
+    from gem_ops.transfer.config import TransferConfig
+    from gem_ops.transfer.hierarchy import (DomainData, as_teacher, students_examples, train_domain_foundation_model,
+                                            train_vertical_model)
     from gem_ops.transfer.knowledge import score_examples
-    from gem_ops.transfer.user_representations import compute_user_representations
     from gem_ops.transfer.student import Teacher, prediction_report, write_student_plan
+    from gem_ops.transfer.user_representations import compute_user_representations
 
-    source, history_types = {"synthetic": synthetic_source, "movielens": movielens_source}[name]()
-    data = prepare_training_data(source, END, DAYS, work / name,
-                                 SequenceLogsConfig(max_history_len=args.max_history_len, eval_days=args.eval_days,
-                                                    history_event_types=history_types))
-    logs = data.open()
-    window = TransferWindows(student_days=args.student_days, staleness_days=args.staleness_days)
-    shuffling = ShufflingConfig(sub_batch_size=128, sub_batches_per_rank=2)
+    shuffling = ShufflingConfig(sub_batch_size=128, sub_batches_per_rank=2, seed=seed)
     gem_config = model_config("gem", width=args.gem_width, **{"sequence.max_history_len": args.max_history_len})
     fm_base = model_config("domain_fm", width=0.5, **{"sequence.max_history_len": args.max_history_len})
     vm_base = model_config("vertical", **{"sequence.max_history_len": 64})
-    # GEM by steps; students by passes over their (small) fresh data: more passes overfit it.
-    train_config = lambda steps=None, epochs=100: TrainConfig(  # noqa: E731
-        max_steps=steps, epochs=epochs, lr_dense=2e-3, eval_max_examples=1_000_000)
+
+    def settings(epochs: int, eval_every: int) -> TrainConfig:
+        return TrainConfig(epochs=epochs, lr_dense=args.lr_dense, lr_schedule="cosine", validation_days=1,
+                           eval_every=eval_every, early_stopping_patience=args.patience,
+                           eval_max_examples=1_000_000, seed=seed)
 
     began = time.perf_counter()
-    teacher_rows = windows.teacher_examples(logs, window)
-    plan = write_student_plan(logs, teacher_rows, work / name / "gem_plan.parquet", shuffling, args.max_history_len)
-    gem_model, gem_run = train(logs, plan, gem_config, train_config(args.gem_steps))
-    print(f"{name}: GEM {gem_run.steps} steps on {teacher_rows.size} stale examples in "
-          f"{time.perf_counter() - began:.0f} s; eval {figures(gem_run.final_report, logs.objectives[0])}", flush=True)
+    old = windows.teacher_examples(logs, window)
+    plan = write_student_plan(logs, old, work / f"gem_plan_{seed}.parquet", shuffling, args.max_history_len)
+    gem_model, gem_run = train(logs, plan, gem_config, settings(args.gem_epochs, args.gem_eval_every))
     scored = students_examples(logs, window)
     table = compute_user_representations(gem_model, logs, scored, {"name": "gem"})
     gem = Teacher(gem_model, score_examples(gem_model, logs, scored, {"name": "gem"}, representations=table),
                   {"name": "gem"}, table)
-
-    domains = args.domains or _largest_domains(logs, window, args.top_domains)
-    results = {}
-    for domain in domains:
+    print(f"{name} seed {seed}: GEM {gem_run.steps} steps (kept {gem_run.best_step}) in "
+          f"{time.perf_counter() - began:.0f} s", flush=True)
+    rows = {}
+    for domain in args.domains or largest_domains(logs, window, args.top_domains):
         part = DomainData.of(logs, domain, window)
-        fms = {}
-        for adapter in (True, False):
-            transfer = TransferConfig(student_adapter=adapter)
-            run = train_domain_foundation_model(logs, part, fm_base, train_config(epochs=args.fm_epochs),
-                                                work / name / domain / f"fm_{adapter}", transfer, gem, shuffling)
-            fms[adapter] = as_teacher(run, part, {"name": f"fm_{domain}"})
+        fm_run = train_domain_foundation_model(logs, part, fm_base, settings(args.student_epochs, args.student_eval_every),
+                                               work / f"{domain}_fm_{seed}", TransferConfig(), gem, shuffling)
+        teachers = {"gem": gem, "fm": as_teacher(fm_run, part, {"name": f"fm_{domain}"}), None: None}
         tasks = [t for t in windows.labelled_tasks(logs, part.train) if t in windows.labelled_tasks(logs, part.eval)]
-        for task in [t for t in tasks if t in args.tasks]:
-            key = f"{domain}/{task}"
+        for task in (t for t in tasks if t in args.tasks):
             config = replace(vm_base, tasks=(task,))
-            row = {"train_examples": int(part.train.size), "eval_examples": int(part.eval.size),
-                   "teacher_gem": figures(prediction_report(logs, gem.predictions, part.eval, config), task),
-                   "teacher_fm": figures(prediction_report(logs, fms[True].predictions, part.eval, config), task)}
-            teachers = {"alone": None, "direct": gem, "direct_no_adapter": gem,
-                        "hierarchical": fms[True], "hierarchical_no_adapter": fms[False]}
-            for variant in VARIANTS:
-                transfer = TransferConfig(student_adapter="no_adapter" not in variant)
-                run = train_vertical_model(logs, part, task, vm_base, train_config(epochs=args.student_epochs),
-                                           work / name / domain / task / variant, transfer, teachers[variant], shuffling)
-                row[variant] = figures(run.result.final_report, task)
-            for variant in VARIANTS[1:]:
-                row[f"gap_closed.{variant}"] = gap_closed(row[variant], row["alone"], row["teacher_gem"])
-            results[key] = row
-            print(f"{name} {key}: " + ", ".join(f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}"
-                                               for v in ("teacher_gem", "teacher_fm", *VARIANTS)), flush=True)
-    mean = {v: {m: round(float(np.mean([r[v][m] for r in results.values()])), 4) for m in FIGURES}
-            for v in ("teacher_gem", "teacher_fm", *VARIANTS)}
-    return {"verticals": results, "mean": mean,
-            "gap_closed_of_mean": {v: gap_closed(mean[v], mean["alone"], mean["teacher_gem"]) for v in VARIANTS[1:]},
-            "gem_eval": gem_run.final_report, "examples": {"teacher": int(teacher_rows.size), "all": len(logs)},
+            row = {"gem": _figures(prediction_report(logs, gem.predictions, part.eval, config), task),
+                   "fm": _figures(prediction_report(logs, teachers["fm"].predictions, part.eval, config), task)}
+            for variant, (teacher, transfer) in VARIANTS.items():
+                run = train_vertical_model(logs, part, task, vm_base, settings(args.student_epochs, args.student_eval_every),
+                                           work / f"{domain}_{task}_{variant}_{seed}", TransferConfig(**transfer),
+                                           teachers[teacher], shuffling)
+                row[variant] = _figures(run.result.final_report, task)
+                row[variant]["parameters"] = sum(p.numel() for p in run.model.parameters())
+                row[variant]["cpu_latency_s"] = cpu_latency(run.model, run.data, int(part.eval[0]), args.candidates,
+                                                            args.latency_reps)
+            rows[f"{domain}/{task}"] = row
+            print(f"{name} seed {seed} {domain}/{task}: " + ", ".join(
+                f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}" for v in ("gem", "fm", *VARIANTS)), flush=True)
+    return {"verticals": rows, "gem_eval": gem_run.final_report, "gem_steps": gem_run.steps,
             "seconds": round(time.perf_counter() - began, 1)}
 
 
-def _largest_domains(logs, window, n: int) -> list[str]:
+def summarize(seeds: list[dict]) -> dict:
+    """Per vertical: each variant's figures as mean and spread over seeds, the gap closed where real, and
+    the protocol's comparisons."""
+    out = {}
+    for key in seeds[0]["verticals"]:
+        per = {who: {m: _spread([s["verticals"][key][who][m] for s in seeds]) for m in seeds[0]["verticals"][key][who]}
+               for who in seeds[0]["verticals"][key]}
+        teacher, alone = per["gem"]["auc"], per["alone"]["auc"]
+        real_gap = teacher["mean"] - alone["mean"] > max(teacher["spread"], alone["spread"])
+        gap = {v: ((per[v]["auc"]["mean"] - alone["mean"]) / (teacher["mean"] - alone["mean"]) if real_gap else None)
+               for v in VARIANTS if v != "alone"}
+        out[key] = {"figures": per, "gap_real": real_gap, "gap_closed_auc": gap,
+                    "hierarchical_not_worse_than_alone": per["hierarchical"]["auc"]["mean"] >= alone["mean"]
+                    - max(per["hierarchical"]["auc"]["spread"], alone["spread"]),
+                    "adapter_beats_no_adapter": per["direct"]["auc"]["mean"] - per["direct_no_adapter"]["auc"]["mean"]
+                    > max(per["direct"]["auc"]["spread"], per["direct_no_adapter"]["auc"]["spread"])}
+    return out
+
+
+def largest_domains(logs, window, n: int) -> list[str]:
     import numpy as np
 
     from gem_ops.transfer import windows
@@ -152,26 +177,56 @@ def _largest_domains(logs, window, n: int) -> list[str]:
     return [logs.surfaces[i] for i in np.argsort(-counts)[:n]]
 
 
+def _figures(report: dict, task: str) -> dict:
+    return {m: report[f"all/{task}"][m] for m in FIGURES}
+
+
+def _spread(values: list[float]) -> dict:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return {"mean": math.nan, "spread": math.nan}
+    return {"mean": statistics.mean(values), "spread": max(values) - min(values)}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", nargs="+", default=["synthetic", "movielens"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--domains", nargs="*", default=None, help="default: the --top-domains largest")
     parser.add_argument("--top-domains", type=int, default=2)
     parser.add_argument("--tasks", nargs="+", default=["click", "conversion"])
-    parser.add_argument("--student-days", type=int, default=3)
+    parser.add_argument("--student-days", type=int, default=4, help="the newest is held out for validation")
     parser.add_argument("--staleness-days", type=int, default=3)
     parser.add_argument("--eval-days", type=int, default=2)
     parser.add_argument("--max-history-len", type=int, default=128)
     parser.add_argument("--gem-width", type=float, default=0.5)
-    parser.add_argument("--gem-steps", type=int, default=400)
-    parser.add_argument("--fm-epochs", type=int, default=2, help="passes of each domain FM over its domain's fresh data")
-    parser.add_argument("--student-epochs", type=int, default=2, help="passes of each vertical model over its data")
+    parser.add_argument("--gem-epochs", type=int, default=3)
+    parser.add_argument("--gem-eval-every", type=int, default=50)
+    parser.add_argument("--student-epochs", type=int, default=4)
+    parser.add_argument("--student-eval-every", type=int, default=10)
+    parser.add_argument("--patience", type=int, default=3)
+    parser.add_argument("--lr-dense", type=float, default=3e-3)
+    parser.add_argument("--candidates", type=int, default=1, help="candidates of the latency request")
+    parser.add_argument("--latency-reps", type=int, default=50)
+    parser.add_argument("--output-name", default="transfer")
     args = parser.parse_args()
+
+    from gem_ops.data.prepare import prepare_training_data
+    from gem_ops.data.sequence_logs import SequenceLogsConfig
+    from gem_ops.transfer.config import TransferWindows
+
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        results = {name: run_dataset(name, args, Path(tmp)) for name in args.datasets}
-    for name, result in results.items():
-        print(f"{name} mean: {result['mean']}\n  gap closed: {result['gap_closed_of_mean']}")
-    save("transfer", {**vars(args), "end": END.isoformat(), "days": DAYS}, results)
+        for name in args.datasets:
+            source, history_types = {"synthetic": synthetic_source, "movielens": movielens_source}[name]()
+            data = prepare_training_data(source, END, DAYS, Path(tmp) / name,
+                                         SequenceLogsConfig(max_history_len=args.max_history_len, eval_days=args.eval_days,
+                                                            history_event_types=history_types))
+            logs = data.open()
+            window = TransferWindows(student_days=args.student_days, staleness_days=args.staleness_days)
+            seeds = [run_seed(name, seed, args, logs, window, Path(tmp) / name) for seed in args.seeds]
+            results[name] = {"seeds": seeds, "summary": summarize(seeds)}
+            save(args.output_name, {**vars(args), "end": END.isoformat(), "days": DAYS, "variants": VARIANTS}, results)
 
 
 if __name__ == "__main__":
