@@ -5,7 +5,6 @@ the students' batches by example index."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -13,10 +12,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from gem_ops.data.atomic import atomic_path
 from gem_ops.data.loader import SequenceBatch, SequenceLogs
 from gem_ops.metrics.quality import quality_report
 from gem_ops.model.config import FeatureSpec
@@ -24,6 +21,7 @@ from gem_ops.model.features import model_input
 from gem_ops.model.gem import GEMModel
 from gem_ops.train.acceleration import autocast_context
 from gem_ops.transfer.user_representations import UserRepresentations, representations_of_examples
+from gem_ops.transfer.vector_files import column_vectors, read_vector_file, vector_column, write_vector_file
 
 METADATA_KEY = b"gem.teacher"
 
@@ -119,40 +117,23 @@ def score_examples(model: GEMModel, logs: SequenceLogs, indices: np.ndarray, tea
 def write_predictions(predictions: TeacherPredictions, destination: str | os.PathLike) -> Path:
     """One Parquet file (example_index, logit_<objective>..., representation), written aside then renamed;
     the teacher's identity and objectives go in the file's metadata."""
-    n, h = len(predictions), predictions.representation_dim
     columns = {"example_index": pa.array(predictions.example_index, pa.int64())}
     for t, name in enumerate(predictions.objectives):
         columns[f"logit_{name}"] = pa.array(predictions.logits[:, t], pa.float32())
-    if h:  # a teacher without user representations stores none
-        flat = pa.array(np.ascontiguousarray(predictions.representation).reshape(-1), pa.float16())
-        columns["representation"] = (pa.FixedSizeListArray.from_arrays(flat, h) if n
-                                     else pa.array([], pa.list_(pa.float16(), h)))
-    meta = {"objectives": list(predictions.objectives), "teacher": predictions.teacher}
-    table = pa.table(columns).replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()})
-    with atomic_path(destination) as tmp:
-        pq.write_table(table, tmp)
-    return Path(destination)
+    if predictions.representation_dim:  # a teacher without user representations stores none
+        columns["representation"] = vector_column(predictions.representation)
+    header = {"objectives": list(predictions.objectives), "teacher": predictions.teacher}
+    return write_vector_file(columns, METADATA_KEY, header, destination)
 
 
 def read_predictions(path: str | os.PathLike) -> TeacherPredictions:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"teacher predictions {path} do not exist: materialize teacher_predictions first")
-    table = pq.read_table(path)
-    raw = (table.schema.metadata or {}).get(METADATA_KEY)
-    if raw is None:
-        raise ValueError(f"{path}: not a teacher predictions file (no {METADATA_KEY.decode()} metadata)")
-    meta = json.loads(raw)
-    if "representation" in table.column_names:
-        rep = table.column("representation").combine_chunks()
-        h = rep.type.list_size
-        values = rep.values.to_numpy(zero_copy_only=False) if len(rep) else np.zeros(0, np.float16)
-    else:
-        h, values = 0, np.zeros(0, np.float16)
+    table, meta = read_vector_file(path, METADATA_KEY, "teacher predictions")
+    representation = (column_vectors(table.column("representation"), table.num_rows)
+                      if "representation" in table.column_names else np.zeros((table.num_rows, 0), np.float16))
     return TeacherPredictions(
         example_index=table.column("example_index").to_numpy(),
         logits=np.stack([table.column(f"logit_{t}").to_numpy() for t in meta["objectives"]], 1).astype(np.float32),
-        representation=values.reshape(table.num_rows, h).copy(),  # writable, for torch
+        representation=representation,
         objectives=tuple(meta["objectives"]),
         teacher=meta["teacher"],
     )

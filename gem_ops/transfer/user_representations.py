@@ -9,7 +9,6 @@ row (domain, user, D): in production the table is computed once a day, after the
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +16,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from gem_ops.data.atomic import atomic_path
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.features import model_input
 from gem_ops.train.acceleration import autocast_context
+from gem_ops.transfer.vector_files import column_vectors, read_vector_file, vector_column, write_vector_file
 
 MS_PER_DAY = 86_400_000
 METADATA_KEY = b"gem.user_representations"
@@ -115,32 +113,19 @@ def representations_path(predictions_path: str | os.PathLike) -> Path:
 
 
 def write_user_representations(table: UserRepresentations, destination: str | os.PathLike) -> Path:
-    n, h = len(table), table.dim
-    flat = pa.array(np.ascontiguousarray(table.vectors).reshape(-1), pa.float16())
-    columns = {"domain": pa.array(np.asarray(table.domains, dtype=object)[table.domain] if n else [], pa.string()),
+    columns = {"domain": pa.array(np.asarray(table.domains, dtype=object)[table.domain] if len(table) else [], pa.string()),
                "user_id": pa.array(table.user_id, pa.int64()), "day": pa.array(table.day, pa.int64()),
-               "representation": pa.FixedSizeListArray.from_arrays(flat, h) if n else pa.array([], pa.list_(pa.float16(), h))}
-    meta = {"domains": list(table.domains), "teacher": table.teacher, "dim": h}
-    arrow = pa.table(columns).replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()})
-    with atomic_path(destination) as tmp:
-        pq.write_table(arrow, tmp)
-    return Path(destination)
+               "representation": vector_column(table.vectors)}
+    header = {"domains": list(table.domains), "teacher": table.teacher, "dim": table.dim}
+    return write_vector_file(columns, METADATA_KEY, header, destination)
 
 
 def read_user_representations(path: str | os.PathLike) -> UserRepresentations:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"user representations {path} do not exist: materialize teacher_predictions first")
-    arrow = pq.read_table(path)
-    raw = (arrow.schema.metadata or {}).get(METADATA_KEY)
-    if raw is None:
-        raise ValueError(f"{path}: not a user representations file (no {METADATA_KEY.decode()} metadata)")
-    meta = json.loads(raw)
-    domains = tuple(meta["domains"])
+    arrow, header = read_vector_file(path, METADATA_KEY, "user representations")
+    domains = tuple(header["domains"])
     index = {name: i for i, name in enumerate(domains)}
-    rep = arrow.column("representation").combine_chunks()
-    values = rep.values.to_numpy(zero_copy_only=False) if len(rep) else np.zeros(0, np.float16)
     return UserRepresentations(
         domain=np.array([index[d] for d in arrow.column("domain").to_pylist()], dtype=np.int64),
         user_id=arrow.column("user_id").to_numpy(), day=arrow.column("day").to_numpy(),
-        vectors=values.reshape(-1, meta["dim"]).copy(), domains=domains, teacher=meta["teacher"])
+        vectors=column_vectors(arrow.column("representation"), arrow.num_rows), domains=domains,
+        teacher=header["teacher"])
