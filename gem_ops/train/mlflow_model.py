@@ -27,6 +27,7 @@ from gem_ops.model.config import FeatureSpec
 from gem_ops.model.features import model_input
 from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import PROJECT_ROOT
+from gem_ops.train.model_state import load_model_state, model_from_state, model_state
 
 MODEL_STATE = "model_state"
 INPUT_EXAMPLE_ROWS = 4  # eval requests saved with the model as its input example
@@ -114,8 +115,6 @@ def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec) -> SequenceBatch:
 
 class GEMPyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-        from gem_ops.train.model_state import load_model_state, model_from_state
-
         self.model = model_from_state(load_model_state(context.artifacts[MODEL_STATE])).eval()
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
@@ -137,8 +136,6 @@ def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example:
               version_tags: dict[str, str] | None = None) -> str | None:
     """Saves the pyfunc into the run's artifacts and, given a name, registers a new version (with the
     given tags); returns it."""
-    from gem_ops.train.model_state import model_state
-
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "model_state.pt"
         torch.save(model_state(model), state_path)

@@ -41,7 +41,7 @@ def save_model_state(state: dict[str, Any], destination: str | os.PathLike) -> P
 
 
 def load_model_state(path: str | os.PathLike) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=True)  # plain data and tensors only
 
 
 def export_full_model_state(module: torch.nn.Module, spec: FeatureSpec, model_config: ModelConfig,
