@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -11,12 +12,17 @@ import polars as pl
 from gem_ops.data.schema import (
     CATEGORY_COLUMNS,
     ID_COLUMNS,
+    RESERVED_SURFACES,
     TIMESTAMP_DTYPE,
     EventLogColumns,
     EventLogError,
+    check_names,
     check_required_dtypes,
     classify_columns,
 )
+
+log = logging.getLogger(__name__)
+INT64_MAX = 2**63 - 1
 
 
 def read_event_log(path: str | os.PathLike) -> pl.DataFrame:
@@ -41,6 +47,22 @@ def normalize_event_log(frame: pl.DataFrame, source: str) -> pl.DataFrame:
         nulls = frame[name].null_count()
         if nulls:
             raise EventLogError(source, name, f"{nulls} null value(s) of {frame.height}; this column may not be null")
+    for name in (*ID_COLUMNS, *columns.sparse_features):
+        if frame[name].dtype == pl.UInt64 and (frame[name].max() or 0) > INT64_MAX:
+            raise EventLogError(source, name, f"ids above {INT64_MAX} (the int64 range), e.g. {frame[name].max()}")
+    for name in CATEGORY_COLUMNS:
+        check_names(source, name, frame[name].unique().to_list(), f"{name} values")
+    reserved = sorted(set(frame["surface"].unique().to_list()) & set(RESERVED_SURFACES))
+    if reserved:
+        raise EventLogError(source, "surface", f"{reserved} is reserved for the figures over every surface: rename it")
+    for name in columns.dense_features:
+        bad = frame[name].cast(pl.Float64).is_nan().sum() + frame[name].cast(pl.Float64).is_infinite().sum()
+        if bad:
+            raise EventLogError(source, name, f"{bad} NaN or infinite value(s) of {frame.height}; dense features "
+                                              "must be finite (null where unknown)")
+    duplicated = frame.height - frame.unique().height
+    if duplicated:
+        log.warning("%s: %d event(s) repeat another row exactly (kept: they count as separate events)", source, duplicated)
     frame = frame.with_columns(_parse_timestamp(frame["timestamp"], source))
     for name in columns.labels:
         bad = frame.filter(~pl.col(name).cast(pl.Int64).is_in([0, 1]) & pl.col(name).is_not_null()).height

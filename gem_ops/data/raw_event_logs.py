@@ -36,6 +36,17 @@ class EventSource:
     """For kind='parquet': a path with {date} (YYYY-MM-DD), e.g. /data/events/{date}.parquet."""
 
 
+def parquet_path(template: str, day: date) -> str:
+    """The day's file of a parquet_template: {date} is the one placeholder."""
+    import string
+
+    fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    if fields != {"date"}:
+        raise ValueError(f"parquet_template {template!r} must hold the one placeholder {{date}}, found "
+                         f"{sorted(fields) or 'none'}")
+    return template.format(date=day.isoformat())
+
+
 def load_day(source: EventSource, day: date) -> pl.DataFrame:
     """One day's events from `source`, validated and in canonical dtypes (may be empty)."""
     if source.kind == "synthetic":
@@ -47,9 +58,7 @@ def load_day(source: EventSource, day: date) -> pl.DataFrame:
         if frame.height == 0:
             return frame
     elif source.kind == "parquet":
-        if "{date}" not in source.parquet_template:
-            raise ValueError(f"parquet_template must contain '{{date}}', got {source.parquet_template!r}")
-        path = source.parquet_template.format(date=day.isoformat())
+        path = parquet_path(source.parquet_template, day)
         frame, origin = read_event_log(path), path
         outside = frame.height - _day_slice(frame, day).height
         if outside:

@@ -16,6 +16,7 @@ Events whose labels are all null are history only: they join timelines but are n
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import polars as pl
@@ -30,6 +31,19 @@ SORTED_BY_KEY = "gem.sorted_by"
 """Parquet key-value metadata naming the sort order a writer guarantees ("user_id,timestamp")."""
 USER_TIME_ORDER = "user_id,timestamp"
 FEATURE_PREFIXES = ("user_", "item_")
+# Names that reach file paths, metric keys and registered model names (surfaces, event types, objectives,
+# features): letters, digits, '_', '.', '-', starting with a letter or digit, at most 64 characters.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# "all" names the figures over every surface ("all/click"): no surface may take it.
+RESERVED_SURFACES = ("all",)
+
+
+def check_names(source: str, column: str, names, what: str) -> None:
+    """Every name must be SAFE_NAME; the error names the file, the column and the offending values."""
+    bad = sorted({str(n) for n in names if not SAFE_NAME.fullmatch(str(n))})
+    if bad:
+        raise EventLogError(source, column, f"{what} {bad[:5]} are not safe names: use letters, digits, '_', '.' "
+                                            "or '-', starting with a letter or digit, at most 64 characters")
 
 
 class EventLogError(ValueError):
@@ -79,6 +93,8 @@ def classify_columns(schema: pl.Schema, source: str) -> EventLogColumns:
                 )
     if not labels:
         raise EventLogError(source, None, f"no label column: name at least one '{LABEL_PREFIX}<objective>'")
+    for name in (*labels, *sparse, *dense):
+        check_names(source, name, [name], "column names")
     return EventLogColumns(tuple(labels), tuple(sparse), tuple(dense))
 
 
