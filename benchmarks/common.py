@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -19,8 +20,12 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
-            "python": platform.python_version(), "platform": platform.platform()}
+    out = {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
+           "python": platform.python_version(), "platform": platform.platform()}
+    torch = sys.modules.get("torch")  # only where the benchmark itself uses torch
+    if torch is not None and torch.cuda.is_available():
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return out
 
 
 def commit() -> dict:
@@ -42,3 +47,9 @@ def save(name: str, settings: dict, results: dict) -> Path:
     os.replace(tmp, path)
     print(f"saved {path}")
     return path
+
+
+def saved_results(name: str) -> dict:
+    """The results a previous run saved under `name` ({} if none): what `--resume` keeps."""
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text())["results"] if path.exists() else {}

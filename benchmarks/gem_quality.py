@@ -14,7 +14,8 @@ The summary gives each figure's mean and spread (max - min) over the seeds, and 
 least `--min-positives` positives whether GEM's mean AUC beats every other model's by more than the
 larger of the two spreads. `--budgets` adds GEM and DLRM at other widths (FLOPs against quality).
 
-    python benchmarks/gem_quality.py --device cuda --seeds 0 1 2 --budgets 0.25 0.5 2.0
+    python benchmarks/gem_quality.py --prepare-to .gpu_data/quality        # on a machine with polars
+    python benchmarks/gem_quality.py --device cuda --jobs 8 --data .gpu_data/quality --budgets 0.25 2.0
     python benchmarks/gem_quality.py --datasets synthetic --seeds 0 --max-steps 20 --output-name gem_quality_dryrun
 """
 
@@ -31,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import save  # noqa: E402
+from benchmarks.common import save, saved_results  # noqa: E402
+from gem_ops.data.loader import TrainingData  # noqa: E402
 
 END = date(2026, 11, 14)
 DAYS = 14
@@ -126,7 +128,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gem", "gem_no_sequence", "logistic_regression", "dlrm", "dcn"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--budgets", nargs="*", type=float, default=[], help="extra widths of GEM and DLRM")
+    parser.add_argument("--budget-datasets", nargs="*", default=None, help="datasets of the budgets (default: all)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--jobs", type=int, default=1, help="trainings at once (processes sharing the device)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--eval-every", type=int, default=50)
@@ -136,33 +140,79 @@ def main() -> None:
     parser.add_argument("--max-history-len", type=int, default=256)
     parser.add_argument("--min-positives", type=int, default=200)
     parser.add_argument("--data", type=Path, default=None, help="prepared data (<dataset>/sequence_logs, plans) to reuse")
+    parser.add_argument("--prepare-to", type=Path, default=None, help="only prepare the datasets under this folder")
     parser.add_argument("--output-name", default="gem_quality")
+    parser.add_argument("--resume", action="store_true", help="keep the trainings saved under --output-name")
     args = parser.parse_args()
 
-    configs = model_configs(args)
-    results: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.prepare_to is not None:  # the GPU machine has no polars: prepare here, carry the folder there
         for dataset in args.datasets:
-            if args.data is not None:
-                from gem_ops.data.prepare import TrainingData
-
-                data = TrainingData(args.data / dataset / "sequence_logs", {1: args.data / dataset / "plans" / "world_size=1.parquet"})
-            else:
-                data = prepare(dataset, Path(tmp), args.max_history_len)
-            logs = data.open()
-            runs = {}
-            for name, config in configs.items():
-                runs[name] = []
-                for seed in args.seeds:
-                    runs[name].append(run(logs, data.plans[1], config, args, seed))
-                    figures = runs[name][-1]["eval"]
-                    print(f"{dataset} {name} seed {seed}: " + ", ".join(
-                        f"{g} {figures[g]['auc']:.4f}/{figures[g]['ne']:.4f}" for g in figures if g.startswith("all/")),
-                          flush=True)
-            results[dataset] = {"split": {"train": int(logs.split_indices("train").size),
-                                          "eval": int(logs.split_indices("eval").size)},
-                                "runs": runs, "summary": summarize(runs, args.min_positives)}
+            prepare(dataset, args.prepare_to, args.max_history_len)
+        return
+    configs = model_configs(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        roots = {d: args.data / d if args.data is not None else prepare(d, Path(tmp), args.max_history_len).sequence_logs.parent
+                 for d in args.datasets}
+        budget_sets = set(args.budget_datasets if args.budget_datasets is not None else args.datasets)
+        jobs = [(d, name, seed) for d in args.datasets for name in configs
+                if "@" not in name or d in budget_sets for seed in args.seeds]
+        runs: dict = {d: {} for d in args.datasets}
+        if args.resume:  # a run cut short (the GPU machine's time limit) goes on where it stopped
+            for d, saved in saved_results(args.output_name).items():
+                if d in runs:
+                    runs[d] = {n: r for n, r in saved["runs"].items() if n in configs}
+            jobs = [(d, n, s) for d, n, s in jobs if s not in {r["seed"] for r in runs[d].get(n, [])}]
+        for (dataset, name, seed), figures in in_parallel(jobs, roots, configs, args):
+            runs[dataset].setdefault(name, []).append(figures)
+            print(f"{dataset} {name} seed {seed}: " + ", ".join(
+                f"{g} {figures['eval'][g]['auc']:.4f}/{figures['eval'][g]['ne']:.4f}" for g in figures["eval"]
+                if g.startswith("all/")) + f" ({figures['steps']} steps, {figures['train_seconds']} s)", flush=True)
+            results = {}
+            for d in args.datasets:
+                if not runs[d]:
+                    continue
+                logs = TrainingData.at(roots[d]).open()
+                ordered = {n: sorted(r, key=lambda f: f["seed"]) for n, r in runs[d].items()}
+                results[d] = {"split": {"train": int(logs.split_indices("train").size),
+                                        "eval": int(logs.split_indices("eval").size)},
+                              "runs": ordered, "summary": summarize(ordered, args.min_positives)}
             save(args.output_name, {**vars(args), "models": {n: c.to_dict() for n, c in configs.items()}}, results)
+
+
+def in_parallel(jobs: list[tuple], roots: dict, configs: dict, args):
+    """Yields ((dataset, model, seed), figures) as each training ends: `args.jobs` processes at a time, each
+    with its share of the CPU threads (the trainings are small; one alone leaves a GPU mostly idle)."""
+    if args.jobs <= 1:
+        for dataset, name, seed in jobs:
+            yield (dataset, name, seed), _train_one(str(roots[dataset]), configs[name], args, seed)
+        return
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_set_threads, initargs=(threads,)) as pool:
+        futures = {pool.submit(_train_one, str(roots[d]), configs[n], args, s): (d, n, s) for d, n, s in jobs}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+_OPENED: dict = {}  # per process: root -> (logs, plan), read once
+
+
+def _train_one(root: str, config, args, seed: int) -> dict:
+    if root not in _OPENED:
+        data = TrainingData.at(root)
+        _OPENED[root] = data.open(), data.plans[1]
+    logs, plan = _OPENED[root]
+    return {"seed": seed, **run(logs, plan, config, args, seed)}
 
 
 if __name__ == "__main__":

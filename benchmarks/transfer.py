@@ -14,6 +14,8 @@ student's parameter count and its single-request latency on the CPU (one user, `
 the median of `--latency-reps` forward passes, one thread). Saved to benchmarks/results/transfer.json.
 
     python benchmarks/transfer.py --seeds 0 1 2 [--datasets synthetic movielens] [--gem-epochs 2]
+    python benchmarks/transfer.py --prepare-to .gpu_data/transfer             # on a machine with polars
+    python benchmarks/transfer.py --device cuda --jobs 6 --data .gpu_data/transfer
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import save  # noqa: E402
+from benchmarks.common import save, saved_results  # noqa: E402
 
 END = date(2026, 11, 14)
 DAYS = 14
@@ -115,19 +117,21 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
     began = time.perf_counter()
     old = windows.teacher_examples(logs, window)
     plan = write_student_plan(logs, old, work / f"gem_plan_{seed}.parquet", shuffling, args.max_history_len)
-    gem_model, gem_run = train(logs, plan, gem_config, settings(args.gem_epochs, args.gem_eval_every))
+    gem_model, gem_run = train(logs, plan, gem_config, settings(args.gem_epochs, args.gem_eval_every),
+                               device=args.device)
     scored = students_examples(logs, window)
-    table = compute_user_representations(gem_model, logs, scored, {"name": "gem"})
-    gem = Teacher(gem_model, score_examples(gem_model, logs, scored, {"name": "gem"}, representations=table),
-                  {"name": "gem"}, table)
+    table = compute_user_representations(gem_model, logs, scored, {"name": "gem"}, device=args.device)
+    predictions = score_examples(gem_model, logs, scored, {"name": "gem"}, representations=table, device=args.device)
+    gem = Teacher(gem_model.cpu(), predictions, {"name": "gem"}, table)  # the students share its tables on the CPU
     print(f"{name} seed {seed}: GEM {gem_run.steps} steps (kept {gem_run.best_step}) in "
           f"{time.perf_counter() - began:.0f} s", flush=True)
     rows = {}
     for domain in args.domains or largest_domains(logs, window, args.top_domains):
         part = DomainData.of(logs, domain, window)
         fm_run = train_domain_foundation_model(logs, part, fm_base, settings(args.student_epochs, args.student_eval_every),
-                                               work / f"{domain}_fm_{seed}", TransferConfig(), gem, shuffling)
-        teachers = {"gem": gem, "fm": as_teacher(fm_run, part, {"name": f"fm_{domain}"}), None: None}
+                                               work / f"{domain}_fm_{seed}", TransferConfig(), gem, shuffling,
+                                               device=args.device)
+        teachers = {"gem": gem, "fm": as_teacher(fm_run, part, {"name": f"fm_{domain}"}, args.device), None: None}
         tasks = [t for t in windows.labelled_tasks(logs, part.train) if t in windows.labelled_tasks(logs, part.eval)]
         for task in (t for t in tasks if t in args.tasks):
             config = replace(vm_base, tasks=(task,))
@@ -136,10 +140,10 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
             for variant, (teacher, transfer) in VARIANTS.items():
                 run = train_vertical_model(logs, part, task, vm_base, settings(args.student_epochs, args.student_eval_every),
                                            work / f"{domain}_{task}_{variant}_{seed}", TransferConfig(**transfer),
-                                           teachers[teacher], shuffling)
+                                           teachers[teacher], shuffling, device=args.device)
                 row[variant] = _figures(run.result.final_report, task)
                 row[variant]["parameters"] = sum(p.numel() for p in run.model.parameters())
-                row[variant]["cpu_latency_s"] = cpu_latency(run.model, run.data, int(part.eval[0]), args.candidates,
+                row[variant]["cpu_latency_s"] = cpu_latency(run.model.cpu(), run.data, int(part.eval[0]), args.candidates,
                                                             args.latency_reps)
             rows[f"{domain}/{task}"] = row
             print(f"{name} seed {seed} {domain}/{task}: " + ", ".join(
@@ -208,25 +212,80 @@ def main() -> None:
     parser.add_argument("--lr-dense", type=float, default=3e-3)
     parser.add_argument("--candidates", type=int, default=1, help="candidates of the latency request")
     parser.add_argument("--latency-reps", type=int, default=50)
+    parser.add_argument("--device", default="cpu", help="where every model trains and scores (latency: on the CPU)")
+    parser.add_argument("--jobs", type=int, default=1, help="(dataset, seed) runs at once, in separate processes")
+    parser.add_argument("--data", type=Path, default=None, help="prepared data (<dataset>/sequence_logs, plans) to reuse")
+    parser.add_argument("--prepare-to", type=Path, default=None, help="only prepare the datasets under this folder")
     parser.add_argument("--output-name", default="transfer")
+    parser.add_argument("--resume", action="store_true", help="keep the seeds saved under --output-name")
     args = parser.parse_args()
 
-    from gem_ops.data.prepare import prepare_training_data
-    from gem_ops.data.sequence_logs import SequenceLogsConfig
-    from gem_ops.transfer.config import TransferWindows
-
+    if args.prepare_to is not None:  # the GPU machine has no polars: prepare here, carry the folder there
+        for name in args.datasets:
+            prepare(name, args.prepare_to / name, args)
+        return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.datasets:
-            source, history_types = {"synthetic": synthetic_source, "movielens": movielens_source}[name]()
-            data = prepare_training_data(source, END, DAYS, Path(tmp) / name,
-                                         SequenceLogsConfig(max_history_len=args.max_history_len, eval_days=args.eval_days,
-                                                            history_event_types=history_types))
-            logs = data.open()
-            window = TransferWindows(student_days=args.student_days, staleness_days=args.staleness_days)
-            seeds = [run_seed(name, seed, args, logs, window, Path(tmp) / name) for seed in args.seeds]
-            results[name] = {"seeds": seeds, "summary": summarize(seeds)}
+        roots = {name: args.data / name if args.data is not None else prepare(name, Path(tmp) / name, args)
+                 for name in args.datasets}
+        jobs = [(name, seed) for name in args.datasets for seed in args.seeds]
+        done: dict = {name: [] for name in args.datasets}
+        if args.resume:  # a run cut short (the GPU machine's time limit) goes on where it stopped
+            for name, saved in saved_results(args.output_name).items():
+                if name in done:
+                    done[name] = saved["seeds"]
+            jobs = [(n, s) for n, s in jobs if s not in {f["seed"] for f in done[n]}]
+        for (name, seed), figures in in_parallel(jobs, roots, Path(tmp), args):
+            done[name].append({"seed": seed, **figures})
+            for d in (d for d in args.datasets if done[d]):
+                seeds = sorted(done[d], key=lambda f: f["seed"])
+                results[d] = {"seeds": seeds, "summary": summarize(seeds)}
             save(args.output_name, {**vars(args), "end": END.isoformat(), "days": DAYS, "variants": VARIANTS}, results)
+
+
+def prepare(name: str, root: Path, args) -> Path:
+    from gem_ops.data.prepare import prepare_training_data
+    from gem_ops.data.sequence_logs import SequenceLogsConfig
+
+    source, history_types = {"synthetic": synthetic_source, "movielens": movielens_source}[name]()
+    prepare_training_data(source, END, DAYS, root, SequenceLogsConfig(
+        max_history_len=args.max_history_len, eval_days=args.eval_days, history_event_types=history_types))
+    return root
+
+
+def in_parallel(jobs: list[tuple], roots: dict, work: Path, args):
+    """Yields ((dataset, seed), figures) as each seed's chain ends, `args.jobs` processes at a time, each with
+    its share of the CPU threads."""
+    if args.jobs <= 1:
+        for name, seed in jobs:
+            yield (name, seed), _run_one(name, str(roots[name]), seed, args, str(work))
+        return
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_set_threads, initargs=(threads,)) as pool:
+        futures = {pool.submit(_run_one, n, str(roots[n]), s, args, str(work)): (n, s) for n, s in jobs}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _run_one(name: str, root: str, seed: int, args, work: str) -> dict:
+    from gem_ops.data.loader import TrainingData
+    from gem_ops.transfer.config import TransferWindows
+
+    window = TransferWindows(student_days=args.student_days, staleness_days=args.staleness_days)
+    folder = Path(work) / f"{name}_{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return run_seed(name, seed, args, TrainingData.at(root).open(), window, folder)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gem_ops.data.atomic import write_parquet_atomic
+from gem_ops.data.atomic import atomic_path
 
 CostModel = Literal["tokens", "attention"]
 
@@ -63,18 +64,15 @@ class BatchPlan:
     def rank_examples(self, rank: int) -> np.ndarray:
         return self.examples[:, rank]
 
-    def to_frame(self):
-        import polars as pl  # only writers need it; training reads plans with pyarrow alone
-
+    def to_table(self) -> pa.Table:
         steps, world, per_rank = self.examples.shape
-        return pl.DataFrame(
-            {
-                "step": np.repeat(np.arange(steps, dtype=np.int32), world),
-                "rank": np.tile(np.arange(world, dtype=np.int32), steps),
-                "cost": self.cost.reshape(-1),
-                "examples": self.examples.reshape(steps * world, per_rank),
-            }
-        )
+        examples = pa.FixedSizeListArray.from_arrays(pa.array(self.examples.reshape(-1)), per_rank)
+        return pa.table({
+            "step": np.repeat(np.arange(steps, dtype=np.int32), world),
+            "rank": np.tile(np.arange(world, dtype=np.int32), steps),
+            "cost": self.cost.reshape(-1),
+            "examples": examples,
+        })
 
 
 def sample_cost(history_lengths: np.ndarray, cost: CostModel) -> np.ndarray:
@@ -152,8 +150,10 @@ def write_plan(plan: BatchPlan, destination: str | os.PathLike, max_history_len:
     the costs were computed at (None: as the sequence logs store them) and the shuffling settings."""
     info = {"world_size": plan.world_size, "max_history_len": max_history_len,
             "shuffling": asdict(plan.config) if plan.config is not None else None}
-    return write_parquet_atomic(plan.to_frame(), destination, statistics=True,
-                                metadata={PLAN_METADATA_KEY.decode(): json.dumps(info)})
+    table = plan.to_table().replace_schema_metadata({PLAN_METADATA_KEY: json.dumps(info).encode()})
+    with atomic_path(destination) as tmp:  # pyarrow alone: plans are also written where polars is absent
+        pq.write_table(table, tmp, compression="lz4", write_statistics=True)
+    return Path(destination)
 
 
 def plan_info(path: str | os.PathLike) -> dict:

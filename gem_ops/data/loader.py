@@ -201,6 +201,26 @@ class ItemFeatures:
         return {name: torch.from_numpy(np.where(known, values[row], -1)) for name, values in self.values.items()}
 
 
+@dataclass
+class TrainingData:
+    """Prepared training data: sequence_logs/ and, per world size, its Base Batch Shuffling plan."""
+
+    sequence_logs: Path
+    plans: dict[int, Path] = field(default_factory=dict)  # world size -> plan
+
+    @classmethod
+    def at(cls, root: str | os.PathLike) -> TrainingData:
+        """What prepare_training_data wrote under `root` (reading it needs no polars)."""
+        root = Path(root)
+        if not (root / "sequence_logs").is_dir():
+            raise FileNotFoundError(f"{root} holds no prepared data: {root / 'sequence_logs'} is missing")
+        plans = {int(p.stem.split("=")[1]): p for p in (root / "plans").glob("world_size=*.parquet")}
+        return cls(root / "sequence_logs", plans)
+
+    def open(self) -> SequenceLogs:
+        return SequenceLogs(self.sequence_logs)
+
+
 def _read_tables(folder: Path) -> pa.Table:
     files = sorted(folder.glob("*.parquet"))
     if not files:

@@ -5,23 +5,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import date, timedelta
 from pathlib import Path
 
 from gem_ops.data.batch_shuffling import ShufflingConfig, plan_base_batch_shuffling, write_plan
-from gem_ops.data.loader import SequenceLogs
+from gem_ops.data.loader import TrainingData
 from gem_ops.data.raw_event_logs import EventSource, load_day, write_partition
 from gem_ops.data.sequence_logs import SequenceLogsConfig, build_sequence_logs
-
-
-@dataclass
-class TrainingData:
-    sequence_logs: Path
-    plans: dict[int, Path] = field(default_factory=dict)  # world size -> plan
-
-    def open(self) -> SequenceLogs:
-        return SequenceLogs(self.sequence_logs)
 
 
 def prepare_training_data(

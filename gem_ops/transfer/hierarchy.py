@@ -47,23 +47,25 @@ def students_examples(logs: SequenceLogs, window: TransferWindows) -> np.ndarray
 def train_domain_foundation_model(logs: SequenceLogs, data: DomainData, base: ModelConfig, train_config: TrainConfig,
                                   work_dir: str | os.PathLike, transfer: TransferConfig, gem: Teacher | None,
                                   shuffling: ShufflingConfig = ShufflingConfig(),
-                                  tracker: RunTracker | None = None) -> StudentRun:
+                                  tracker: RunTracker | None = None, device: str = "cpu") -> StudentRun:
     """A domain FM: every objective of one domain, on the domain's fresh data, from GEM (or alone)."""
-    return train_student(logs, data.train, data.eval, base, (), train_config, work_dir, transfer, gem, shuffling, tracker)
+    return train_student(logs, data.train, data.eval, base, (), train_config, work_dir, transfer, gem, shuffling, tracker,
+                         device)
 
 
-def as_teacher(run: StudentRun, data: DomainData, identity: dict[str, Any]) -> Teacher:
+def as_teacher(run: StudentRun, data: DomainData, identity: dict[str, Any], device: str = "cpu") -> Teacher:
     """A trained FM as the teacher of its domain's vertical models: its user representations of their
-    (domain, user, day)s, and its scores of their examples."""
-    table = compute_user_representations(run.model, run.data, data.all, identity)
-    return Teacher(run.model, score_examples(run.model, run.data, data.all, identity, representations=table), identity,
-                   table)
+    (domain, user, day)s, and its scores of their examples (computed on `device`; the teacher kept on the CPU)."""
+    table = compute_user_representations(run.model, run.data, data.all, identity, device=device)
+    scores = score_examples(run.model, run.data, data.all, identity, representations=table, device=device)
+    return Teacher(run.model.cpu(), scores, identity, table)
 
 
 def train_vertical_model(logs: SequenceLogs, data: DomainData, task: str, base: ModelConfig, train_config: TrainConfig,
                          work_dir: str | os.PathLike, transfer: TransferConfig, teacher: Teacher | None,
-                         shuffling: ShufflingConfig = ShufflingConfig(), tracker: RunTracker | None = None) -> StudentRun:
+                         shuffling: ShufflingConfig = ShufflingConfig(), tracker: RunTracker | None = None,
+                         device: str = "cpu") -> StudentRun:
     """A vertical model: one objective of one domain, alone or from its teacher (GEM or the domain's FM)."""
     return train_student(logs, data.train, data.eval, base, (task,), train_config, Path(work_dir), transfer, teacher,
-                         shuffling, tracker)
+                         shuffling, tracker, device)
 

@@ -81,9 +81,10 @@ def train_student(
     teacher: Teacher | None = None,
     shuffling: ShufflingConfig = ShufflingConfig(),
     tracker: RunTracker | None = None,
+    device: str = "cpu",
 ) -> StudentRun:
     """Trains a student on `train_indices` and evaluates it on `eval_indices`, alone (teacher None) or with
-    the transfer mechanisms `transfer` turns on."""
+    the transfer mechanisms `transfer` turns on. The model comes back on `device`."""
     config = student_config(base, tasks, transfer, teacher)
     plan = write_student_plan(logs, train_indices, Path(work_dir) / "plan.parquet", shuffling,
                               config.sequence.max_history_len)
@@ -107,7 +108,7 @@ def train_student(
                 "train_examples": int(len(train_indices)), "eval_examples": int(len(eval_indices))}
     checkpoints = resumable_checkpoints(work_dir, training)
     model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices, tracker=tracker,
-                          checkpoint_dir=checkpoints)  # one process: the model comes back whole
+                          checkpoint_dir=checkpoints, device=device)  # one process: the model comes back whole
     shutil.rmtree(checkpoints, ignore_errors=True)  # only a killed run resumes: a finished one is registered
     return StudentRun(model, result, data, adapter_report)
 
