@@ -195,6 +195,9 @@ def in_parallel(jobs: list[tuple], roots: dict, configs: dict, args):
                              initializer=_set_threads, initargs=(threads,)) as pool:
         futures = {pool.submit(_train_one, str(roots[d]), configs[n], args, s): (d, n, s) for d, n, s in jobs}
         for future in as_completed(futures):
+            if future.exception() is not None:  # one failed training must not lose the others' figures
+                print(f"{futures[future]} failed: {future.exception()!r}", flush=True)
+                continue
             yield futures[future], future.result()
 
 

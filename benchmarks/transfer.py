@@ -269,6 +269,9 @@ def in_parallel(jobs: list[tuple], roots: dict, work: Path, args):
                              initializer=_set_threads, initargs=(threads,)) as pool:
         futures = {pool.submit(_run_one, n, str(roots[n]), s, args, str(work)): (n, s) for n, s in jobs}
         for future in as_completed(futures):
+            if future.exception() is not None:  # one failed training must not lose the others' figures
+                print(f"{futures[future]} failed: {future.exception()!r}", flush=True)
+                continue
             yield futures[future], future.result()
 
 

@@ -82,7 +82,9 @@ class TorchRecDLRM(nn.Module):
             self.dlrm = DLRM_DCN(**shape, dcn_num_layers=config.blocks, dcn_low_rank_dim=config.wukong.fm_rank)
         else:
             self.dlrm = DLRM(**shape)
-        self.output_calibration = OutputCalibration(self.domains, self.tasks).to(device)
+        self.output_calibration = OutputCalibration(self.domains, self.tasks)
+        if device is not None:  # TorchRec 1.6's DCN cross layers are built on the CPU whatever dense_device says
+            self.to(device)
 
     @torch.no_grad()
     def init_output_bias(self, logits: torch.Tensor) -> None:
