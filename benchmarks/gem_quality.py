@@ -40,7 +40,7 @@ DAYS = 14
 METRICS = ("auc", "ne", "calibration")
 
 
-def prepare(dataset: str, root: Path, max_history_len: int):
+def prepare(dataset: str, root: Path, max_history_len: int, synthetic_users: int):
     from gem_ops.data.batch_shuffling import ShufflingConfig
     from gem_ops.data.movielens import MOVIELENS_HISTORY_EVENT_TYPES
     from gem_ops.data.prepare import prepare_training_data
@@ -52,9 +52,10 @@ def prepare(dataset: str, root: Path, max_history_len: int):
         source = EventSource("movielens", movielens_replay_days=DAYS)
         sequences = SequenceLogsConfig(max_history_len=max_history_len, eval_days=2,
                                        history_event_types=MOVIELENS_HISTORY_EVENT_TYPES)
-    else:  # the pipeline's embedded default: raw_event_logs' synthetic source, 5000 users
-        source = EventSource("synthetic", SyntheticConfig(n_users=5_000))
-        sequences = SequenceLogsConfig(max_history_len=max_history_len, eval_days=1)
+    else:  # raw_event_logs' synthetic source with the default generator; two eval days (one day of the
+        # embedded default's 5,000 users holds ~175 clicks: too few to tell models apart)
+        source = EventSource("synthetic", SyntheticConfig(n_users=synthetic_users))
+        sequences = SequenceLogsConfig(max_history_len=max_history_len, eval_days=2)
     return prepare_training_data(source, END, DAYS, root / dataset, sequences, ShufflingConfig(128, 4))
 
 
@@ -138,6 +139,7 @@ def main() -> None:
     parser.add_argument("--lr-dense", type=float, default=3e-3)
     parser.add_argument("--width", type=float, default=0.5)
     parser.add_argument("--max-history-len", type=int, default=256)
+    parser.add_argument("--synthetic-users", type=int, default=10_000)
     parser.add_argument("--min-positives", type=int, default=200)
     parser.add_argument("--data", type=Path, default=None, help="prepared data (<dataset>/sequence_logs, plans) to reuse")
     parser.add_argument("--prepare-to", type=Path, default=None, help="only prepare the datasets under this folder")
@@ -147,11 +149,11 @@ def main() -> None:
 
     if args.prepare_to is not None:  # the GPU machine has no polars: prepare here, carry the folder there
         for dataset in args.datasets:
-            prepare(dataset, args.prepare_to, args.max_history_len)
+            prepare(dataset, args.prepare_to, args.max_history_len, args.synthetic_users)
         return
     configs = model_configs(args)
     with tempfile.TemporaryDirectory() as tmp:
-        roots = {d: args.data / d if args.data is not None else prepare(d, Path(tmp), args.max_history_len).sequence_logs.parent
+        roots = {d: args.data / d if args.data is not None else prepare(d, Path(tmp), args.max_history_len, args.synthetic_users).sequence_logs.parent
                  for d in args.datasets}
         budget_sets = set(args.budget_datasets if args.budget_datasets is not None else args.datasets)
         jobs = [(d, name, seed) for d in args.datasets for name in configs

@@ -4,8 +4,9 @@ user representation, the shared item table through a projection), the same witho
 hierarchical transfer (GEM -> domain FM -> VM), at the same student size, data and budget, on drifting
 synthetic logs and on the bundled MovieLens sample.
 
-The teacher (GEM) learns from the training days that end `staleness_days` before the students' do (a stale
-teacher); the students learn from the newest `student_days` training days of their domain, the newest of
+The teacher (GEM) learns from every training day; a second GEM (`stale_gem`) from the days that end
+`staleness_days` earlier, and judges the Student Adapter (stale_direct against stale_direct_no_adapter),
+since an adapter exists to correct a teacher that retrains less often than its students. The students learn from the newest `student_days` training days of their domain, the newest of
 them held out for early stopping and calibration; all are judged on the same eval days. Everything trains
 through gem_ops.train.engine. Per vertical, over the seeds: each variant's AUC / NE / calibration (mean and
 spread), the teachers' on the same examples, and the share of the teacher-alone AUC gap a variant closes,
@@ -37,13 +38,14 @@ from benchmarks.common import save, saved_results  # noqa: E402
 END = date(2026, 11, 14)
 DAYS = 14
 FIGURES = ("auc", "ne", "calibration")
-# variant -> (teacher: none / gem / fm, TransferConfig settings)
+# variant -> (teacher: none / gem (fresh) / stale_gem / fm (the domain FM, from the fresh GEM), TransferConfig settings)
 VARIANTS = {
     "alone": (None, {}),
     "distillation": ("gem", {"student_adapter": False, "representation": False, "shared_tables": ()}),
     "direct": ("gem", {}),
-    "direct_no_adapter": ("gem", {"student_adapter": False}),
     "hierarchical": ("fm", {}),
+    "stale_direct": ("stale_gem", {}),
+    "stale_direct_no_adapter": ("stale_gem", {"student_adapter": False}),
 }
 
 
@@ -114,29 +116,34 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
                            eval_every=eval_every, early_stopping_patience=args.patience,
                            eval_max_examples=1_000_000, seed=seed)
 
+    def train_gem(label: str, gem_window) -> tuple[Teacher, object]:
+        began = time.perf_counter()
+        examples = windows.teacher_examples(logs, gem_window)
+        plan = write_student_plan(logs, examples, work / f"{label}_plan.parquet", shuffling, args.max_history_len)
+        model, run = train(logs, plan, gem_config, settings(args.gem_epochs, args.gem_eval_every), device=args.device)
+        scored = students_examples(logs, window)
+        table = compute_user_representations(model, logs, scored, {"name": label}, device=args.device)
+        predictions = score_examples(model, logs, scored, {"name": label}, representations=table, device=args.device)
+        print(f"{name} seed {seed}: {label} {run.steps} steps (kept {run.best_step}) in "
+              f"{time.perf_counter() - began:.0f} s", flush=True)
+        return Teacher(model.cpu(), predictions, {"name": label}, table), run  # students share its tables on the CPU
+
     began = time.perf_counter()
-    old = windows.teacher_examples(logs, window)
-    plan = write_student_plan(logs, old, work / f"gem_plan_{seed}.parquet", shuffling, args.max_history_len)
-    gem_model, gem_run = train(logs, plan, gem_config, settings(args.gem_epochs, args.gem_eval_every),
-                               device=args.device)
-    scored = students_examples(logs, window)
-    table = compute_user_representations(gem_model, logs, scored, {"name": "gem"}, device=args.device)
-    predictions = score_examples(gem_model, logs, scored, {"name": "gem"}, representations=table, device=args.device)
-    gem = Teacher(gem_model.cpu(), predictions, {"name": "gem"}, table)  # the students share its tables on the CPU
-    print(f"{name} seed {seed}: GEM {gem_run.steps} steps (kept {gem_run.best_step}) in "
-          f"{time.perf_counter() - began:.0f} s", flush=True)
+    gem, gem_run = train_gem("gem", replace(window, staleness_days=0))  # trained up to the students' newest day
+    stale_gem, _ = train_gem("stale_gem", window)  # `staleness_days` older: where the Student Adapter matters
     rows = {}
     for domain in args.domains or largest_domains(logs, window, args.top_domains):
         part = DomainData.of(logs, domain, window)
         fm_run = train_domain_foundation_model(logs, part, fm_base, settings(args.student_epochs, args.student_eval_every),
                                                work / f"{domain}_fm_{seed}", TransferConfig(), gem, shuffling,
                                                device=args.device)
-        teachers = {"gem": gem, "fm": as_teacher(fm_run, part, {"name": f"fm_{domain}"}, args.device), None: None}
+        teachers = {"gem": gem, "stale_gem": stale_gem, None: None,
+                    "fm": as_teacher(fm_run, part, {"name": f"fm_{domain}"}, args.device)}
         tasks = [t for t in windows.labelled_tasks(logs, part.train) if t in windows.labelled_tasks(logs, part.eval)]
         for task in (t for t in tasks if t in args.tasks):
             config = replace(vm_base, tasks=(task,))
-            row = {"gem": _figures(prediction_report(logs, gem.predictions, part.eval, config), task),
-                   "fm": _figures(prediction_report(logs, teachers["fm"].predictions, part.eval, config), task)}
+            row = {who: _figures(prediction_report(logs, teachers[who].predictions, part.eval, config), task)
+                   for who in ("gem", "stale_gem", "fm")}
             for variant, (teacher, transfer) in VARIANTS.items():
                 run = train_vertical_model(logs, part, task, vm_base, settings(args.student_epochs, args.student_eval_every),
                                            work / f"{domain}_{task}_{variant}_{seed}", TransferConfig(**transfer),
@@ -147,7 +154,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
                                                             args.latency_reps)
             rows[f"{domain}/{task}"] = row
             print(f"{name} seed {seed} {domain}/{task}: " + ", ".join(
-                f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}" for v in ("gem", "fm", *VARIANTS)), flush=True)
+                f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}" for v in ("gem", "stale_gem", "fm", *VARIANTS)), flush=True)
     return {"verticals": rows, "gem_eval": gem_run.final_report, "gem_steps": gem_run.steps,
             "seconds": round(time.perf_counter() - began, 1)}
 
@@ -162,12 +169,14 @@ def summarize(seeds: list[dict]) -> dict:
         teacher, alone = per["gem"]["auc"], per["alone"]["auc"]
         real_gap = teacher["mean"] - alone["mean"] > max(teacher["spread"], alone["spread"])
         gap = {v: ((per[v]["auc"]["mean"] - alone["mean"]) / (teacher["mean"] - alone["mean"]) if real_gap else None)
-               for v in VARIANTS if v != "alone"}
+               for v in ("distillation", "direct", "hierarchical")}
         out[key] = {"figures": per, "gap_real": real_gap, "gap_closed_auc": gap,
                     "hierarchical_not_worse_than_alone": per["hierarchical"]["auc"]["mean"] >= alone["mean"]
                     - max(per["hierarchical"]["auc"]["spread"], alone["spread"]),
-                    "adapter_beats_no_adapter": per["direct"]["auc"]["mean"] - per["direct_no_adapter"]["auc"]["mean"]
-                    > max(per["direct"]["auc"]["spread"], per["direct_no_adapter"]["auc"]["spread"])}
+                    "stale_adapter_gain": {m: per["stale_direct"][m]["mean"] - per["stale_direct_no_adapter"][m]["mean"]
+                                           for m in ("auc", "ne")},
+                    "adapter_beats_no_adapter": per["stale_direct"]["auc"]["mean"] - per["stale_direct_no_adapter"]["auc"]["mean"]
+                    > max(per["stale_direct"]["auc"]["spread"], per["stale_direct_no_adapter"]["auc"]["spread"])}
     return out
 
 
