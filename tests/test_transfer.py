@@ -25,7 +25,7 @@ from gem_ops.transfer.knowledge import (TeacherJoinedLogs, predictions_quality, 
 from gem_ops.transfer.registry import (CHALLENGER, CHAMPION, TEACHER_NAME, TEACHER_VERSION, current_version,
                                        lineage_tags, model_identity, paired_ne_delta, promote_if_not_worse,
                                        register_student)
-from gem_ops.transfer.sharing import embedding_tables, share_tables, sharing_config
+from gem_ops.transfer.sharing import fold_projections, embedding_tables, share_tables, sharing_config
 from gem_ops.transfer.student import Teacher, prediction_report, student_config, train_student, write_student_plan
 from gem_ops.transfer.user_representations import (NO_ITEM, compute_user_representations, read_user_representations,
                                                    write_user_representations)
@@ -232,6 +232,15 @@ def test_a_shared_table_reaches_a_narrower_student_through_its_projection(logs):
     alone = seeded_model(spec, base)
     size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert size(student) - size(alone) == table.numel() - embedding_tables(alone)["item"].numel() + projection.weight.numel()
+
+    # Trained, it is folded to serve at the student's own width (the teacher's rows, as ids hash to them),
+    # computing the same outputs: beside the alone model it only has the extra rows.
+    folded = fold_projections(student.eval())
+    ours, alone_item = embedding_tables(folded)["item"], embedding_tables(alone)["item"]
+    assert len(folded.embeddings.projections) == 0 and ours.shape == (table.shape[0], alone_item.shape[1])
+    assert size(folded) - size(alone) == ours.numel() - alone_item.numel()
+    with torch.no_grad():
+        torch.testing.assert_close(folded.eval()(x), student(x), atol=1e-5, rtol=1e-4)
 
 
 def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_path):

@@ -1,7 +1,8 @@
 """Parameter sharing: a student starts from its teacher's embedding tables (optionally frozen). A shared
 table has the teacher's shape (rows and width); the student keeps its own widths, and reads a table of
-another width through a learnt projection (EmbeddingConfig.table_widths), so it never grows to the
-teacher's size beyond the table itself."""
+another width through a learnt projection (EmbeddingConfig.table_widths) while it trains. Once trained,
+fold_projections stores each such table at the student's width (the projection has no bias, so this is
+exact): the student serves at its own size."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from gem_ops.model import build_model
 from gem_ops.model import features as F
 from gem_ops.model.config import ModelConfig
 from gem_ops.model.embeddings import ITEM_TABLE
@@ -87,3 +89,26 @@ def principal_projection(table: torch.Tensor, projection: nn.Linear) -> None:
     k = min(width, directions.shape[0])
     weight[:k] = directions[:k]
     projection.weight.copy_(weight.to(projection.weight))
+
+
+@torch.no_grad()
+def fold_projections(model: nn.Module) -> nn.Module:
+    """The same model with every projected table stored at the model's width (rows @ projection^T) and no
+    projections: equal outputs, the student's own size. Returns `model` itself when it has none."""
+    projections = model.embeddings.projections
+    if len(projections) == 0:
+        return model
+    emb = model.config.embedding
+    config = replace(model.config, embedding=replace(emb, table_widths=tuple(
+        (name, width) for name, width in emb.table_widths if name not in projections)))
+    weights = embedding_tables(model)
+    folded = build_model(model.spec, config, next(model.parameters()).device)
+    key_of = lambda m: {id(p): name for name, p in m.named_parameters()}  # noqa: E731
+    theirs, ours = key_of(model), key_of(folded)
+    moved = {theirs[id(weights[table])] for table in projections}  # a table's key names its collection
+    state = {k: v for k, v in model.state_dict().items() if k not in moved and not k.startswith("embeddings.projections.")}
+    new_tables = embedding_tables(folded)
+    for table, projection in projections.items():
+        state[ours[id(new_tables[table])]] = projection(weights[table].float()).to(weights[table].dtype)
+    folded.load_state_dict(state)
+    return folded

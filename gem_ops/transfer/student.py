@@ -23,7 +23,7 @@ from gem_ops.train.model_state import seeded_model
 from gem_ops.transfer.adapter import adapt, fit_adapter
 from gem_ops.transfer.config import TransferConfig
 from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions, predictions_quality
-from gem_ops.transfer.sharing import share_tables, sharing_config
+from gem_ops.transfer.sharing import fold_projections, share_tables, sharing_config
 from gem_ops.transfer.user_representations import UserRepresentations
 
 
@@ -110,7 +110,7 @@ def train_student(
     model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices, tracker=tracker,
                           checkpoint_dir=checkpoints, device=device)  # one process: the model comes back whole
     shutil.rmtree(checkpoints, ignore_errors=True)  # only a killed run resumes: a finished one is registered
-    return StudentRun(model, result, data, adapter_report)
+    return StudentRun(fold_projections(model), result, data, adapter_report)  # served at the student's own size
 
 
 def resumable_checkpoints(work_dir: str | os.PathLike, training: dict[str, Any]) -> Path:
