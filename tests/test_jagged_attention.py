@@ -124,3 +124,34 @@ def test_bf16_inputs_give_bf16_outputs_close_to_fp32(activation):
                            backend="pytorch")
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def nan_stays_in_its_sequence(backend: str, device: str, causal: bool, activation: str) -> None:
+    """A NaN in one sequence's q, k or v reaches no other sequence's output or gradient, whether the other
+    sequences have keys or none (examples in a batch never affect each other)."""
+    q_lengths, kv_lengths = [2, 2, 2, 3, 1, 2], [0, 3, 0, 2, 1, 0]
+    q_offsets = torch.tensor([0, *torch.tensor(q_lengths).cumsum(0).tolist()], device=device)
+    kv_offsets = torch.tensor([0, *torch.tensor(kv_lengths).cumsum(0).tolist()], device=device)
+    # Sequence 2 has no keys, sequence 3 has some.
+    for which, poisoned in (("q", 2), ("q", 3), ("k", 3), ("v", 3)):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(int(o[-1]), 2, 8, device=device) for o in (q_offsets, kv_offsets, kv_offsets))
+        target, offsets = {"q": (q, q_offsets), "k": (k, kv_offsets), "v": (v, kv_offsets)}[which]
+        target[int(offsets[poisoned])] = float("nan")
+        inputs = [x.requires_grad_() for x in (q, k, v)]
+        out = jagged_attention(*inputs, q_offsets, kv_offsets, causal=causal, activation=activation, backend=backend)
+        grads = torch.autograd.grad(out.sum(), inputs, allow_unused=True)
+        for b in range(len(q_lengths)):
+            if b == poisoned:
+                continue
+            rows = slice(int(q_offsets[b]), int(q_offsets[b + 1]))
+            keys = slice(int(kv_offsets[b]), int(kv_offsets[b + 1]))
+            assert torch.isfinite(out[rows]).all(), f"NaN in {which} of sequence {poisoned} reached sequence {b}"
+            assert torch.isfinite(grads[0][rows]).all() and torch.isfinite(grads[1][keys]).all() \
+                and torch.isfinite(grads[2][keys]).all(), f"NaN in {which} reached sequence {b}'s gradients"
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_nan_in_one_sequence_never_reaches_another(causal, activation):
+    nan_stays_in_its_sequence("pytorch", "cpu", causal, activation)

@@ -229,3 +229,22 @@ def test_bad_settings_are_named():
         model_config("gem", **{"sequence.nope": 1})
     with pytest.raises(ValueError, match="unknown sequence branch 'clicks'"):
         GEMModel(SPEC, model_config("vertical", **{"sequence.branches": ("clicks",)}))
+
+
+@pytest.mark.parametrize("preset", ["gem", "vertical"])
+def test_a_nan_in_one_example_leaves_the_others_of_its_batch_alone(preset):
+    """Two examples with a NaN dense feature (what a bad row would carry past a careless reader) give NaN
+    outputs for those two alone: nothing in the model mixes examples, however their histories differ."""
+    from gem_ops.model import build_model
+
+    torch.manual_seed(0)
+    lengths = [0, 5, 1, 0, 9, 2, 0, 30, 3, 0, 1, 4] * 4
+    config = model_config(preset, **{"sequence.max_history_len": 32})
+    model = build_model(SPEC, config).eval()
+    x = model_input(random_batch(lengths), SPEC, config)
+    poisoned = [3, 7]  # one without history, one with the longest
+    x.dense[poisoned] = float("nan")
+    with torch.no_grad():
+        out = model(x)
+    bad = torch.isnan(out.reshape(out.shape[0], -1)).any(1).nonzero().flatten().tolist()
+    assert bad == poisoned

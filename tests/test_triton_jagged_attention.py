@@ -330,10 +330,30 @@ def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, mo
         check_against_reference(case, "cuda", torch.bfloat16, tolerance=2e-2)
 
 
+NAN_CASES = [(causal, activation) for causal in (False, True) for activation in ("softmax", "silu")]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+@pytest.mark.parametrize("causal,activation", NAN_CASES)
+def test_a_nan_stays_in_its_sequence_on_cpu_interpreter(causal, activation):
+    from tests.test_jagged_attention import nan_stays_in_its_sequence
+
+    nan_stays_in_its_sequence("triton", "cpu", causal, activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal,activation", NAN_CASES)
+def test_a_nan_stays_in_its_sequence_on_gpu(causal, activation):
+    from tests.test_jagged_attention import nan_stays_in_its_sequence
+
+    nan_stays_in_its_sequence("triton", "cuda", causal, activation)
+
+
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
-                          + len(TILE_TABLE_CASES) + 1)
+                          + len(TILE_TABLE_CASES) + 1 + len(NAN_CASES))
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter has one config per kernel")

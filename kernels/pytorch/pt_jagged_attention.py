@@ -33,9 +33,11 @@ def pt_jagged_attention(
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     q_lengths = (q_offsets[1:] - q_offsets[:-1]).cpu()
     kv_lengths = (kv_offsets[1:] - kv_offsets[:-1]).cpu()
-    active = torch.nonzero(q_lengths > 0).flatten()
+    # A sequence without keys returns zeros and is left out: padded to another sequence's keys, a NaN
+    # there would reach it (examples never affect each other, NaN included).
+    active = torch.nonzero((q_lengths > 0) & (kv_lengths > 0)).flatten()
     if active.numel() == 0:
-        return out + 0.0 * (q.sum() + k.sum() + v.sum())  # keeps the graph for empty batches
+        return out + q[:0].sum() + k[:0].sum() + v[:0].sum()  # keeps the graph, adds exact zeros
 
     positions, values = [], []
     group_key = _pow2_ceil(q_lengths[active]) * (1 << 32) + _pow2_ceil(kv_lengths[active])
