@@ -8,11 +8,17 @@ mid-write leaves the previous checkpoint as the latest complete one.
 A folder step_NNNNNNNN holds DCP's `.metadata` and shard files plus `progress.pt`. It loads back into
 any sharding and world size (DCP reshards by global offsets), and as one full state on one process
 without a process group (`load_checkpoint`: warm starts and exports).
+
+Nothing in a checkpoint runs code when loaded: the progress and the converted state load with
+`weights_only=True`, and DCP's `.metadata` (a pickle that DCP reads with plain `pickle.load`) is first
+read by an unpickler that admits DCP's own metadata classes, torch dtypes and sizes, and nothing else.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -94,12 +100,39 @@ def save_checkpoint(directory: str | os.PathLike, step: int, app_state: dict[str
     return destination
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits what DCP writes into `.metadata` and refuses every other global (no code runs)."""
+
+    ALLOWED = {"torch.distributed.checkpoint.metadata": None,  # any of its classes
+               "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+               "torch.serialization": {"_get_layout"}, "torch": {"Size"},
+               "pathlib": {"PosixPath", "PurePosixPath"}, "collections": {"OrderedDict"}}
+
+    def find_class(self, module: str, name: str):
+        names = self.ALLOWED.get(module, set())
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if names is None or name in names or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def check_metadata(path: str | os.PathLike) -> None:
+    """Refuses a checkpoint whose DCP `.metadata` holds anything but checkpoint metadata."""
+    file = Path(path) / DCP_METADATA
+    try:
+        _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
+    except pickle.UnpicklingError as error:
+        raise pickle.UnpicklingError(f"{file} is not a safe checkpoint: it refers to {error}, which a checkpoint "
+                                     "never holds; not loaded") from None
+
+
 def load_into(path: str | os.PathLike, app_state: dict[str, Any]) -> dict[str, Any]:
     """Collective: loads the checkpoint in place into `app_state` (this rank's shards) and returns its
     progress. Keys of app_state absent from the checkpoint are an error; extra checkpoint keys are not."""
     path = Path(path)
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a checkpoint (expected {DCP_METADATA} and {PROGRESS_FILE})")
+    check_metadata(path)
     dcp.load(app_state, checkpoint_id=path)
     return read_progress(path)
 
@@ -114,6 +147,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = checkpoint_folder(path)
+    check_metadata(path)
     with tempfile.TemporaryDirectory(prefix="gem-dcp-") as tmp:
         dcp_to_torch_save(path, Path(tmp) / "state.pt")
         state = torch.load(Path(tmp) / "state.pt", map_location="cpu", weights_only=True)
