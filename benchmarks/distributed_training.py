@@ -21,6 +21,7 @@ from datetime import date
 from pathlib import Path
 
 from benchmarks.common import save
+from gem_ops.train.launch import torchrun_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 5
@@ -28,8 +29,7 @@ WARMUP_STEPS = 5
 
 def run_job(world_size: int, data, args, workdir: Path) -> dict:
     result = workdir / f"result_ws{world_size}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
-           "-m", "gem_ops.train", "--sequence-logs", str(data.sequence_logs), "--plans", str(data.plans[world_size].parent),
+    cmd = [*torchrun_prefix(world_size), "-m", "gem_ops.train", "--sequence-logs", str(data.sequence_logs), "--plans", str(data.plans[world_size].parent),
            "--preset", args.preset, "--width", str(args.width), "--depth", str(args.depth),
            "--model-override", f"sequence.max_history_len={args.max_history_len}",
            "--max-steps", str(args.steps), "--epochs", str(args.epochs), "--warmup-steps", "1", "--eval-max-examples", str(args.eval_examples),

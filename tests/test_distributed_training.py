@@ -26,6 +26,7 @@ from gem_ops.model.config import model_config
 from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.engine import train
+from gem_ops.train.launch import torchrun_prefix
 from gem_ops.train.model_state import load_model_state, model_from_state
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +62,7 @@ def start_job(data, checkpoint_dir: Path, result: Path, *extra: str, max_restart
               env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.Popen:
     # With faults to inject, the test's wrapper of the entry point; else the production one.
     module = "tests.fault_drill" if env and any(k.startswith("GEM_TRAIN_") for k in env) else "gem_ops.train"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(max_restarts), "-m", module,
+    cmd = [*torchrun_prefix(nproc, max_restarts), "-m", module,
            "--sequence-logs", str(data.sequence_logs), "--plans", str(data.plans[2].parent),
            *TINY_ARGS, *CONFIG_ARGS, "--checkpoint-dir", str(checkpoint_dir), "--result-json", str(result), *extra]
     log = open(result.with_suffix(".log"), "wb")
@@ -201,3 +201,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_job_listens_on_loopback_alone(data, tmp_path):
+    """Every socket the torchrun agent and its ranks listen on is bound to the loopback address, not to
+    every interface."""
+    proc = start_job(data, tmp_path / "checkpoints", tmp_path / "result.json")
+    listening: set[tuple[str, int, str]] = set()
+    try:
+        while proc.poll() is None:
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            for process in tree:
+                try:
+                    listening |= {(c.laddr.ip, c.laddr.port, " ".join(process.cmdline()[:4])) for c in process.net_connections("inet")
+                                  if c.status == psutil.CONN_LISTEN}
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            time.sleep(0.1)
+    finally:
+        finish(proc, tmp_path / "result.json")
+    assert listening, "saw no listening socket: the probe missed the job"
+    assert all(ip in ("127.0.0.1", "::1") for ip, _, _ in listening), sorted(listening)
