@@ -103,10 +103,36 @@ def _prepare_sqlite_store(tracking_uri: str) -> None:
         SqlAlchemyStore(tracking_uri, default_artifact_location()).engine.dispose()
 
 
+CONNECT_TIMEOUT_S = float(os.environ.get("GEM_MLFLOW_CONNECT_TIMEOUT_S", "15"))
+_ANSWERED: set[str] = set()  # servers this process has reached
+
+
+def check_server(tracking_uri: str, timeout_s: float | None = None) -> None:
+    """Fails fast, naming the URI and the wait, when an MLflow server does not answer its /health (MLflow's
+    client would retry for minutes before its first request gave up)."""
+    import requests
+
+    timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
+    began, error = time.monotonic(), None
+    while time.monotonic() - began < timeout_s:
+        try:
+            if requests.get(tracking_uri.rstrip("/") + "/health", timeout=min(5.0, timeout_s)).ok:
+                _ANSWERED.add(tracking_uri)
+                return
+        except requests.RequestException as failure:
+            error = failure
+        time.sleep(0.5)
+    raise ConnectionError(f"the MLflow tracking server {tracking_uri} did not answer within {timeout_s:.0f} s "
+                          f"({type(error).__name__ if error else 'no healthy answer'}): start it, or point "
+                          "MLFLOW_TRACKING_URI (or the mlflow resource's tracking_uri) at one that runs")
+
+
 def tracking_client(tracking_uri: str | None = None) -> MlflowClient:
     tracking_uri = tracking_uri or default_tracking_uri()
     if tracking_uri.startswith("sqlite:"):
         _prepare_sqlite_store(tracking_uri)
+    elif tracking_uri.startswith(("http://", "https://")) and tracking_uri not in _ANSWERED:
+        check_server(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)
 
 

@@ -5,6 +5,7 @@ import multiprocessing
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 
 import dagster as dg
@@ -312,3 +313,12 @@ def test_server_script_serves_runs_logged_with_and_without_it(tmp_path, empty_da
         stop_server(server)
     assert server.poll() is not None
     assert group_processes(group) == []
+
+
+def test_an_unreachable_server_fails_fast_naming_its_uri(monkeypatch):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setattr(tracking, "CONNECT_TIMEOUT_S", 2.0)
+    began = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"MLflow tracking server {uri} did not answer within 2 s"):
+        tracking.tracking_client(uri)
+    assert time.monotonic() - began < 10
