@@ -42,13 +42,23 @@ def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFo
                   read_user_representations(identity["representations"]))
     window = TransferWindows(student_days=identity["student_days"])
     settings = DomainModelSettings(**config.student_settings(), prefix=config.registered_model_prefix)
-    summary = {}
+    summary, skipped = {}, {}
     with mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())
         for domain in config.selected(logs.surfaces):
-            fm = domain_foundation_model(client, run, logs, DomainData.of(logs, domain, window), gem, settings,
+            data = DomainData.of(logs, domain, window)
+            reason = data.shortfall(logs, settings.shuffling.rank_batch_size)
+            if reason is not None:
+                skipped[domain] = reason
+                fm_predictions_path(lake, day, domain).unlink(missing_ok=True)  # no stale FM teaches its verticals
+                context.log.warning(f"skipped {reason}")
+                continue
+            fm = domain_foundation_model(client, run, logs, data, gem, settings,
                                          lake.path("domain_foundation_models", day, domain, "work"),
                                          fm_predictions_path(lake, day, domain), day)
             summary[domain] = fm.summary()
             context.log.info(f"{fm.name} v{fm.version}: {summary[domain]}")
-    return dg.MaterializeResult(metadata={"models": dg.MetadataValue.json(summary), "teacher_version": identity["version"]})
+        if skipped:
+            run.set_tags({f"skipped.{d}": r for d, r in skipped.items()})
+    return dg.MaterializeResult(metadata={"models": dg.MetadataValue.json(summary), "skipped": dg.MetadataValue.json(skipped),
+                                          "teacher_version": identity["version"]})

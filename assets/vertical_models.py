@@ -80,11 +80,18 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
                                 promotion_max_examples=config.promotion_max_examples,
                                 seed=config.seed, compare_alone=config.compare_alone)
     gem = read_predictions(predictions_path(lake, day))
-    outcomes = []
+    outcomes, skipped = [], {}
     with mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())
         for domain in config.selected(logs.surfaces):
             data = DomainData.of(logs, domain, window)
+            reason = data.shortfall(logs, settings.shuffling.rank_batch_size)
+            if reason is None and config.mode == "hierarchical" and not fm_predictions_path(lake, day, domain).exists():
+                reason = f"domain {domain!r}: no domain FM was trained for it on {day} (see domain_foundation_models)"
+            if reason is not None:
+                skipped[domain] = reason
+                context.log.warning(f"skipped {reason}")
+                continue
             teacher = _teacher(config.mode, lake, day, domain, client)
             for outcome in domain_verticals(client, run, logs, data, teacher, settings,
                                             lake.path("vertical_models", day), day, gem):
@@ -98,6 +105,7 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
     kept_out = [d.model for d in decisions if not d.promoted]
     return dg.MaterializeResult(
         metadata={"models": dg.MetadataValue.json({o.name: o.summary() for o in outcomes}), "mode": config.mode,
+                  "skipped": dg.MetadataValue.json(skipped),
                   "summary": dg.MetadataValue.md(table)},
         check_results=[dg.AssetCheckResult(
             check_name=CHECK, passed=not kept_out, severity=dg.AssetCheckSeverity.ERROR,

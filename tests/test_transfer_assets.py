@@ -107,6 +107,33 @@ def test_first_challengers_become_champions_and_later_ones_not_good_enough_are_k
         assert tags["promotion.champion_version"] == str(first[name]["version"])
 
 
+def test_a_domain_too_small_to_train_is_skipped_and_the_others_train(transferred):
+    """A domain with fewer fresh examples than one batch is skipped by both assets, with the counts in the
+    log and the metadata; the other domain's FM and verticals train as before."""
+    from gem_ops.transfer.config import TransferWindows
+    from gem_ops.transfer.hierarchy import DomainData
+
+    logs = SequenceLogs(transferred["root"] / "lake" / "sequence_logs" / transferred["day"])
+    window = TransferWindows(student_days=2)
+    sizes = {d: DomainData.of(logs, d, window).train.size for d in DOMAINS}
+    small, large = sorted(DOMAINS, key=sizes.get)
+    assert sizes[small] < sizes[large]
+    sized = {**STUDENT, "sub_batch_size": int(sizes[small]) + 1, "max_steps": 2}
+    config = {"domain_foundation_models": {"config": {**sized, "preset": "domain_fm", "width": 0.5, "domains": DOMAINS}},
+              "vertical_models": {"config": {**sized, "domains": DOMAINS, "mode": "hierarchical"}}}
+    result = dg.materialize([domain_foundation_models, vertical_models], run_config={"ops": config},
+                            resources=transferred["resources"], instance=transferred["instance"],
+                            partition_key=transferred["day"], selection=[domain_foundation_models, vertical_models])
+    assert result.success
+    why = f"domain '{small}': {sizes[small]} training examples in the student window are fewer than one batch"
+    for key in ("domain_foundation_models", "vertical_models"):
+        meta = _materialization(result, key).metadata
+        assert list(meta["skipped"].value) == [small] and meta["skipped"].value[small].startswith(why)
+    assert set(_materialization(result, "domain_foundation_models").metadata["models"].value) == {large}
+    trained = _materialization(result, "vertical_models").metadata["models"].value
+    assert trained and all(f"_{large}_" in name for name in trained)
+
+
 def test_a_vertical_with_representation_transfer_serves_without_its_teachers(transferred, tmp_path):
     """The registered vertical reads its teacher's user representation as a looked-up request column: with
     every teacher's registered package deleted, it still serves through mlflow.pyfunc, and its predictions
@@ -143,3 +170,4 @@ def test_a_vertical_with_representation_transfer_serves_without_its_teachers(tra
     order = np.argsort(scored.example_index)
     np.testing.assert_allclose(served, 1 / (1 + np.exp(-scored.logits[order, 0])), rtol=1e-4, atol=1e-6)
     assert np.all((served > 0) & (served < 1))
+
