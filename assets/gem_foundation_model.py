@@ -10,6 +10,7 @@ from assets.sequence_logs import sequence_logs_path
 from assets.model_training import TorchrunJobConfig
 from assets.shuffled_batches import shuffled_batches
 from gem_ops.train.checkpoint import previous_checkpoint
+from gem_ops.train.warm_start import warm_start_conflict
 
 
 class GEMTrainingConfig(TorchrunJobConfig):
@@ -21,9 +22,14 @@ def runs_dir(lake: LakeResource):
     return lake.path("gem_foundation_model")
 
 
+def checkpoint_dir(lake: LakeResource, day: str, dagster_run_id: str):
+    """One folder per materialization: a new run trains afresh; only a retry within the run resumes."""
+    return runs_dir(lake) / day / "runs" / dagster_run_id / "checkpoints"
+
+
 def training_command(config: GEMTrainingConfig, lake: LakeResource, day: str, run_id: str | None,
-                     tracking_uri: str, warm) -> list[str]:
-    extra = ["--checkpoint-dir", str(runs_dir(lake) / day / "checkpoints"), "--progress-every", "25",
+                     tracking_uri: str, warm, dagster_run_id: str) -> list[str]:
+    extra = ["--checkpoint-dir", str(checkpoint_dir(lake, day, dagster_run_id)), "--progress-every", "25",
              "--registered-model-name", config.registered_model_name, "--mlflow-tracking-uri", tracking_uri]
     if run_id is not None:
         extra += ["--mlflow-run-id", run_id]
@@ -44,8 +50,11 @@ def gem_foundation_model(
     domain and task, and registers the model in MLflow; rank 0 reports back through Pipes."""
     day = context.partition_key
     warm = previous_checkpoint(runs_dir(lake), day) if config.warm_start else None
+    conflict = warm_start_conflict(warm, config.model()) if warm is not None else None
+    if conflict is not None:  # at once, before torchrun would start (and restart) a job that cannot load it
+        raise dg.Failure(description=conflict)
     with mlflow.asset_run(context) as run:
-        command = training_command(config, lake, day, run.run_id, mlflow.tracking_uri, warm)
+        command = training_command(config, lake, day, run.run_id, mlflow.tracking_uri, warm, context.run_id)
         context.log.info("launching: %s", " ".join(command))
         completed = pipes_subprocess_client.run(command=command, context=context)
     reported = completed.get_materialize_result()

@@ -86,13 +86,49 @@ def test_training_settings_of_the_run_config_reach_the_torchrun_job(tmp_path):
     config = GEMTrainingConfig(preset="gem_gpu", precision="fp8", fp8_recipe="tensorwise_fast_accum", compile="dense",
                                activation_checkpointing="sequence", lr_dense=2e-3, max_steps=7,
                                sparse_table_gradients=True)
-    command = training_command(config, LakeResource(base_dir=str(tmp_path)), "2026-11-01", None, "sqlite:///x.db", None)
+    command = training_command(config, LakeResource(base_dir=str(tmp_path)), "2026-11-01", None, "sqlite:///x.db", None, "run-1")
     args = parse_args(command[command.index("gem_ops.train") + 1:])
     assert (args.precision, args.fp8_recipe, args.compile, args.activation_checkpointing) == (
         "fp8", "tensorwise_fast_accum", "dense", "sequence")
     assert (args.lr_dense, args.max_steps, args.preset) == (2e-3, 7, "gem_gpu")
     assert args.sparse_table_gradients is True
     off = training_command(config.model_copy(update={"sparse_table_gradients": False}), LakeResource(base_dir=str(tmp_path)),
-                           "2026-11-01", None, "sqlite:///x.db", None)
+                           "2026-11-01", None, "sqlite:///x.db", None, "run-1")
     assert parse_args(off[off.index("gem_ops.train") + 1:]).sparse_table_gradients is False
     assert config.train().checkpoint_every == 50
+
+
+def _materialize_gem(gem_asset_runs, day, **config):
+    import dagster as dg
+
+    from assets.gem_foundation_model import gem_foundation_model
+    from tests.gem_asset_setup import TRAIN_CONFIG
+
+    return dg.materialize([gem_foundation_model], partition_key=day.isoformat(), resources=gem_asset_runs["resources"],
+                          instance=gem_asset_runs["instance"], raise_on_error=False,
+                          run_config={"ops": {"gem_foundation_model": {"config": {**TRAIN_CONFIG, **config}}}})
+
+
+def test_materializing_a_partition_again_is_a_new_training_run(gem_asset_runs):
+    """Its own checkpoint folder: it trains every step again rather than resuming the earlier run's last
+    checkpoint and registering the same weights."""
+    again = _materialize_gem(gem_asset_runs, DAYS[3])
+    assert again.success
+    first, second = _metadata(gem_asset_runs["results"][DAYS[3]]), _metadata(again)
+    assert second["steps"].value == first["steps"].value == 6
+    assert second["model_version"].value != first["model_version"].value
+    folders = sorted((gem_asset_runs["root"] / "lake" / "gem_foundation_model" / DAYS[3].isoformat() / "runs").iterdir())
+    assert {f.name for f in folders} == {gem_asset_runs["results"][DAYS[3]].run_id, again.run_id}
+
+
+def test_a_warm_start_the_model_cannot_take_fails_at_once_naming_the_settings(gem_asset_runs):
+    """Twice the width cannot load yesterday's weights: the asset fails before any training job starts,
+    saying which weights and which settings differ."""
+    import time
+
+    began = time.monotonic()
+    wider = _materialize_gem(gem_asset_runs, DAYS[3], width=1.0)
+    assert not wider.success and time.monotonic() - began < 60
+    failure = next(e for e in wider.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error
+    assert "cannot warm-start from" in failure.message and "differ in shape" in failure.message
+    assert "embedding.dim: 16 there, 32 here" in failure.message

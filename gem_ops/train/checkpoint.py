@@ -156,10 +156,17 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def previous_checkpoint(runs_dir: str | os.PathLike, before: str) -> Path | None:
-    """The checkpoint folder of the latest earlier run (runs_dir/<key>/checkpoints, keys sorted, e.g. dates)."""
+    """The checkpoint folder of the latest earlier partition: runs_dir/<key>/runs/<run>/checkpoints (the
+    newest run of the newest key below `before`, keys sorted, e.g. dates), or runs_dir/<key>/checkpoints."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         return None
+    for key in sorted((p.name for p in runs_dir.iterdir() if p.is_dir() and p.name < before), reverse=True):
+        folders = [f for f in (*(runs_dir / key / "runs").glob("*/checkpoints"), runs_dir / key / "checkpoints")
+                   if checkpoint_steps(f)]
+        if folders:
+            return max(folders, key=lambda f: latest_checkpoint(f).stat().st_mtime)
+    return None
     for key in sorted((p.name for p in runs_dir.iterdir() if p.is_dir() and p.name < before), reverse=True):
         if checkpoint_steps(runs_dir / key / "checkpoints"):
             return runs_dir / key / "checkpoints"

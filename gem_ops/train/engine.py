@@ -42,6 +42,7 @@ from gem_ops.train.acceleration import autocast_context, prepare_for_training
 from gem_ops.train.batches import newest_days, rank_schedule
 from gem_ops.train.calibration import fit_calibration, output_calibration, reset_calibration
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint
+from gem_ops.train.warm_start import warm_start_conflict
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.evaluation import evaluate, gathered_predictions
 from gem_ops.train.initialization import init_output_biases
@@ -209,6 +210,9 @@ class Trainer:
         """Weights before sharding (a warm start's, or the label rates as output biases), then the model
         sharded, then a checkpoint of this run resumed into the shards."""
         if self.latest is None and warm_start is not None:
+            conflict = warm_start_conflict(warm_start, self.model_config)
+            if conflict is not None:
+                raise ValueError(conflict)
             ckpt = load_checkpoint(warm_start)  # full weights, loaded before sharding: any world size
             missing, unexpected = self.model.load_state_dict(ckpt.state["model"], strict=False)
             self.say(f"warm start from {ckpt.path} (step {ckpt.step}): weights only, step 0; missing {missing}, "

@@ -1,0 +1,43 @@
+"""Whether a checkpoint can warm-start a model: the weights' shapes compared on the meta device (nothing
+allocated), and the model settings that make them differ named."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from gem_ops.model import build_model
+from gem_ops.model.config import FeatureSpec, ModelConfig
+from gem_ops.train.checkpoint import checkpoint_folder, read_progress
+
+
+def warm_start_conflict(checkpoint: str | os.PathLike, config: ModelConfig) -> str | None:
+    """None when `checkpoint` (a checkpoint folder or a folder of them) fits a model of `config`; otherwise
+    what differs: the mismatched weights and the settings behind them."""
+    path = checkpoint_folder(checkpoint)
+    progress = read_progress(path)
+    spec = FeatureSpec(**{k: tuple(v) for k, v in progress["spec"].items()})
+    theirs = ModelConfig.from_dict(progress["model_config"])
+    shapes = [{k: tuple(v.shape) for k, v in build_model(spec, c, torch.device("meta")).state_dict().items()}
+              for c in (theirs, config)]
+    mismatched = [k for k in shapes[1] if k in shapes[0] and shapes[0][k] != shapes[1][k]]
+    if not mismatched:
+        return None
+    settings = [f"{k}: {a} there, {b} here" for k, (a, b) in _differences(theirs.to_dict(), config.to_dict()).items()]
+    first = mismatched[0]
+    return (f"cannot warm-start from {Path(path)}: {len(mismatched)} weights differ in shape (e.g. {first} "
+            f"{shapes[0][first]} there, {shapes[1][first]} here), since the model settings differ ("
+            + "; ".join(settings) + "). Train with the checkpoint's settings, or turn warm_start off.")
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> dict[str, tuple]:
+    out = {}
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out |= _differences(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out[f"{prefix}{key}"] = (x, y)
+    return out
