@@ -43,7 +43,7 @@ def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFo
     window = TransferWindows(student_days=identity["student_days"])
     settings = DomainModelSettings(**config.student_settings(), prefix=config.registered_model_prefix)
     summary, skipped = {}, {}
-    with mlflow.asset_run(context) as run:
+    with lake.partition_lock(context), mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())
         for domain in config.selected(logs.surfaces):
             data = DomainData.of(logs, domain, window)

@@ -53,7 +53,7 @@ def gem_foundation_model(
     conflict = warm_start_conflict(warm, config.model()) if warm is not None else None
     if conflict is not None:  # at once, before torchrun would start (and restart) a job that cannot load it
         raise dg.Failure(description=conflict)
-    with mlflow.asset_run(context) as run:
+    with lake.partition_lock(context), mlflow.asset_run(context) as run:
         command = training_command(config, lake, day, run.run_id, mlflow.tracking_uri, warm, context.run_id)
         context.log.info("launching: %s", " ".join(command))
         completed = pipes_subprocess_client.run(command=command, context=context)

@@ -34,7 +34,7 @@ def mfu_report(context: dg.AssetExecutionContext, config: MFUReportConfig, lake:
     """Achieved model FLOP/s, MFU against the device's datasheet peak (and the measured GEMM rate) over
     the timed window, samples/s and where a step's time goes, for the configured model and launch."""
     day = context.partition_key
-    with mlflow.asset_run(context) as run:
+    with lake.partition_lock(context), mlflow.asset_run(context) as run:
         command = config.torchrun_command(sequence_logs_path(lake, day), lake.path("shuffled_batches", day),
                                           [*config.window_flags(), "--mlflow-run-id", run.run_id,
                                            "--mlflow-tracking-uri", mlflow.tracking_uri])

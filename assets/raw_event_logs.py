@@ -54,7 +54,7 @@ def raw_event_logs(
 ):
     """One UTC day of events in the documented schema, stored sorted by (user_id, timestamp)."""
     day = date.fromisoformat(context.partition_key)
-    with mlflow.asset_run(context) as run:
+    with lake.partition_lock(context), mlflow.asset_run(context) as run:
         frame = load_day(config.event_source(), day)
         path = write_partition(frame, raw_partition_path(lake, context.partition_key))
         counts = {"events": frame.height, "users": frame["user_id"].n_unique()}

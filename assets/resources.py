@@ -1,8 +1,10 @@
 """Resources the assets share: MLflow tracking and the local data lake."""
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 import dagster as dg
@@ -115,3 +117,30 @@ class LakeResource(dg.ConfigurableResource):
         path = Path(self.base_dir).joinpath(*parts)
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
+
+    @contextlib.contextmanager
+    def partition_lock(self, context: dg.AssetExecutionContext) -> Iterator[None]:
+        """One materialization of an asset's partition at a time: a second one fails at once, naming the run
+        that holds the partition, rather than mixing their files. The OS drops the lock with its process, so
+        a killed run never leaves it behind (and the processes it starts do not inherit it)."""
+        if not context.has_partition_key:
+            yield
+            return
+        asset, key = _asset_label(context), context.partition_key
+        with open(self.path(".locks", asset.replace("/", "__"), f"{key}.lock"), "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                raise dg.Failure(description=f"{asset} [{key}] is being materialized by another run "
+                                             f"({lock.read().strip() or 'unknown'}): wait for it or cancel it, "
+                                             "then materialize again") from None
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"Dagster run {context.run_id}, pid {os.getpid()}, since "
+                       f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}")
+            lock.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)

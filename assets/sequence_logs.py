@@ -61,7 +61,7 @@ def sequence_logs(
         raise FileNotFoundError(f"raw_event_logs partitions missing for this window: {', '.join(missing)}; materialize them first")
     builder = config.builder_config()
     destination = sequence_logs_path(lake, context.partition_key)
-    with mlflow.asset_run(context) as run:
+    with lake.partition_lock(context), mlflow.asset_run(context) as run:
         summary = build_sequence_logs(paths, destination, builder)
         logs = SequenceLogs(destination)
         leaks = leakage_violations(logs)

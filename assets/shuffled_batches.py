@@ -37,7 +37,7 @@ def shuffled_batches(
     lengths = logs.history_lengths(history_cap)[train]
     shuffling = ShufflingConfig(config.sub_batch_size, config.sub_batches_per_rank, config.cost, config.seed)
     figures, metadata = {}, {}
-    with mlflow.asset_run(context) as run:
+    with lake.partition_lock(context), mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())
         for world_size in config.world_sizes:
             plan = plan_base_batch_shuffling(lengths, world_size, shuffling, train)

@@ -48,7 +48,7 @@ def teacher_predictions(context: dg.AssetExecutionContext, config: TeacherPredic
     logs = SequenceLogs(sequence_logs_path(lake, day))
     model = load_model_version(client, config.registered_model_name, version)
     indices = students_examples(logs, TransferWindows(student_days=config.student_days))
-    with mlflow.asset_run(context) as run:
+    with lake.partition_lock(context), mlflow.asset_run(context) as run:
         table = compute_user_representations(model, logs, indices, teacher, config.batch_size)
         write_user_representations(table, representations)
         predictions = score_examples(model, logs, indices, teacher, config.batch_size, representations=table)

@@ -81,7 +81,7 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
                                 seed=config.seed, compare_alone=config.compare_alone)
     gem = read_predictions(predictions_path(lake, day))
     outcomes, skipped = [], {}
-    with mlflow.asset_run(context) as run:
+    with lake.partition_lock(context), mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())
         for domain in config.selected(logs.surfaces):
             data = DomainData.of(logs, domain, window)
