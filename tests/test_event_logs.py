@@ -1,6 +1,7 @@
 """Event-log reading and validation, daily raw partitions, and atomic writes."""
 
 from datetime import date, datetime, timezone
+import os
 from pathlib import Path
 
 import polars as pl
@@ -245,3 +246,31 @@ def test_atomic_path_success_replaces_file(tmp_path):
         tmp.write_bytes(b"new")
     assert destination.read_bytes() == b"new"
     assert list(tmp_path.iterdir()) == [destination]
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_behind_the_next_write(tmp_path):
+    """SIGKILL while a sequence-logs-style folder is half written: the next write of the same destination
+    removes what the dead writer left, while a live writer's temporary folder stays."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    destination = tmp_path / "2026-11-03"
+    script = (f"from gem_ops.data.atomic import atomic_path\nimport time\n"
+              f"with atomic_path({str(destination)!r}) as tmp:\n"
+              f"    tmp.mkdir()\n    (tmp / 'part-0.parquet').write_bytes(b'half')\n    time.sleep(60)\n")
+    writer = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.glob(".2026-11-03.*/2026-11-03/part-0.parquet")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    live = tmp_path / f".2026-11-03.{os.getpid()}.live"  # a writer of this process, still at work
+    live.mkdir()
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    assert len(list(tmp_path.glob(".2026-11-03.*"))) == 2  # the dead writer's and the live one's
+    with atomic_path(destination) as tmp:
+        tmp.mkdir()
+        (tmp / "part-0.parquet").write_bytes(b"whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "2026-11-03"]
+    assert (destination / "part-0.parquet").read_bytes() == b"whole"

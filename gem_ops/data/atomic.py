@@ -23,7 +23,8 @@ def atomic_path(destination: str | os.PathLike) -> Iterator[Path]:
     """
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent)) / destination.name
+    remove_abandoned(destination)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.{os.getpid()}.", dir=destination.parent)) / destination.name
     try:
         yield tmp
         if destination.is_dir() and not destination.is_symlink():
@@ -35,6 +36,28 @@ def atomic_path(destination: str | os.PathLike) -> Iterator[Path]:
             os.replace(tmp, destination)
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def remove_abandoned(destination: Path) -> list[Path]:
+    """Removes the temporary folders beside `destination` that a killed writer left: each is named after its
+    writer's pid, and one whose process is gone is abandoned (a live writer's is left alone)."""
+    removed = []
+    for folder in destination.parent.glob(f".{destination.name}.*"):
+        pid = folder.name[len(destination.name) + 2:].split(".", 1)[0]
+        if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def write_parquet_atomic(frame: pl.DataFrame, destination: str | os.PathLike, **kwargs) -> Path:
