@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from datetime import date
 from pathlib import Path
@@ -225,3 +226,31 @@ def test_the_job_listens_on_loopback_alone(data, tmp_path):
         finish(proc, tmp_path / "result.json")
     assert listening, "saw no listening socket: the probe missed the job"
     assert all(ip in ("127.0.0.1", "::1") for ip, _, _ in listening), sorted(listening)
+
+
+def test_the_job_ends_with_the_process_that_started_it(data, tmp_path):
+    """An asset's step killed with SIGKILL (no chance to stop anything): the torchrun agent it started and
+    the agent's ranks stop too, rather than training on and registering a model nobody asked for."""
+    starter = textwrap.dedent(f"""
+        import subprocess, sys, time
+        from gem_ops.train.launch import torchrun_prefix
+        cmd = [*torchrun_prefix(2), "-m", "gem_ops.train", "--sequence-logs", {str(data.sequence_logs)!r},
+               "--plans", {str(data.plans[2].parent)!r}, *{TINY_ARGS!r}, "--max-steps", "100000",
+               "--epochs", "1000", "--checkpoint-dir", {str(tmp_path / "checkpoints")!r}]
+        job = subprocess.Popen(cmd)
+        print(job.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", starter], cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
+    agent = psutil.Process(int(parent.stdout.readline()))
+    deadline = time.monotonic() + 60
+    while len(agent.children(recursive=True)) < 2 and time.monotonic() < deadline:  # both ranks started
+        time.sleep(0.2)
+    ranks = agent.children(recursive=True)
+    assert len(ranks) >= 2
+    parent.kill()
+    parent.wait()
+    gone, alive = psutil.wait_procs([agent, *ranks], timeout=60)
+    for process in alive:
+        process.kill()
+    assert not alive, [p.pid for p in alive]

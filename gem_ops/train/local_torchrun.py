@@ -3,7 +3,9 @@ default) rather than on every interface.
 
 torch's TCPStore server binds every interface whatever host name it gets; handed a socket already bound
 to that host, it listens there alone. This wraps the agent's store servers (the c10d rendezvous store and
-the workers' master store) that way, then runs torchrun's own `main` with the same arguments:
+the workers' master store) that way, then runs torchrun's own `main` with the same arguments. The agent
+also ends with the process that started it (an asset's step, killed): it gets SIGTERM then, and stops its
+ranks as torchrun does on SIGTERM, instead of training on unattended.
 
     python -m gem_ops.train.local_torchrun --nnodes 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 \
         --local-addr 127.0.0.1 --nproc-per-node 2 -m gem_ops.train ...
@@ -35,9 +37,25 @@ def bound_store(host_name: str, port: int, *args: Any, is_master: bool = False, 
                      **kwargs)
 
 
+def end_with_parent() -> None:
+    """SIGTERM to this process when its parent dies (Linux); exits at once if the parent is already gone."""
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent or parent == 1:
+        sys.exit("local_torchrun: the process that started it is gone")
+
+
 def main() -> None:
     from torch.distributed import run
 
+    end_with_parent()
     dist.TCPStore = bound_store  # the workers' master store (dynamic rendezvous)
     c10d_rendezvous_backend.TCPStore = bound_store  # the rendezvous store
     run.main()
