@@ -319,10 +319,13 @@ class Trainer:
                                  f"{self.evals_since_best} evaluations; keeping step {result.best_step}")
                         break
                 if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0 and step + 1 < self.total:
+                    self.tracker.log_metrics_by_step(pending)  # a resume starts after them: never lost
+                    pending.clear()
                     self.save(step + 1)
         finally:
             inputs.close()  # an early stop leaves no loads running
             timer.remove()
+        self.tracker.log_metrics_by_step(pending)  # an early stop's last steps
         result.seconds = time.perf_counter() - result.started
         result.imbalance = result.balance.observed()
         if result.samples and result.seconds:
