@@ -5,7 +5,7 @@ is (it is started again on the same checkpoint folder and MLflow run, and resume
 with all its steps: the last checkpoint at the final step, and an MLflow `train.loss` for every step.
 Counts (runs, kills of each kind, resumes, steps trained twice, failures) are saved as JSON.
 
-    python benchmarks/soak.py --runs 6 --steps 60 --seed 0
+    python benchmarks/soak.py --runs 6 --steps 240 --seed 0
 """
 
 from __future__ import annotations
@@ -142,12 +142,12 @@ def soak_one(index: int, data, client, experiment: str, tracking_uri: str, work:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--log-every", type=int, default=7, help="not a divisor of --checkpoint-every on purpose")
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--max-kills", type=int, default=3, help="per run")
-    parser.add_argument("--kill-after-s", type=float, nargs=2, default=[8.0, 25.0])
+    parser.add_argument("--kill-after-s", type=float, nargs=2, default=[6.0, 18.0])
     parser.add_argument("--run-timeout-s", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-name", default="soak")

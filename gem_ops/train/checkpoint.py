@@ -91,9 +91,12 @@ def save_checkpoint(directory: str | os.PathLike, step: int, app_state: dict[str
     dist.barrier()  # every rank's shard files are written (rank 0 wrote .metadata last, inside save)
     if rank == 0:
         torch.save({**progress, "step": step}, partial / PROGRESS_FILE)
-        if destination.exists():  # a re-run of the same step after a restart
-            shutil.rmtree(destination)
+        replaced = destination.with_name(f".{destination.name}.replaced")
+        if destination.exists():  # a re-run of the same step after a restart: set aside, never missing
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(destination, replaced)
         os.replace(partial, destination)
+        shutil.rmtree(replaced, ignore_errors=True)
         for old in checkpoint_steps(directory)[:-keep]:
             shutil.rmtree(step_folder(directory, old), ignore_errors=True)
     dist.barrier()  # nobody goes on (or gets killed) believing a checkpoint exists before it does

@@ -234,6 +234,7 @@ class Trainer:
         if self.latest is not None:
             progress = self._load_training_state(self.latest)
             self.start, self.result.losses, self.result.resumed_from = progress["step"], list(progress["losses"]), progress["step"]
+            self.result.steps = self.start  # what the model has trained, also when nothing is left to train
             self.result.balance = BalanceLog.from_dict(progress["balance"])
             validation = progress.get("validation", {})
             self.result.best_step = validation.get("best_step")
