@@ -53,3 +53,31 @@ def saved_results(name: str) -> dict:
     """The results a previous run saved under `name` ({} if none): what `--resume` keeps."""
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text())["results"] if path.exists() else {}
+
+
+def in_processes(work, calls: dict, processes: int):
+    """Yields (key, work(*calls[key])) as each call ends, `processes` spawned processes at a time, each with
+    its share of the CPU threads (small trainings leave a GPU mostly idle one at a time). A call that fails
+    is reported and skipped: the others' figures are kept."""
+    if processes <= 1:
+        for key, call in calls.items():
+            yield key, work(*call)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_set_threads, initargs=(threads,)) as pool:
+        futures = {pool.submit(work, *call): key for key, call in calls.items()}
+        for future in as_completed(futures):
+            if future.exception() is not None:
+                print(f"{futures[future]} failed: {future.exception()!r}", flush=True)
+                continue
+            yield futures[future], future.result()
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)

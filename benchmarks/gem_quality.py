@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import save, saved_results  # noqa: E402
+from benchmarks.common import in_processes, save, saved_results  # noqa: E402
 from gem_ops.data.loader import TrainingData  # noqa: E402
 
 END = date(2026, 11, 14)
@@ -164,7 +164,8 @@ def main() -> None:
                 if d in runs:
                     runs[d] = {n: r for n, r in saved["runs"].items() if n in configs}
             jobs = [(d, n, s) for d, n, s in jobs if s not in {r["seed"] for r in runs[d].get(n, [])}]
-        for (dataset, name, seed), figures in in_parallel(jobs, roots, configs, args):
+        calls = {(d, n, s): (str(roots[d]), configs[n], args, s) for d, n, s in jobs}
+        for (dataset, name, seed), figures in in_processes(_train_one, calls, args.jobs):
             runs[dataset].setdefault(name, []).append(figures)
             print(f"{dataset} {name} seed {seed}: " + ", ".join(
                 f"{g} {figures['eval'][g]['auc']:.4f}/{figures['eval'][g]['ne']:.4f}" for g in figures["eval"]
@@ -179,34 +180,6 @@ def main() -> None:
                                         "eval": int(logs.split_indices("eval").size)},
                               "runs": ordered, "summary": summarize(ordered, args.min_positives)}
             save(args.output_name, {**vars(args), "models": {n: c.to_dict() for n, c in configs.items()}}, results)
-
-
-def in_parallel(jobs: list[tuple], roots: dict, configs: dict, args):
-    """Yields ((dataset, model, seed), figures) as each training ends: `args.jobs` processes at a time, each
-    with its share of the CPU threads (the trainings are small; one alone leaves a GPU mostly idle)."""
-    if args.jobs <= 1:
-        for dataset, name, seed in jobs:
-            yield (dataset, name, seed), _train_one(str(roots[dataset]), configs[name], args, seed)
-        return
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_set_threads, initargs=(threads,)) as pool:
-        futures = {pool.submit(_train_one, str(roots[d]), configs[n], args, s): (d, n, s) for d, n, s in jobs}
-        for future in as_completed(futures):
-            if future.exception() is not None:  # one failed training must not lose the others' figures
-                print(f"{futures[future]} failed: {future.exception()!r}", flush=True)
-                continue
-            yield futures[future], future.result()
-
-
-def _set_threads(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
 
 
 _OPENED: dict = {}  # per process: root -> (logs, plan), read once

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import save, saved_results  # noqa: E402
+from benchmarks.common import in_processes, save, saved_results  # noqa: E402
 
 END = date(2026, 11, 14)
 DAYS = 14
@@ -244,7 +244,8 @@ def main() -> None:
                 if name in done:
                     done[name] = saved["seeds"]
             jobs = [(n, s) for n, s in jobs if s not in {f["seed"] for f in done[n]}]
-        for (name, seed), figures in in_parallel(jobs, roots, Path(tmp), args):
+        calls = {(n, s): (n, str(roots[n]), s, args, tmp) for n, s in jobs}
+        for (name, seed), figures in in_processes(_run_one, calls, args.jobs):
             done[name].append({"seed": seed, **figures})
             for d in (d for d in args.datasets if done[d]):
                 seeds = sorted(done[d], key=lambda f: f["seed"])
@@ -260,34 +261,6 @@ def prepare(name: str, root: Path, args) -> Path:
     prepare_training_data(source, END, DAYS, root, SequenceLogsConfig(
         max_history_len=args.max_history_len, eval_days=args.eval_days, history_event_types=history_types))
     return root
-
-
-def in_parallel(jobs: list[tuple], roots: dict, work: Path, args):
-    """Yields ((dataset, seed), figures) as each seed's chain ends, `args.jobs` processes at a time, each with
-    its share of the CPU threads."""
-    if args.jobs <= 1:
-        for name, seed in jobs:
-            yield (name, seed), _run_one(name, str(roots[name]), seed, args, str(work))
-        return
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_set_threads, initargs=(threads,)) as pool:
-        futures = {pool.submit(_run_one, n, str(roots[n]), s, args, str(work)): (n, s) for n, s in jobs}
-        for future in as_completed(futures):
-            if future.exception() is not None:  # one failed training must not lose the others' figures
-                print(f"{futures[future]} failed: {future.exception()!r}", flush=True)
-                continue
-            yield futures[future], future.result()
-
-
-def _set_threads(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
 
 
 def _run_one(name: str, root: str, seed: int, args, work: str) -> dict:
