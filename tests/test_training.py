@@ -222,3 +222,30 @@ def test_platt_scaling_stays_finite_on_separable_and_one_class_groups():
     for a, b in (separable, only_negatives, extreme):
         assert np.isfinite(a) and np.isfinite(b) and abs(a) < 50 and abs(b) < 50
     assert only_negatives[1] < -1  # pushed toward predicting no positives, as far as the prior lets it
+
+
+def test_a_checkpoint_write_failing_for_want_of_space_leaves_the_previous_one_valid(data, tmp_path, monkeypatch):
+    """The disk fills while step 4's checkpoint is written (every write into its folder fails with ENOSPC,
+    shards included): the job fails with that error, step 2's checkpoint stays the latest and loads, and
+    the run started again resumes from it, finishes, and leaves no half-written folder."""
+    import errno
+
+    config = dataclasses.replace(CONFIG, checkpoint_every=2, keep_checkpoints=3)
+    save = torch.save
+
+    def save_until_the_disk_is_full(obj, f, *args, **kwargs):
+        if (tmp_path / ".step_00000004.partial").exists():  # step 4's checkpoint is being written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
+    with pytest.raises(BaseException) as failed:  # DCP's CheckpointException is a BaseException
+        train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)
+    # DCP reports its writers' errors per rank: (exception, traceback) in CheckpointException.failures.
+    errors = [failed.value, *(f[0] if isinstance(f, tuple) else f for f in getattr(failed.value, "failures", {}).values())]
+    assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in errors), errors
+    monkeypatch.setattr(torch, "save", save)
+    assert checkpoint_steps(tmp_path) == [2] and load_checkpoint(tmp_path).step == 2
+    _, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)
+    assert result.resumed_from == 2 and result.steps == 6 and checkpoint_steps(tmp_path) == [2, 4, 6]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
