@@ -249,3 +249,47 @@ def test_a_checkpoint_write_failing_for_want_of_space_leaves_the_previous_one_va
     _, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)
     assert result.resumed_from == 2 and result.steps == 6 and checkpoint_steps(tmp_path) == [2, 4, 6]
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_mlflow_going_away_mid_run_fails_the_job_loudly_and_the_rerun_logs_every_step(data, tmp_path, monkeypatch):
+    """The tracking server stops during training: the job fails with MLflow's error (within seconds, with
+    MLflow's retries set low) rather than training on with its metrics dropped; run again against the
+    restarted server, it resumes from its checkpoint and the run holds a loss for every step."""
+    import sys
+    import time
+
+    from gem_ops import tracking
+    from gem_ops.tracking import RunTracker, ensure_experiment
+    from tests.servers import free_port, start_server, stop_server
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, str(tracking.PROJECT_ROOT / "mlflow" / "server.py"), "--port", str(port),
+               "--backend-store-uri", f"sqlite:///{tmp_path / 'm.db'}", "--artifact-root", str(tmp_path / "artifacts")]
+    server = start_server(command, f"{url}/health", timeout=120)
+    client = tracking.tracking_client(url)
+    run_id = client.create_run(ensure_experiment(client, "gem")).info.run_id
+    config = dataclasses.replace(CONFIG, checkpoint_every=2, log_every=1)
+
+    def stop_at_step_3(step, loss):
+        if step == 3:
+            stop_server(server)
+
+    began = time.monotonic()
+    try:
+        with pytest.raises(Exception, match="127.0.0.1"):
+            train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path / "ckpt",
+                  tracker=RunTracker(client, run_id), step_hooks=[stop_at_step_3])
+    finally:
+        stop_server(server)
+    assert time.monotonic() - began < 120
+    server = start_server(command, f"{url}/health", timeout=120)
+    try:
+        _, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path / "ckpt",
+                          tracker=RunTracker(client, run_id))
+        assert result.resumed_from == 2 and result.steps == 6
+        assert sorted({m.step for m in client.get_metric_history(run_id, "train.loss")}) == list(range(6))
+    finally:
+        stop_server(server)
