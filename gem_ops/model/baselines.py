@@ -12,7 +12,19 @@ from gem_ops.model.features import ModelInput
 from gem_ops.model.heads import LossSums, OutputCalibration, loss_from_sums, masked_bce_sums
 
 
-class LogisticRegression(nn.Module):
+class _LabelLoss(nn.Module):
+    """The engine's loss interface for a model whose forward returns [B, tasks] logits."""
+
+    def loss_sums(self, x: ModelInput) -> LossSums:
+        logits = self(x)
+        sums, counts = masked_bce_sums(logits, x.labels, x.label_mask)
+        return LossSums(sums, sums.detach(), counts, logits)
+
+    def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return loss_from_sums(self.loss_sums(x))
+
+
+class LogisticRegression(_LabelLoss):
     """Per task: bias + per-domain bias + one learned weight per (hashed) id of every sparse feature and
     of the candidate item, + a linear term on the dense features. No history, no interactions."""
 
@@ -43,16 +55,8 @@ class LogisticRegression(nn.Module):
             logits = logits + self.dense(x.dense)
         return self.output_calibration(logits, x.surface)
 
-    def loss_sums(self, x: ModelInput) -> LossSums:
-        logits = self(x)
-        sums, counts = masked_bce_sums(logits, x.labels, x.label_mask)
-        return LossSums(sums, sums.detach(), counts, logits)
 
-    def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return loss_from_sums(self.loss_sums(x))
-
-
-class TorchRecDLRM(nn.Module):
+class TorchRecDLRM(_LabelLoss):
     """torchrec.models.dlrm.DLRM (architecture "dlrm") or DLRM_DCN (architecture "dcn": DCN-v2's low-rank
     cross network as the interaction) over GEM's non-sequence inputs: the pooled ids (user, sparse
     features, surface) and the candidate item as one more pooled id, one embedding_dim table each, and
@@ -101,11 +105,3 @@ class TorchRecDLRM(nn.Module):
         dense = x.dense if x.dense.shape[1] else x.dense.new_zeros(x.dense.shape[0], 1)
         logits = self.dlrm(dense, ids).view(-1, self.domains, self.tasks)
         return self.output_calibration(logits[torch.arange(logits.shape[0], device=logits.device), x.surface], x.surface)
-
-    def loss_sums(self, x: ModelInput) -> LossSums:
-        logits = self(x)
-        sums, counts = masked_bce_sums(logits, x.labels, x.label_mask)
-        return LossSums(sums, sums.detach(), counts, logits)
-
-    def loss(self, x: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return loss_from_sums(self.loss_sums(x))
