@@ -13,7 +13,11 @@ ranks as torchrun does on SIGTERM, instead of training on unattended.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 import socket
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -39,11 +43,6 @@ def bound_store(host_name: str, port: int, *args: Any, is_master: bool = False, 
 
 def end_with_parent() -> None:
     """SIGTERM to this process when its parent dies (Linux); exits at once if the parent is already gone."""
-    import ctypes
-    import os
-    import signal
-    import sys
-
     parent = os.getppid()
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1

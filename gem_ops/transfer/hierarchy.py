@@ -41,12 +41,12 @@ class DomainData:
     def shortfall(self, logs: SequenceLogs, batch_size: int) -> str | None:
         """Why this domain cannot train a student, naming the counts (None when it can): a domain too small
         is skipped with this reason rather than stopping the other domains."""
-        labelled = [t for t in windows.labelled_tasks(logs, self.train) if t in windows.labelled_tasks(logs, self.eval)]
         if self.train.size < batch_size:
             return (f"domain {self.domain!r}: {self.train.size} training examples in the student window are fewer "
                     f"than one batch ({batch_size})")
         if self.eval.size == 0:
             return f"domain {self.domain!r}: no eval examples"
+        labelled = set(windows.labelled_tasks(logs, self.train)) & set(windows.labelled_tasks(logs, self.eval))
         if not labelled:
             return (f"domain {self.domain!r}: no objective is labelled in both its {self.train.size} training and "
                     f"{self.eval.size} eval examples")
