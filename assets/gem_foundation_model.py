@@ -4,12 +4,15 @@ Pipes launches and listens to (progress lines in the run log, final figures as m
 import dagster as dg
 from pydantic import Field
 
+from assets.model_training import TorchrunJobConfig
 from assets.partitions import daily_partitions
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs_path
-from assets.model_training import TorchrunJobConfig
 from assets.shuffled_batches import shuffled_batches
+from gem_ops.data.loader import SequenceLogs
+from gem_ops.train.batches import plan_for_world_size
 from gem_ops.train.checkpoint import previous_checkpoint
+from gem_ops.train.data_check import training_data_problem
 from gem_ops.train.warm_start import warm_start_conflict
 
 
@@ -50,9 +53,13 @@ def gem_foundation_model(
     domain and task, and registers the model in MLflow; rank 0 reports back through Pipes."""
     day = context.partition_key
     warm = previous_checkpoint(runs_dir(lake), day) if config.warm_start else None
+    # At once, before torchrun would start (and restart) a job that cannot load its checkpoint or its data.
     conflict = warm_start_conflict(warm, config.model()) if warm is not None else None
-    if conflict is not None:  # at once, before torchrun would start (and restart) a job that cannot load it
-        raise dg.Failure(description=conflict)
+    plans = lake.path("shuffled_batches", day)
+    problem = conflict or training_data_problem(SequenceLogs(sequence_logs_path(lake, day)),
+                                                plan_for_world_size(plans, config.nproc_per_node), config.train())
+    if problem is not None:
+        raise dg.Failure(description=problem)
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
         command = training_command(config, lake, day, run.run_id, mlflow.tracking_uri, warm, context.run_id)
         context.log.info("launching: %s", " ".join(command))

@@ -9,6 +9,7 @@ from assets.sequence_logs import sequence_logs, sequence_logs_path
 from gem_ops.data.batch_shuffling import ShufflingConfig, imbalance, plan_base_batch_shuffling, plan_random, write_plan
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.data.plots import balance_chart
+from gem_ops.train.data_check import describe_labels
 
 
 class ShuffledBatchesConfig(dg.Config):
@@ -36,6 +37,11 @@ def shuffled_batches(
     history_cap = min(config.max_history_len or logs.max_history_len, logs.max_history_len)
     lengths = logs.history_lengths(history_cap)[train]
     shuffling = ShufflingConfig(config.sub_batch_size, config.sub_batches_per_rank, config.cost, config.seed)
+    if train.size < shuffling.rank_batch_size:
+        raise dg.Failure(description=(
+            f"{logs.path}: {train.size} training examples ({describe_labels(logs, train)}) are fewer than one rank's "
+            f"step ({config.sub_batch_size} x {config.sub_batches_per_rank}): nothing to plan; lower sub_batch_size or "
+            "give sequence_logs more labelled days"))
     figures, metadata = {}, {}
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())
@@ -43,6 +49,9 @@ def shuffled_batches(
             plan = plan_base_batch_shuffling(lengths, world_size, shuffling, train)
             baseline = imbalance(plan_random(lengths, world_size, shuffling, train))
             balanced = imbalance(plan)
+            if plan.steps == 0:
+                context.log.warning("world size %d: %d training examples are fewer than one step of %d ranks x %d; its "
+                                    "plan has no step", world_size, train.size, world_size, shuffling.rank_batch_size)
             path = write_plan(plan, plan_path(lake, context.partition_key, world_size), history_cap)
             figures[world_size] = {"random": baseline["max_over_mean"], "bbs": balanced["max_over_mean"]}
             metadata[f"world_size={world_size}"] = dg.MetadataValue.json(

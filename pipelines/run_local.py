@@ -20,6 +20,7 @@ import yaml
 
 from assets.partitions import LOOKBACK_DAYS
 from pipelines.definitions import defs
+from pipelines.orphaned_runs import close_orphaned_runs, orchestrator_tags
 
 DEFAULT_END = "2026-11-14"
 # GEM: up to 2 epochs at half width, histories cut to 128 events, stopped early on the held-out newest
@@ -51,12 +52,14 @@ def main(argv: list[str] | None = None) -> None:
     end = date.fromisoformat(args.end)
     job = defs.get_job_def("gem_pipeline")
     with dg.DagsterInstance.get() as instance:
+        for line in close_orphaned_runs(instance, defs.resources["mlflow"]):
+            print(f"closed an orphaned {line}", flush=True)
         for offset in range(args.days - 1, -1, -1):
             day = (end - timedelta(days=offset)).isoformat()
             selection = None if offset == 0 else [dg.AssetKey("raw_event_logs")]
             result = job.execute_in_process(
                 partition_key=day, instance=instance, asset_selection=selection, run_config=run_config,
-                raise_on_error=False,
+                raise_on_error=False, tags=orchestrator_tags(),
             )
             print(f"{day}: {'ok' if result.success else 'FAILED'} (run {result.run_id})", flush=True)
             if offset == 0:

@@ -13,9 +13,9 @@ from assets.teacher_predictions import teacher_predictions
 from assets.vertical_models import CHECK, vertical_models
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import FeatureSpec
+from gem_ops.train.mlflow_model import TEACHER_REPRESENTATION, batch_to_frame
 from gem_ops.transfer.knowledge import read_predictions
 from gem_ops.transfer.registry import CHALLENGER, CHAMPION, current_version
-from gem_ops.train.mlflow_model import TEACHER_REPRESENTATION, batch_to_frame
 from tests.gem_asset_setup import DAYS, MODEL_NAME
 
 STUDENT = {"max_steps": 8, "eval_max_examples": 256, "sub_batch_size": 32, "sub_batches_per_rank": 1,
@@ -132,6 +132,49 @@ def test_a_domain_too_small_to_train_is_skipped_and_the_others_train(transferred
     assert set(_materialization(result, "domain_foundation_models").metadata["models"].value) == {large}
     trained = _materialization(result, "vertical_models").metadata["models"].value
     assert trained and all(f"_{large}_" in name for name in trained)
+
+
+def test_a_day_with_a_single_labelled_event_skips_every_student_with_its_counts(transferred, tmp_path):
+    """A day whose log holds one labelled event (read through the parquet source) passes the data assets;
+    the transfer assets succeed without training a model, each domain skipped with its counts named."""
+    import polars as pl
+
+    from assets.raw_event_logs import raw_event_logs
+    from assets.sequence_logs import sequence_logs
+    from gem_ops.data.synthetic import SyntheticConfig, generate_day
+    from tests.gem_asset_setup import DATA_CONFIG
+
+    day = DAYS[3] + (DAYS[1] - DAYS[0])
+    events = generate_day(SyntheticConfig(n_users=300), day).with_row_index("row")
+    first = int(events.filter(pl.col("label_click").is_not_null())["row"][0])
+    thin = events.with_columns(
+        [pl.when(pl.col("row") == first).then(pl.col(c)).otherwise(None).alias(c)
+         for c in ("label_click", "label_conversion")]).drop("row")
+    thin.write_parquet(tmp_path / f"{day}.parquet")
+    config = {
+        "raw_event_logs": {"config": {"source": "parquet", "parquet_template": str(tmp_path / "{date}.parquet")}},
+        "sequence_logs": DATA_CONFIG["sequence_logs"],
+        "teacher_predictions": {"config": {"registered_model_name": MODEL_NAME, "staleness_days": 1, "student_days": 2}},
+        "domain_foundation_models": {"config": {**STUDENT, "preset": "domain_fm", "width": 0.5}},
+        "vertical_models": {"config": {**STUDENT, "mode": "hierarchical"}},
+    }
+    common = {"resources": transferred["resources"], "instance": transferred["instance"], "partition_key": day.isoformat()}
+    data = ("raw_event_logs", "sequence_logs")
+    assert dg.materialize([raw_event_logs, sequence_logs], run_config={"ops": {k: config[k] for k in data}}, **common).success
+    result = dg.materialize([teacher_predictions, domain_foundation_models, vertical_models],
+                            run_config={"ops": {k: v for k, v in config.items() if k not in data}}, **common)
+    assert result.success
+    logs = SequenceLogs(transferred["root"] / "lake" / "sequence_logs" / day.isoformat())
+    assert logs.split_indices("eval").size == 1
+    for key in ("domain_foundation_models", "vertical_models"):
+        meta = _materialization(result, key).metadata
+        assert meta["models"].value == {}
+        skipped = meta["skipped"].value
+        assert set(skipped) == set(logs.surfaces), skipped
+        labelled_domain = logs.surfaces[int(logs.column("surface")[logs.split_indices("eval")][0])]
+        assert "no objective has both positives and negatives" in skipped[labelled_domain]
+        assert "1 eval examples (click: 1 labelled" in skipped[labelled_domain], skipped[labelled_domain]
+        assert all(reason == f"domain {d!r}: no eval examples" for d, reason in skipped.items() if d != labelled_domain)
 
 
 def test_a_vertical_with_representation_transfer_serves_without_its_teachers(transferred, tmp_path):

@@ -165,6 +165,8 @@ def plan_info(path: str | os.PathLike) -> dict:
 def read_plan(path: str | os.PathLike) -> np.ndarray:
     """Every rank's rows: [steps, world_size, rank_batch_size] example indices."""
     table = pq.read_table(path, columns=["step", "rank", "examples"])
+    if table.num_rows == 0:  # fewer examples than one step
+        return np.zeros((0, int(plan_info(path).get("world_size") or 1), 0), dtype=np.int64)
     steps = table.column("step").to_numpy()
     ranks = table.column("rank").to_numpy()
     examples = table.column("examples").combine_chunks().flatten().to_numpy().reshape(table.num_rows, -1)

@@ -107,6 +107,13 @@ class SequenceLogs:
         code = {"train": 0, "eval": 1}[split]
         return np.flatnonzero(self._examples["split"] == code)
 
+    def label_counts(self, indices: np.ndarray) -> dict[str, tuple[int, int]]:
+        """Objective -> (labelled examples, positives) among the examples at `indices`."""
+        idx = np.asarray(indices, dtype=np.int64)
+        mask, values = self._label_mask[idx], self._label_values[idx]
+        return {name: (int(mask[:, t].sum()), int((values[:, t] * mask[:, t]).sum()))
+                for t, name in enumerate(self.objectives)}
+
     def history_lengths(self, max_history_len: int | None = None) -> np.ndarray:
         limit = self.max_history_len if max_history_len is None else min(max_history_len, self.max_history_len)
         return np.minimum(self._examples["history_end"], limit)

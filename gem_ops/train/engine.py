@@ -42,8 +42,8 @@ from gem_ops.train.acceleration import autocast_context, prepare_for_training
 from gem_ops.train.batches import newest_days, rank_schedule
 from gem_ops.train.calibration import fit_calibration, output_calibration, reset_calibration
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint
-from gem_ops.train.warm_start import warm_start_conflict
 from gem_ops.train.config import TrainConfig
+from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
 from gem_ops.train.initialization import init_output_biases
 from gem_ops.train.loss import global_batch_loss
@@ -54,6 +54,7 @@ from gem_ops.train.prefetch import prefetched
 from gem_ops.train.process_group import Topology, job_process_group
 from gem_ops.train.sharding import ShardedModel, describe_plan, shard_model
 from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows
+from gem_ops.train.warm_start import warm_start_conflict
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,9 @@ class Trainer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.reporter = reporter if reporter is not None else LogReporter(config.log_every)
         self.spec = FeatureSpec.from_logs(logs)
+        problem = training_data_problem(logs, plan_path, config, eval_indices)
+        if problem is not None:  # before anything is built: thin data named with its counts
+            raise ValueError(problem)
         # Held-out validation examples: the newest days of the plan's, out of the training steps.
         self.validation = newest_days(logs, plan_path, config.validation_days) if config.validation_days else None
         self.schedule = rank_schedule(logs, plan_path, topology.rank, topology.world_size, config.epochs, config.seed,
@@ -231,6 +235,9 @@ class Trainer:
         mesh = f"FSDP2 over mesh {tuple(sharded.mesh.shape)}" if sharded.mesh is not None else "unsharded"
         self.say(f"{self.topology.world_size} rank(s) on {self.topology.nodes} node(s), {self.device.type}; embedding "
                  f"tables: {sharded.embedding_sharding}; dense: {mesh}; {self.total} steps")
+        if self.eval_indices is None:
+            for objective, counts in unscored_objectives(self.logs).items():
+                self.say(f"eval: {objective} cannot be scored ({counts}); its metrics are left out")
         if self.latest is not None:
             progress = self._load_training_state(self.latest)
             self.start, self.result.losses, self.result.resumed_from = progress["step"], list(progress["losses"]), progress["step"]

@@ -15,11 +15,12 @@ from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import ModelConfig
 from gem_ops.tracking import RunTracker
 from gem_ops.train.config import TrainConfig
+from gem_ops.train.data_check import describe_labels
 from gem_ops.transfer import windows
 from gem_ops.transfer.config import TransferConfig, TransferWindows
 from gem_ops.transfer.knowledge import score_examples
-from gem_ops.transfer.user_representations import compute_user_representations
 from gem_ops.transfer.student import StudentRun, Teacher, train_student
+from gem_ops.transfer.user_representations import compute_user_representations
 
 
 @dataclass
@@ -48,8 +49,9 @@ class DomainData:
             return f"domain {self.domain!r}: no eval examples"
         labelled = set(windows.labelled_tasks(logs, self.train)) & set(windows.labelled_tasks(logs, self.eval))
         if not labelled:
-            return (f"domain {self.domain!r}: no objective is labelled in both its {self.train.size} training and "
-                    f"{self.eval.size} eval examples")
+            return (f"domain {self.domain!r}: no objective has both positives and negatives in its {self.train.size} "
+                    f"training examples ({describe_labels(logs, self.train)}) and in its {self.eval.size} eval "
+                    f"examples ({describe_labels(logs, self.eval)})")
         return None
 
 
