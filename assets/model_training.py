@@ -30,6 +30,8 @@ class ModelTrainingConfig(dg.Config):
     early_stopping_patience: int = Field(
         3, description="Stop after this many evaluations without a better validation NE (0: train to the end); the "
         "best evaluated weights are kept either way.")
+    early_stopping_min_steps: int = Field(
+        0, description="No early stop before this step (a plateau early on a noisy validation day is no end).")
     calibrate: bool = Field(True, description="Fit Platt scaling per (domain, task) on the validation days at the end.")
     eval_max_examples: int = 20_000
     checkpoint_every: int = Field(50, description="Steps between checkpoints: a killed or restarted job resumes there.")

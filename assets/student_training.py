@@ -12,14 +12,18 @@ class StudentTrainingConfig(ModelTrainingConfig):
     domains: list[str] = Field(default_factory=list, description="Domains (surfaces) to train; empty: every domain.")
     sub_batch_size: int = 128
     sub_batches_per_rank: int = Field(4, description="A step's batch is sub_batches_per_rank x sub_batch_size examples.")
-    distillation_weight: float = Field(1.0, description="Weight of the auxiliary head's loss on teacher targets; 0: none.")
+    distillation_weight: float = Field(1.0, description="Weight of the loss on teacher targets; 0: none.")
+    distillation_head: str = Field(
+        "auxiliary", description="auxiliary: a head of its own learns the teacher's targets; serving: the serving "
+        "head learns them beside the true labels (soft targets).")
     student_adapter: bool = Field(True, description="Map teacher logits to fresh-label-calibrated targets first.")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")
     freeze_shared: bool = False
 
     def transfer(self) -> TransferConfig:
-        return TransferConfig(distillation_weight=self.distillation_weight, student_adapter=self.student_adapter,
+        return TransferConfig(distillation_weight=self.distillation_weight, distillation_head=self.distillation_head,
+                              student_adapter=self.student_adapter,
                               representation=self.representation, shared_tables=tuple(self.shared_tables),
                               freeze_shared=self.freeze_shared)
 

@@ -7,9 +7,10 @@ The models (`--models`):
     logistic_regression  per-task logistic regression on the same hashed ids
     dlrm, dcn            TorchRec's DLRM and DLRM-DCN (DCN-v2 cross layers) on the same ids and dense features
 Every model trains through gem_ops.train.engine with the same settings: up to `--epochs` passes, the newest
-training day held out for early stopping (every `--eval-every` steps, patience `--patience`) and Platt
-calibration, then is judged on the eval day(s). Per dataset, model and seed: AUC, NE and calibration per
-(domain, objective) and over all, the training FLOPs (the analytic count of the steps run) and seconds.
+training day held out for early stopping (every `--eval-every` steps, patience `--patience`, not before
+`--min-epochs` epochs) and Platt calibration, then is judged on the eval day(s). Per dataset, model and
+seed: AUC, NE and calibration per (domain, objective) and over all, the training FLOPs (the analytic count
+of the steps run) and seconds.
 The summary gives each figure's mean and spread (max - min) over the seeds, and for every group with at
 least `--min-positives` positives whether GEM's mean AUC beats every other model's by more than the
 larger of the two spreads. `--budgets` adds GEM and DLRM at other widths (FLOPs against quality).
@@ -78,12 +79,14 @@ def model_configs(args) -> dict[str, object]:
 
 
 def run(logs, plan, config, args, seed: int) -> dict:
+    from gem_ops.data.batch_shuffling import read_plan
     from gem_ops.train.config import TrainConfig
     from gem_ops.train.engine import train
 
     train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
                                lr_schedule="cosine", validation_days=1, eval_every=args.eval_every,
-                               early_stopping_patience=args.patience, eval_max_examples=1_000_000, seed=seed)
+                               early_stopping_patience=args.patience, eval_max_examples=1_000_000, seed=seed,
+                               early_stopping_min_steps=int(args.min_epochs * read_plan(plan).shape[0]))
     began = time.perf_counter()
     _, result = train(logs, plan, config, train_config, device=args.device)
     report = result.final_report
@@ -136,6 +139,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--patience", type=int, default=3)
+    parser.add_argument("--min-epochs", type=float, default=1.0, help="epochs before early stopping may stop a run")
     parser.add_argument("--lr-dense", type=float, default=3e-3)
     parser.add_argument("--width", type=float, default=0.5)
     parser.add_argument("--max-history-len", type=int, default=256)

@@ -6,8 +6,10 @@ synthetic logs and on the bundled MovieLens sample.
 
 The teacher (GEM) learns from every training day; a second GEM (`stale_gem`) from the days that end
 `staleness_days` earlier, and judges the Student Adapter (stale_direct against stale_direct_no_adapter),
-since an adapter exists to correct a teacher that retrains less often than its students. The students learn from the newest `student_days` training days of their domain, the newest of
-them held out for early stopping and calibration; all are judged on the same eval days. Everything trains
+since an adapter exists to correct a teacher that retrains less often than its students. Each transfer runs
+twice: the teacher's targets learned by an auxiliary head, and (`*_serving`) by the serving head as soft
+targets beside the labels. The students learn from the newest `student_days` training days of their
+domain, the newest of them held out for early stopping and calibration; all are judged on the same eval days. Everything trains
 through gem_ops.train.engine. Per vertical, over the seeds: each variant's AUC / NE / calibration (mean and
 spread), the teachers' on the same examples, and the share of the teacher-alone AUC gap a variant closes,
 computed only where the teacher beats the alone model by more than the seeds' spread. Beside them, each
@@ -39,13 +41,20 @@ END = date(2026, 11, 14)
 DAYS = 14
 FIGURES = ("auc", "ne", "calibration")
 # variant -> (teacher: none / gem (fresh) / stale_gem / fm (the domain FM, from the fresh GEM), TransferConfig settings)
+# Each transfer with the teacher's targets learned by an auxiliary head, and (`_serving`) by the serving head.
+PLAIN = {"student_adapter": False, "representation": False, "shared_tables": ()}
+SERVING = {"distillation_head": "serving"}
 VARIANTS = {
     "alone": (None, {}),
-    "distillation": ("gem", {"student_adapter": False, "representation": False, "shared_tables": ()}),
+    "distillation": ("gem", PLAIN),
     "direct": ("gem", {}),
     "hierarchical": ("fm", {}),
     "stale_direct": ("stale_gem", {}),
     "stale_direct_no_adapter": ("stale_gem", {"student_adapter": False}),
+    "distillation_serving": ("gem", {**PLAIN, **SERVING}),
+    "direct_serving": ("gem", SERVING),
+    "stale_direct_serving": ("stale_gem", SERVING),
+    "stale_direct_serving_no_adapter": ("stale_gem", {**SERVING, "student_adapter": False}),
 }
 
 
@@ -94,14 +103,19 @@ def cpu_latency(model, logs, row: int, candidates: int, reps: int) -> float:
 
 def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
     """GEM, the domain FMs and every vertical variant of one seed."""
-    from gem_ops.data.batch_shuffling import ShufflingConfig
+    from gem_ops.data.batch_shuffling import ShufflingConfig, read_plan
     from gem_ops.model.config import model_config
     from gem_ops.train.config import TrainConfig
     from gem_ops.train.engine import train
     from gem_ops.transfer import windows
     from gem_ops.transfer.config import TransferConfig
-    from gem_ops.transfer.hierarchy import (DomainData, as_teacher, students_examples, train_domain_foundation_model,
-                                            train_vertical_model)
+    from gem_ops.transfer.hierarchy import (
+        DomainData,
+        as_teacher,
+        students_examples,
+        train_domain_foundation_model,
+        train_vertical_model,
+    )
     from gem_ops.transfer.knowledge import score_examples
     from gem_ops.transfer.student import Teacher, prediction_report, write_student_plan
     from gem_ops.transfer.user_representations import compute_user_representations
@@ -111,16 +125,18 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
     fm_base = model_config("domain_fm", width=0.5, **{"sequence.max_history_len": args.max_history_len})
     vm_base = model_config("vertical", **{"sequence.max_history_len": 64})
 
-    def settings(epochs: int, eval_every: int) -> TrainConfig:
+    def settings(epochs: int, eval_every: int, min_steps: int = 0) -> TrainConfig:
         return TrainConfig(epochs=epochs, lr_dense=args.lr_dense, lr_schedule="cosine", validation_days=1,
                            eval_every=eval_every, early_stopping_patience=args.patience,
-                           eval_max_examples=1_000_000, seed=seed)
+                           early_stopping_min_steps=min_steps, eval_max_examples=1_000_000, seed=seed)
 
     def train_gem(label: str, gem_window) -> tuple[Teacher, object]:
         began = time.perf_counter()
         examples = windows.teacher_examples(logs, gem_window)
         plan = write_student_plan(logs, examples, work / f"{label}_plan.parquet", shuffling, args.max_history_len)
-        model, run = train(logs, plan, gem_config, settings(args.gem_epochs, args.gem_eval_every), device=args.device)
+        first_epoch = int(args.gem_min_epochs * read_plan(plan).shape[0])
+        model, run = train(logs, plan, gem_config, settings(args.gem_epochs, args.gem_eval_every, first_epoch),
+                           device=args.device)
         scored = students_examples(logs, window)
         table = compute_user_representations(model, logs, scored, {"name": label}, device=args.device)
         predictions = score_examples(model, logs, scored, {"name": label}, representations=table, device=args.device)
@@ -169,15 +185,24 @@ def summarize(seeds: list[dict]) -> dict:
         teacher, alone = per["gem"]["auc"], per["alone"]["auc"]
         real_gap = teacher["mean"] - alone["mean"] > max(teacher["spread"], alone["spread"])
         gap = {v: ((per[v]["auc"]["mean"] - alone["mean"]) / (teacher["mean"] - alone["mean"]) if real_gap else None)
-               for v in ("distillation", "direct", "hierarchical")}
+               for v in VARIANTS if v != "alone"}
         out[key] = {"figures": per, "gap_real": real_gap, "gap_closed_auc": gap,
                     "hierarchical_not_worse_than_alone": per["hierarchical"]["auc"]["mean"] >= alone["mean"]
                     - max(per["hierarchical"]["auc"]["spread"], alone["spread"]),
-                    "stale_adapter_gain": {m: per["stale_direct"][m]["mean"] - per["stale_direct_no_adapter"][m]["mean"]
-                                           for m in ("auc", "ne")},
-                    "adapter_beats_no_adapter": per["stale_direct"]["auc"]["mean"] - per["stale_direct_no_adapter"]["auc"]["mean"]
-                    > max(per["stale_direct"]["auc"]["spread"], per["stale_direct_no_adapter"]["auc"]["spread"])}
+                    "full_over_plain_distillation": {
+                        full: gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
+                        for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"))},
+                    "adapter": {with_: _gain(per, with_, without) for with_, without in (
+                        ("stale_direct", "stale_direct_no_adapter"),
+                        ("stale_direct_serving", "stale_direct_serving_no_adapter"))}}
     return out
+
+
+def _gain(per: dict, with_: str, without: str) -> dict:
+    """`with_` against `without`: mean AUC and NE differences, and whether the AUC gain exceeds the spread."""
+    auc = per[with_]["auc"]["mean"] - per[without]["auc"]["mean"]
+    return {"auc_gain": auc, "ne_gain": per[without]["ne"]["mean"] - per[with_]["ne"]["mean"],
+            "beyond_spread": auc > max(per[with_]["auc"]["spread"], per[without]["auc"]["spread"])}
 
 
 def largest_domains(logs, window, n: int) -> list[str]:
@@ -215,6 +240,7 @@ def main() -> None:
     parser.add_argument("--gem-width", type=float, default=0.5)
     parser.add_argument("--gem-epochs", type=int, default=3)
     parser.add_argument("--gem-eval-every", type=int, default=50)
+    parser.add_argument("--gem-min-epochs", type=float, default=1.0, help="GEM's epochs before it may stop early")
     parser.add_argument("--student-epochs", type=int, default=4)
     parser.add_argument("--student-eval-every", type=int, default=10)
     parser.add_argument("--patience", type=int, default=3)

@@ -134,6 +134,15 @@ def test_early_stopping_keeps_the_best_weights_and_stops_when_patience_runs_out(
     assert checkpoint_steps(tmp_path / "best") == [2]
 
 
+def test_early_stopping_waits_for_its_minimum_steps(data, tmp_path):
+    """The same frozen training with early_stopping_min_steps=8 goes on to step 8, keeping step 2."""
+    config = dataclasses.replace(CONFIG, max_steps=10, lr_dense=0.0, lr_sparse=0.0, validation_days=1, eval_every=2,
+                                 early_stopping_patience=1, early_stopping_min_steps=8, calibrate=False)
+    _, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)
+    assert result.stopped_early and result.steps == 8 and result.validation_steps == [2, 4, 6, 8]
+    assert result.best_step == 2
+
+
 def test_the_kept_weights_are_the_best_validated_ones(data, tmp_path):
     from gem_ops.train.engine import validation_ne
     from gem_ops.train.evaluation import evaluate

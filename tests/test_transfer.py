@@ -174,6 +174,25 @@ def test_distillation_head_and_teacher_token(logs, stale_teacher):
         model_input(logs.batch([0]), spec, config)
 
 
+def test_serving_head_distillation_learns_soft_targets_without_a_head_of_its_own(logs, stale_teacher):
+    """distillation_head='serving': no auxiliary towers; the serving head's loss is its log loss on the labels
+    plus distillation_weight x its log loss on the teacher's probabilities."""
+    from gem_ops.model.heads import masked_bce_sums
+
+    transfer = TransferConfig(shared_tables=(), representation=False, distillation_head="serving", distillation_weight=0.5)
+    config = student_config(SMALL, ("click",), transfer, stale_teacher)
+    assert config.distillation_head == "serving"
+    spec = FeatureSpec.from_logs(logs)
+    model = seeded_model(spec, config)
+    assert model.distillation_towers is None
+    joined = TeacherJoinedLogs(logs, stale_teacher.predictions, stale_teacher.representations)
+    x = model_input(joined.batch(stale_teacher.predictions.example_index[:64], 32), spec, config)
+    sums = model.loss_sums(x)
+    on_labels, _ = masked_bce_sums(sums.logits, x.labels, x.label_mask)
+    on_teacher, _ = masked_bce_sums(sums.logits, torch.sigmoid(x.teacher_logits.float()), x.label_mask)
+    torch.testing.assert_close(sums.total, on_labels + 0.5 * on_teacher)
+
+
 def test_parameter_sharing_copies_and_freezes_the_named_tables(logs):
     spec = FeatureSpec.from_logs(logs)
     teacher = seeded_model(spec, model_config("gem"), seed=1)  # wider than the vertical preset everywhere

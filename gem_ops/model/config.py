@@ -100,11 +100,16 @@ class ModelConfig:
     dropout: float = 0.0
     tasks: tuple[str, ...] = ()  # the objectives this model predicts, in order; empty: all the data's
     # Knowledge transfer (gem_ops.transfer): a teacher representation of this width enters as one more
-    # interaction token; an auxiliary head on the shared trunk learns teacher targets with this weight.
+    # interaction token; teacher targets are learned with this weight by an auxiliary head on the shared
+    # trunk (the serving head keeps to the true labels) or by the serving head itself (soft targets).
     teacher_representation_dim: int = 0
     distillation_weight: float = 0.0
+    distillation_head: Literal["auxiliary", "serving"] = "auxiliary"
 
     def __post_init__(self):
+        if self.distillation_head not in ("auxiliary", "serving"):
+            raise ValueError("ModelConfig.distillation_head must be 'auxiliary' or 'serving', got "
+                             f"{self.distillation_head!r}")
         if self.teacher_representation_dim < 0 or self.distillation_weight < 0:
             raise ValueError("ModelConfig: teacher_representation_dim and distillation_weight must be >= 0, got "
                              f"{self.teacher_representation_dim} and {self.distillation_weight}")

@@ -100,7 +100,8 @@ class GEMModel(nn.Module):
         self.towers = towers()
         # Distillation: teacher targets train their own head on the shared trunk, so the serving head
         # stays calibrated to the true labels while the trunk takes up the teacher's knowledge.
-        self.distillation_towers = towers() if config.distillation_weight > 0 else None
+        auxiliary = config.distillation_weight > 0 and config.distillation_head == "auxiliary"
+        self.distillation_towers = towers() if auxiliary else None
         if device is not None:
             self.to(device)
 
@@ -158,16 +159,18 @@ class GEMModel(nn.Module):
     def loss_sums(self, x: ModelInput) -> LossSums:
         """Per task, the training loss summed over this batch's labelled examples, and their count.
 
-        With a distillation head and teacher logits in the input, a task's sum adds distillation_weight x
-        the head's log loss against the teacher's probabilities on the same labelled examples. Sums (not
-        means) let a training job of several ranks normalise by the global batch's counts."""
+        With teacher logits in the input, a task's sum adds distillation_weight x the log loss of the
+        distillation head (the auxiliary one, or the serving head itself) against the teacher's probabilities
+        on the same labelled examples. Sums (not means) let a training job of several ranks normalise by the
+        global batch's counts."""
         trunk = self.encode(x)
         logits = self.towers(trunk, x.surface)
         labelled, counts = masked_bce_sums(logits, x.labels, x.label_mask)
         total = labelled
-        if self.distillation_towers is not None and x.teacher_logits is not None:
+        if self.config.distillation_weight > 0 and x.teacher_logits is not None:
             soft = torch.sigmoid(x.teacher_logits.float())
-            distilled, _ = masked_bce_sums(self.distillation_towers(trunk, x.surface), soft, x.label_mask)
+            head = self.distillation_towers(trunk, x.surface) if self.distillation_towers is not None else logits
+            distilled, _ = masked_bce_sums(head, soft, x.label_mask)
             total = labelled + self.config.distillation_weight * distilled
         return LossSums(total, labelled.detach(), counts, logits)
 

@@ -39,6 +39,9 @@ class TrainConfig:
     # With validation days: stop after this many evaluations without a better validation NE, and keep the
     # best evaluated weights (0: train to the end, still keeping the best)
     early_stopping_patience: int = 0
+    # No stop before this step (an early plateau on a noisy validation day must not end training); the best
+    # weights are tracked from the first evaluation all the same
+    early_stopping_min_steps: int = 0
     calibrate: bool = True  # with validation days: Platt scaling per (domain, task) fitted on them at the end
     eval_max_examples: int = 20_000  # a fixed subset of the eval split, for speed
     eval_batch_size: int = 512
@@ -57,6 +60,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.prefetch_batches < 0:
             raise ValueError(f"TrainConfig.prefetch_batches must be >= 0, got {self.prefetch_batches}")
+        if self.early_stopping_min_steps < 0:
+            raise ValueError(f"TrainConfig.early_stopping_min_steps must be >= 0, got {self.early_stopping_min_steps}")
         if self.validation_days < 0 or self.early_stopping_patience < 0:
             raise ValueError("TrainConfig.validation_days and early_stopping_patience must be >= 0, got "
                              f"{self.validation_days} and {self.early_stopping_patience}")

@@ -381,7 +381,7 @@ class Trainer:
         else:
             self.evals_since_best += 1
         patience = self.config.early_stopping_patience
-        return bool(patience) and self.evals_since_best >= patience
+        return bool(patience) and self.evals_since_best >= patience and step >= self.config.early_stopping_min_steps
 
     def restore_best(self) -> None:
         """The best validated weights back in the model (when training went on past them). Collective."""

@@ -16,7 +16,9 @@ MODES: tuple[str, ...] = ("alone", "direct", "hierarchical")
 
 @dataclass(frozen=True)
 class TransferConfig:
-    distillation_weight: float = 1.0  # weight of the auxiliary head's loss on teacher targets; 0: no distillation
+    distillation_weight: float = 1.0  # weight of the loss on teacher targets; 0: no distillation
+    # auxiliary: a head of its own learns the teacher's targets; serving: the serving head does (soft targets)
+    distillation_head: str = "auxiliary"
     student_adapter: bool = True  # map teacher logits to fresh-label-calibrated targets first
     adapter_hidden: int = 16
     adapter_steps: int = 300  # full-batch Adam steps on the student's training window

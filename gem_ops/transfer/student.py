@@ -55,6 +55,7 @@ def student_config(base: ModelConfig, tasks: tuple[str, ...], transfer: Transfer
     if transfer.shared_tables:
         config = sharing_config(config, teacher.model.config, transfer.shared_tables)
     return replace(config, distillation_weight=transfer.distillation_weight,
+                   distillation_head=transfer.distillation_head,
                    teacher_representation_dim=teacher.predictions.representation_dim if transfer.representation else 0)
 
 
