@@ -45,8 +45,11 @@ def raw_partition_path(lake: LakeResource, day: str):
     group_name="data",
     kinds={"polars", "parquet"},
     check_specs=[
-        dg.AssetCheckSpec("schema", asset="raw_event_logs", blocking=True),
-        dg.AssetCheckSpec("null_rate", asset="raw_event_logs"),
+        dg.AssetCheckSpec("schema", asset="raw_event_logs", blocking=True, partitions_def=daily_partitions,
+                          description="The stored day reads back through the validating reader."),
+        dg.AssetCheckSpec("null_rate", asset="raw_event_logs", partitions_def=daily_partitions,
+                          description=f"No feature column is null in more than {MAX_FEATURE_NULL_RATE:.0%} of the "
+                                      "events (a warning)."),
     ],
 )
 def raw_event_logs(

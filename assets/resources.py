@@ -22,6 +22,17 @@ def _asset_label(context: dg.AssetExecutionContext) -> str:
     return ",".join(sorted(key.to_user_string() for key in context.selected_asset_keys))
 
 
+def parent_run_name(job_name: str, context: dg.AssetExecutionContext, run_id: str) -> str:
+    """What a person looks for: the job (or "materialize" for a selection launched from the UI), the
+    partition, then the Dagster run's short id, e.g. 'gem_pipeline 2026-11-14 · 6afbb032'."""
+    job = "materialize" if job_name.startswith("__") else job_name  # __ASSET_JOB, __ephemeral_asset_job__
+    if context.has_partition_key:
+        job += f" {context.partition_key}"
+    elif context.has_partition_key_range:
+        job += f" {context.partition_key_range.start}...{context.partition_key_range.end}"
+    return f"{job} · {run_id[:8]}"
+
+
 class MLflowResource(dg.ConfigurableResource):
     """MLflow tracking: one run per asset materialization, nested under one run per Dagster run."""
 
@@ -35,7 +46,9 @@ class MLflowResource(dg.ConfigurableResource):
         description="Artifact location of a new experiment. None: the project's mlflow/artifacts "
         "for a local store, the server's own root for a tracking server.",
     )
-    ui_url: str | None = Field(default=None, description="MLflow UI base URL, for run links.")
+    ui_url: str | None = Field(
+        default=None, description="MLflow UI base URL, for the run links in Dagster's metadata. None: MLFLOW_UI_URL, "
+        "else a tracking server's own URL, else http://127.0.0.1:5000 (what `make mlflow-ui` serves).")
 
     def get_client(self) -> MlflowClient:
         return tracking.tracking_client(self.tracking_uri)
@@ -46,11 +59,13 @@ class MLflowResource(dg.ConfigurableResource):
             location = tracking.default_artifact_location()
         return tracking.ensure_experiment(client or self.get_client(), self.experiment_name, location)
 
-    def run_url(self, run_id: str) -> str | None:
-        if not self.ui_url:
-            return None
+    @property
+    def link_base(self) -> str:
+        return self.ui_url or tracking.default_ui_url(self.tracking_uri)
+
+    def run_url(self, run_id: str) -> str:
         experiment_id = self.get_client().get_run(run_id).info.experiment_id
-        return tracking.run_url(self.ui_url, experiment_id, run_id)
+        return tracking.run_url(self.link_base, experiment_id, run_id)
 
     @contextlib.contextmanager
     def asset_run(
@@ -73,7 +88,7 @@ class MLflowResource(dg.ConfigurableResource):
             self.experiment_id(client),
             key_tag=DAGSTER_RUN_ID_TAG,
             key=dagster_run.run_id,
-            parent_name=f"{dagster_run.job_name}-{dagster_run.run_id[:8]}",
+            parent_name=parent_run_name(dagster_run.job_name, context, dagster_run.run_id),
             parent_tags={"dagster.job_name": dagster_run.job_name, **source},
         )
         asset_label = _asset_label(context)
@@ -88,13 +103,10 @@ class MLflowResource(dg.ConfigurableResource):
             name = run_name or f"{asset_label} [{keys.start}...{keys.end}]"
 
         run = group.start_child(name, tags)
-        url = tracking.run_url(self.ui_url, group.experiment_id, run.run_id) if self.ui_url else None
-        context.log.info(f"MLflow run {run.run_id}" + (f": {url}" if url else ""))
+        url = tracking.run_url(self.link_base, group.experiment_id, run.run_id)
+        context.log.info(f"MLflow run {run.run_id}: {url}")
         if len(context.selected_asset_keys) == 1:
-            metadata = {"mlflow_run_id": run.run_id}
-            if url:
-                metadata["mlflow_run"] = dg.MetadataValue.url(url)
-            context.add_asset_metadata(metadata)
+            context.add_asset_metadata({"mlflow_run_id": run.run_id, "mlflow_run": dg.MetadataValue.url(url)})
         try:
             yield run
         except BaseException:

@@ -40,14 +40,27 @@ def window_days(end: date, lookback_days: int) -> list[date]:
     return [first + timedelta(days=i) for i in range((end - first).days + 1)]
 
 
+def length_table(columns: dict[str, dict[str, float]]) -> str:
+    """Markdown: one row per statistic (quantiles, mean, empty share), one column per length measured."""
+    names = list(dict.fromkeys(k for figures in columns.values() for k in figures))
+    lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name in names:
+        cells = [f"{figures[name]:.3g}" if name in figures else "–" for figures in columns.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 @dg.asset(
     partitions_def=daily_partitions,
     deps=[dg.AssetDep(raw_event_logs, partition_mapping=lookback_window)],
     group_name="data",
     kinds={"polars", "parquet"},
     check_specs=[
-        dg.AssetCheckSpec("no_future_leakage", asset="sequence_logs", blocking=True),
-        dg.AssetCheckSpec("length_distribution", asset="sequence_logs"),
+        dg.AssetCheckSpec("no_future_leakage", asset="sequence_logs", blocking=True, partitions_def=daily_partitions,
+                          description="No example's history holds an event at or after its own request time."),
+        dg.AssetCheckSpec("length_distribution", asset="sequence_logs", partitions_def=daily_partitions,
+                          description=f"At most {MAX_EMPTY_HISTORY_SHARE:.0%} of the examples come with an empty "
+                                      "history (a warning: the look-back window may be too short)."),
     ],
 )
 def sequence_logs(
@@ -82,8 +95,8 @@ def sequence_logs(
             "window": f"{days[0]} .. {days[-1]}",
             "eval_start": summary.eval_start or "",
             **counts,
-            "history_length": dg.MetadataValue.json(history),
-            "timeline_length": dg.MetadataValue.json(summary.timeline_length_quantiles),
+            "lengths": dg.MetadataValue.md(length_table({"history at request": history,
+                                                         "user timeline": summary.timeline_length_quantiles})),
         },
         check_results=[
             dg.AssetCheckResult(check_name="no_future_leakage", passed=sum(leaks.values()) == 0, metadata=leaks),

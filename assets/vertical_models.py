@@ -64,9 +64,10 @@ def _teacher(mode: str, lake: LakeResource, day: str, domain: str, client) -> Te
 @dg.asset(
     partitions_def=daily_partitions, deps=[teacher_predictions, domain_foundation_models], group_name="transfer",
     kinds={"pytorch", "mlflow"},
-    check_specs=[dg.AssetCheckSpec(CHECK, asset="vertical_models", blocking=True,
+    check_specs=[dg.AssetCheckSpec(CHECK, asset="vertical_models", blocking=True, partitions_def=daily_partitions,
                                    description="Each challenger is compared with its champion on the same eval "
-                                               "examples; only one not measurably worse is promoted.")],
+                                               "examples; only one not measurably worse is promoted. With no "
+                                               "champion yet, the base rate (NE 1) stands in for it.")],
 )
 def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsConfig, lake: LakeResource,
                     mlflow: MLflowResource):

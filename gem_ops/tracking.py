@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import math
 import os
 import subprocess
 import tempfile
@@ -42,6 +43,17 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 def default_tracking_uri() -> str:
     """MLFLOW_TRACKING_URI when set, else the project's SQLite store."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{TRACKING_DIR / 'mlflow.db'}"
+
+
+def default_ui_url(tracking_uri: str | None = None) -> str:
+    """Where people open the runs: MLFLOW_UI_URL, else a tracking server's own URL, else the local UI that
+    `make mlflow-ui` starts on the project's store."""
+    tracking_uri = tracking_uri or default_tracking_uri()
+    if os.environ.get("MLFLOW_UI_URL"):
+        return os.environ["MLFLOW_UI_URL"].rstrip("/")
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/")
+    return "http://127.0.0.1:5000"
 
 
 def default_artifact_location() -> str:
@@ -195,17 +207,21 @@ class RunTracker:
             flat = _flatten(params)
             self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in flat.items()])
 
+    # Undefined figures (NaN: a metric of a group with one class or none) are left out rather than logged:
+    # a run holds only what could be measured.
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         if self.enabled:
             now = _now_ms()
-            batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
-            self.client.log_batch(self.run_id, metrics=batch)
+            batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if math.isfinite(v)]
+            if batch:
+                self.client.log_batch(self.run_id, metrics=batch)
 
     def log_metrics_by_step(self, rows: Mapping[int, Mapping[str, float]]) -> None:
         """Metrics of many steps in a few batched calls (MLflow takes up to 1000 per call)."""
         if self.enabled:
             now = _now_ms()
-            batch = [Metric(k, float(v), now, int(s)) for s, metrics in rows.items() for k, v in metrics.items()]
+            batch = [Metric(k, float(v), now, int(s)) for s, metrics in rows.items() for k, v in metrics.items()
+                     if math.isfinite(v)]
             for start in range(0, len(batch), 1000):
                 self.client.log_batch(self.run_id, metrics=batch[start : start + 1000])
 
@@ -219,8 +235,9 @@ class RunTracker:
         if self.enabled:
             now = _now_ms()
             steps = range(len(values)) if steps is None else steps
-            batch = [Metric(key, float(v), now, int(s)) for s, v in zip(steps, values, strict=True)]
-            self.client.log_batch(self.run_id, metrics=batch)
+            batch = [Metric(key, float(v), now, int(s)) for s, v in zip(steps, values, strict=True) if math.isfinite(v)]
+            for start in range(0, len(batch), 1000):
+                self.client.log_batch(self.run_id, metrics=batch[start : start + 1000])
 
     @contextlib.contextmanager
     def child(self, run_name: str, tags: Mapping[str, Any] | None = None) -> Iterator[RunTracker]:

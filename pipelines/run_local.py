@@ -18,11 +18,15 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
+from dagster._core.storage.tags import PARTITION_SET_TAG, REPOSITORY_LABEL_TAG
+
 from assets.partitions import LOOKBACK_DAYS
 from pipelines.definitions import defs
 from pipelines.orphaned_runs import close_orphaned_runs, orchestrator_tags
 
 DEFAULT_END = "2026-11-14"
+# workspace.yaml's code location (a python_module location is named after its module) and its one repository.
+CODE_LOCATION, REPOSITORY = "pipelines.definitions", "__repository__"
 # GEM: up to 2 epochs at half width, histories cut to 128 events, stopped early on the held-out newest
 # training day (validated every 40 steps), calibrated on it.
 LOCAL_TRAINING = {"epochs": 2, "width": 0.5, "lr_dense": 3e-3, "eval_every": 40, "early_stopping_patience": 3,
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             selection = None if offset == 0 else [dg.AssetKey("raw_event_logs")]
             result = job.execute_in_process(
                 partition_key=day, instance=instance, asset_selection=selection, run_config=run_config,
-                raise_on_error=False, tags=orchestrator_tags(),
+                raise_on_error=False, tags=local_run_tags(job.name),
             )
             print(f"{day}: {'ok' if result.success else 'FAILED'} (run {result.run_id})", flush=True)
             if offset == 0:
@@ -69,6 +73,14 @@ def main(argv: list[str] | None = None) -> None:
                     print(line, flush=True)
                 raise SystemExit(1)
     print("done: open the Dagster UI with `make dagster` and MLflow with `make mlflow-ui`")
+
+
+def local_run_tags(job_name: str) -> dict[str, str]:
+    """Tags that place a run executed here under its job in the Dagster UI, as a run launched there is: the
+    UI lists a job's runs (and partitions) by the code location's repository label, which a run executed
+    in process does not get by itself; plus this process's identity, to close the run if the process dies."""
+    return {REPOSITORY_LABEL_TAG: f"{REPOSITORY}@{CODE_LOCATION}", PARTITION_SET_TAG: f"{job_name}_partition_set",
+            **orchestrator_tags()}
 
 
 def run_summary(result) -> str:

@@ -77,10 +77,13 @@ def group_processes(pgid: int) -> list[psutil.Process]:
     return members
 
 
-def stop_server(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """SIGTERM to the whole process group, then SIGKILL to whatever is left after `timeout`."""
+def stop_server(proc: subprocess.Popen, timeout: float = 10.0, first: signal.Signals = signal.SIGTERM) -> signal.Signals:
+    """`first` (SIGTERM; SIGINT is Ctrl-C) to the whole process group, then SIGKILL to whatever is left after
+    `timeout`; returns the signal that ended the group."""
     pgid = proc.pid  # start_new_session: the group id is the leader's pid
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    ended_by = first
+    for sig in (first, signal.SIGKILL):
+        ended_by = sig
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
@@ -94,3 +97,4 @@ def stop_server(proc: subprocess.Popen, timeout: float = 10.0) -> None:
             continue  # still running: escalate
         break
     proc.wait(timeout=timeout)
+    return ended_by

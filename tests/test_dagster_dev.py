@@ -1,6 +1,7 @@
 """`dagster dev` really started on the project's workspace.yaml, asked over GraphQL for the asset graph."""
 
 import json
+import signal
 import sys
 import time
 import urllib.request
@@ -13,13 +14,37 @@ from tests.servers import free_port, group_processes, start_server, stop_server
 PROJECT = Path(__file__).resolve().parents[1]
 QUERY = """
 { assetNodes { assetKey { path } groupName isPartitioned
-    dependencyKeys { path } assetChecksOrError { ... on AssetChecks { checks { name blocking } } } }
-  repositoriesOrError { ... on RepositoryConnection { nodes { name jobs { name } schedules { name } } } } }
+    dependencyKeys { path } assetChecksOrError { ... on AssetChecks { checks { name blocking description } } } }
+  repositoriesOrError { ... on RepositoryConnection { nodes { name location { name } jobs { name } schedules { name } } } }
+  pipelineOrError(params: {pipelineName: "gem_pipeline", repositoryName: "__repository__",
+                           repositoryLocationName: "pipelines.definitions"}) { ... on Pipeline { runs { runId } } } }
 """
+
+
+def _local_run(home: Path, lake: Path) -> str:
+    """A day of raw events through the gem_pipeline job as `pipelines.run_local` runs it (in process, into
+    the instance at `home`); its run id."""
+    import dagster as dg
+
+    from assets.resources import LakeResource, MLflowResource
+    from pipelines.definitions import defs
+    from pipelines.jobs import gem_pipeline_job
+    from pipelines.run_local import local_run_tags
+
+    resources = {"lake": LakeResource(base_dir=str(lake)), "pipes_subprocess_client": dg.PipesSubprocessClient(),
+                 "mlflow": MLflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")}
+    job = dg.Definitions(assets=defs.assets, jobs=[gem_pipeline_job], resources=resources).resolve_job_def("gem_pipeline")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        result = job.execute_in_process(
+            partition_key="2026-11-14", instance=instance, asset_selection=[dg.AssetKey("raw_event_logs")],
+            run_config={"ops": {"raw_event_logs": {"config": {"synthetic_users": 200}}}}, tags=local_run_tags(job.name))
+    assert result.success
+    return result.run_id
 
 
 @pytest.mark.server
 def test_dagster_dev_serves_the_asset_graph(tmp_path):
+    run_id = _local_run(tmp_path, tmp_path / "lake")
     port = free_port()
     dagster = str(Path(sys.executable).with_name("dagster"))
     proc = start_server(
@@ -36,8 +61,9 @@ def test_dagster_dev_serves_the_asset_graph(tmp_path):
         )
         data = _until_loaded(request)
     finally:
-        stop_server(proc)
-    assert proc.poll() is not None and not group_processes(proc.pid)
+        ended_by = stop_server(proc, timeout=30, first=signal.SIGINT)
+    # Ctrl-C (`make dagster`) ends the webserver, the daemon and the code server within 30 s.
+    assert ended_by == signal.SIGINT and proc.poll() is not None and not group_processes(proc.pid)
 
     nodes = {"/".join(n["assetKey"]["path"]): n for n in data["assetNodes"]}
     assert {"raw_event_logs", "sequence_logs", "shuffled_batches"} <= set(nodes)
@@ -46,8 +72,12 @@ def test_dagster_dev_serves_the_asset_graph(tmp_path):
     assert all(nodes[k]["isPartitioned"] for k in ("raw_event_logs", "sequence_logs", "shuffled_batches"))
     checks = {c["name"]: c["blocking"] for c in nodes["sequence_logs"]["assetChecksOrError"]["checks"]}
     assert checks == {"no_future_leakage": True, "length_distribution": False}
+    assert all(c["description"] for c in nodes["sequence_logs"]["assetChecksOrError"]["checks"])
     repo = data["repositoriesOrError"]["nodes"][0]
+    assert (repo["name"], repo["location"]["name"]) == ("__repository__", "pipelines.definitions")
     assert {"prepare_data", "gem_pipeline"} <= {j["name"] for j in repo["jobs"]}
+    # A run of the local runner is listed under its job, as one launched from the UI is.
+    assert run_id in {r["runId"] for r in data["pipelineOrError"]["runs"]}
     assert "gem_pipeline_schedule" in {s["name"] for s in repo["schedules"]}
 
 

@@ -54,10 +54,15 @@ def test_mlflow_run_has_metrics_plot_and_registered_model(gem_asset_runs):
     assert len(client.get_metric_history(run.info.run_id, "train.loss")) == 6
     assert "eval.all.click.auc" in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"loss_curves.png", "eval_metrics.json", "model"} <= artifacts
+    assert {"loss_curves.png", "eval_metrics.json"} <= artifacts
+    # The model is an MLflow logged model, an output of the run (MLflow's Models views list it).
+    (output,) = run.outputs.model_outputs
+    logged = client.get_logged_model(output.model_id)
+    assert logged.source_run_id == run.info.run_id and str(logged.status) == "READY"
     versions = client.search_model_versions(f"name='{MODEL_NAME}'")
     assert sorted(int(v.version) for v in versions) == [1, 2]
-    assert {v.run_id for v in versions if str(v.version) == str(meta["model_version"].value)} == {run.info.run_id}
+    (version,) = [v for v in versions if str(v.version) == str(meta["model_version"].value)]
+    assert version.run_id == run.info.run_id and version.source == logged.artifact_location
 
 
 def test_registered_model_loads_back_and_predicts_the_same(gem_asset_runs):
@@ -132,3 +137,19 @@ def test_a_warm_start_the_model_cannot_take_fails_at_once_naming_the_settings(ge
     failure = next(e for e in wider.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error
     assert "cannot warm-start from" in failure.message and "differ in shape" in failure.message
     assert "embedding.dim: 16 there, 32 here" in failure.message
+
+
+def test_undefined_figures_are_left_out_of_the_reported_metadata():
+    from gem_ops.train.pipes_reporting import PipesReporter
+
+    class Pipes:
+        is_asset_step = True
+
+        def report_asset_materialization(self, metadata):
+            self.reported = metadata
+
+    pipes = Pipes()
+    PipesReporter(pipes, 10).finish({"eval.all.click.auc": 0.7, "eval.stories.conversion.auc": float("nan"),
+                                     "steps": 6, "warm_start": None})
+    assert set(pipes.reported) == {"eval.all.click.auc", "steps", "warm_start"}
+    assert pipes.reported["eval.all.click.auc"] == {"raw_value": 0.7, "type": "float"}

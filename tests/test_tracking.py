@@ -138,7 +138,11 @@ def test_assets_log_nested_runs(store, mlflow_resource, git_checkout, monkeypatc
 
     # The Dagster materialization links back to its MLflow run.
     materialization = result.asset_materializations_for_node("tiny_model")[0]
-    assert materialization.metadata["mlflow_run_id"].value == by_key["tiny_model"].info.run_id
+    run = by_key["tiny_model"].info
+    assert materialization.metadata["mlflow_run_id"].value == run.run_id
+    link = materialization.metadata["mlflow_run"]
+    assert isinstance(link, dg.UrlMetadataValue)
+    assert link.value == f"http://127.0.0.1:5000/#/experiments/{run.experiment_id}/runs/{run.run_id}"
 
 
 def test_failing_asset_fails_its_run_and_the_parent(store, mlflow_resource):
@@ -175,6 +179,22 @@ def test_failed_parent_stays_failed_after_later_steps(store):
     group.end_child(second.run_id, failed=False)
     assert parent_status() == "FAILED"
     assert client.get_run(second.run_id).info.status == "FINISHED"
+
+
+def test_undefined_metrics_are_left_out(store):
+    """NaN and infinite figures (a metric of a group with one class) never reach the run, in any of the
+    tracker's logging calls; the defined ones do."""
+    client = tracking.tracking_client(store[0])
+    group = RunGroup(client, ensure_experiment(client, "gem", store[1]), "dagster.run_id", "nan-run")
+    run = group.start_child("eval", {})
+    run.log_metrics({"eval.stories.conversion.auc": float("nan"), "eval.all.click.auc": 0.7, "x": float("inf")})
+    run.log_metrics_by_step({1: {"loss": 0.5, "validation.ne": float("nan")}, 2: {"loss": 0.4}})
+    run.log_metric_history("curve", [0.3, float("nan"), 0.2])
+    group.end_child(run.run_id, failed=False)
+    metrics = client.get_run(run.run_id).data.metrics
+    assert set(metrics) == {"eval.all.click.auc", "loss", "curve"}
+    assert [m.value for m in client.get_metric_history(run.run_id, "curve")] == [0.3, 0.2]
+    assert not client.get_metric_history(run.run_id, "validation.ne")
 
 
 def _run_one_step(tracking_uri: str, barrier, failed: bool) -> None:
@@ -243,11 +263,13 @@ def test_partitioned_asset_is_tagged_with_its_partition(store, mlflow_resource):
     result = _materialize([daily_events], mlflow_resource, partition_key="2026-11-29")
     assert result.success
 
-    _, children = _runs(MlflowClient(store[0]))
+    [parent], children = _runs(MlflowClient(store[0]))
     [child] = children
     assert child.data.tags["dagster.partition_key"] == "2026-11-29"
     assert child.data.tags["dagster.asset_key"] == "daily_events"
     assert child.info.run_name == "daily_events [2026-11-29]"
+    # The parent is named for the job (a selection of assets: "materialize"), the partition, the run.
+    assert parent.info.run_name == f"materialize 2026-11-29 · {result.run_id[:8]}"
 
 
 def test_lake_paths(tmp_path, monkeypatch):

@@ -329,7 +329,8 @@ def test_promotion_keeps_out_a_worse_challenger_and_records_lineage(logs, stale_
                                          CHALLENGER))
     good, bad = versions
     first = promote_if_not_worse(client, name, logs, held_out, "click", good)
-    assert first.promoted and first.reason == "no champion yet"
+    assert first.promoted and "no champion yet; against the base rate's NE 1" in first.reason
+    assert first.ne_delta == pytest.approx(first.challenger["ne"] - 1.0, abs=1e-6) and first.ne_delta < 0
     second = promote_if_not_worse(client, name, logs, held_out, "click", bad)
     assert not second.promoted and second.champion_version == good
     assert second.challenger["ne"] > second.champion["ne"]
@@ -345,6 +346,33 @@ def test_promotion_keeps_out_a_worse_challenger_and_records_lineage(logs, stale_
     assert float(recorded["promotion.champion_ne"]) == pytest.approx(second.champion["ne"], rel=1e-5)
     assert recorded[TEACHER_NAME] == "teacher_test" and recorded[TEACHER_VERSION] == "1"
     assert recorded["transfer.mode"] == "direct"
+
+
+def test_a_first_challenger_worse_than_the_base_rate_is_kept_out_and_a_promoted_one_loses_challenger(
+        logs, stale_teacher, tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("transfer", artifact_location=str(tmp_path / "artifacts"))
+    fresh, held_out = windows.student_examples(logs, WINDOWS, "feed"), windows.eval_examples(logs, "feed")
+    name, tags = "vertical_feed_click", lineage_tags("alone", {})
+    run = train_student(logs, fresh, held_out, SMALL, ("click",), replace(QUICK, max_steps=30), tmp_path / "good",
+                        TransferConfig(), None, SHUFFLING)
+    good = register_student(client, client.create_run(experiment).info.run_id, run.model, run.data, held_out, name,
+                            tags, CHALLENGER)
+    with torch.no_grad():  # the same model, its every prediction pushed far above the click rate
+        scale, shift = run.model.output_calibration.calibration
+        run.model.output_calibration.set_calibration(scale, shift + 4.0)
+    worse = register_student(client, client.create_run(experiment).info.run_id, run.model, run.data, held_out, name,
+                             tags, CHALLENGER)
+    kept_out = promote_if_not_worse(client, name, logs, held_out, "click", worse, ne_standard_errors=1.645)
+    assert not kept_out.promoted and kept_out.challenger["ne"] > 1 and kept_out.ne_delta > 1.645 * kept_out.ne_delta_stderr
+    assert "no champion yet; against the base rate's NE 1" in kept_out.reason
+    assert current_version(client, name, CHAMPION) is None and current_version(client, name, CHALLENGER) == worse
+    assert client.get_model_version(name, worse).tags["promotion.decision"] == "kept_out"
+
+    client.set_registered_model_alias(name, CHALLENGER, good)
+    promoted = promote_if_not_worse(client, name, logs, held_out, "click", good, ne_standard_errors=1.645)
+    assert promoted.promoted and promoted.challenger["ne"] < 1
+    assert current_version(client, name, CHAMPION) == good and current_version(client, name, CHALLENGER) is None
 
 
 def test_paired_ne_delta_is_the_ne_difference_with_its_paired_standard_error(logs, stale_teacher):

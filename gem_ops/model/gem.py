@@ -98,8 +98,9 @@ class GEMModel(nn.Module):
         towers = lambda: DomainTaskTowers(config.trunk_hidden, len(spec.surfaces), len(self.objectives),  # noqa: E731
                                           config.tower_hidden, config.tower_layers)
         self.towers = towers()
-        # Distillation: teacher targets train their own head on the shared trunk, so the serving head
-        # stays calibrated to the true labels while the trunk takes up the teacher's knowledge.
+        # Distillation on an auxiliary head: teacher targets train their own head on the shared trunk, so
+        # the serving head stays calibrated to the true labels while the trunk takes up the teacher's knowledge
+        # (distillation_head "serving": the serving head learns the teacher's targets beside the labels).
         auxiliary = config.distillation_weight > 0 and config.distillation_head == "auxiliary"
         self.distillation_towers = towers() if auxiliary else None
         if device is not None:

@@ -19,6 +19,7 @@ import mlflow.pyfunc
 import numpy as np
 import pandas as pd
 import torch
+from mlflow.entities import LoggedModelOutput
 from mlflow.models import infer_signature
 from mlflow.tracking import MlflowClient
 
@@ -134,8 +135,9 @@ def predict_frame(model: GEMModel, frame: pd.DataFrame) -> pd.DataFrame:
 def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example: pd.DataFrame,
               registered_name: str | None = None, artifact_path: str = "model",
               version_tags: dict[str, str] | None = None) -> str | None:
-    """Saves the pyfunc into the run's artifacts and, given a name, registers a new version (with the
-    given tags); returns it."""
+    """Saves the pyfunc as an MLflow logged model, an output of the run (it shows in the run's and the
+    experiment's Models views), and, given a name, registers a new version of it (with the given tags);
+    returns the version."""
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "model_state.pt"
         torch.save(model_state(model), state_path)
@@ -150,7 +152,12 @@ def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example:
             signature=infer_signature(input_example, predict_frame(model, input_example)),
             pip_requirements=_requirements(),
         )
-        client.log_artifacts(run_id, os.fspath(package), artifact_path)
+        experiment_id = client.get_run(run_id).info.experiment_id
+        logged = client.create_logged_model(experiment_id, name=registered_name or artifact_path, source_run_id=run_id,
+                                            tags=version_tags, model_type="pyfunc")
+        client.log_model_artifacts(logged.model_id, os.fspath(package))
+        client.finalize_logged_model(logged.model_id, "READY")
+        client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
     if registered_name is None:
         return None
     try:
@@ -158,9 +165,8 @@ def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example:
     except mlflow.exceptions.MlflowException as error:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    run = client.get_run(run_id)
-    source = f"{run.info.artifact_uri}/{artifact_path}"
-    version = client.create_model_version(registered_name, source, run_id=run_id, tags=version_tags)
+    version = client.create_model_version(registered_name, logged.artifact_location, run_id=run_id, tags=version_tags,
+                                          model_id=logged.model_id)
     return version.version
 
 

@@ -51,7 +51,9 @@ class PipesReporter(LogReporter):
         self.pipes.log.info(text)
 
     def finish(self, metadata: dict[str, Any]) -> None:
-        values = {key: pipes_value(value) for key, value in metadata.items()}
+        # An undefined figure (NaN) is left out, as in MLflow, rather than shown as an empty entry.
+        values = {key: pipes_value(value) for key, value in metadata.items()
+                  if not (isinstance(value, float) and math.isnan(value))}
         if self.pipes.is_asset_step:
             self.pipes.report_asset_materialization(metadata=values)
         else:

@@ -45,7 +45,7 @@ def domain_foundation_model(client: MlflowClient, tracker: RunTracker, logs: Seq
     user representations beside them (`<name>.representations.parquet`)."""
     name = f"{settings.prefix}_{data.domain}"
     tags = lineage_tags("direct", gem.identity) | {"domain": data.domain}
-    with tracker.child(f"{name} [{run_label}]", tags) as child:
+    with tracker.child(f"{data.domain} · {name} [{run_label}]", tags) as child:
         fm = train_domain_foundation_model(logs, data, settings.base, settings.train, work_dir, settings.transfer,
                                            gem, settings.shuffling, child)
         version = register_student(client, child.run_id, fm.model, fm.data, data.eval, name, tags)

@@ -8,6 +8,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import mlflow.artifacts
 import numpy as np
 import torch
 from mlflow.exceptions import MlflowException
@@ -50,10 +51,9 @@ def lineage_tags(mode: str, teacher: dict[str, Any] | None) -> dict[str, str]:
 def load_model_version(client: MlflowClient, name: str, version: str) -> GEMModel:
     """The weights of a registered version (the pyfunc package's model_state artifact)."""
     found = client.get_model_version(name, str(version))
-    root = client.get_run(found.run_id).info.artifact_uri.rstrip("/")
-    package = found.source[len(root) + 1:] if found.source.startswith(root + "/") else "model"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = client.download_artifacts(found.run_id, f"{package}/artifacts/model_state.pt", tmp)
+    with tempfile.TemporaryDirectory() as tmp:  # the version's source: its logged model's artifacts
+        path = mlflow.artifacts.download_artifacts(artifact_uri=f"{found.source.rstrip('/')}/artifacts/model_state.pt",
+                                                   dst_path=tmp, tracking_uri=client.tracking_uri)
         state = load_model_state(path)
     return model_from_state(state).eval()
 
@@ -113,24 +113,29 @@ def current_version(client: MlflowClient, name: str, alias: str) -> str | None:
         return None
 
 
-def paired_ne_delta(logs: SequenceLogs, challenger: TeacherPredictions, champion: TeacherPredictions,
+def paired_ne_delta(logs: SequenceLogs, challenger: TeacherPredictions, champion: TeacherPredictions | None,
                     indices: np.ndarray, task: str) -> tuple[float, float]:
     """Challenger's NE minus the champion's over the examples of `indices` labelled for `task`, and the standard
     error of that difference. Both models are scored on the same examples, so the difference is the mean of
     per-example log-loss differences (over the labels' base-rate entropy): the sample's own luck, which moves
-    both models' NE alike, cancels, and what remains is measured from the spread of those differences."""
+    both models' NE alike, cancels, and what remains is measured from the spread of those differences.
+    Champion None: the base rate itself (a constant prediction of the labels' mean, NE 1)."""
     column = list(FeatureSpec.from_logs(logs).objectives).index(task)
     batch = logs.batch(indices, max_history_len=0)
     labelled = batch.label_mask[:, column].numpy().astype(bool)
     labels = batch.labels[labelled, column].double()
-    losses = []
-    for predictions in (challenger, champion):
-        logits = predictions.logits[prediction_rows(logs, predictions, indices), predictions.objectives.index(task)]
-        losses.append(torch.nn.functional.binary_cross_entropy_with_logits(
-            torch.from_numpy(logits[labelled]).double(), labels, reduction="none"))
-    entropy = base_rate_entropy(labels.mean().item() if labels.numel() else math.nan)
+    rate = labels.mean().item() if labels.numel() else math.nan
+    entropy = base_rate_entropy(rate)
     if math.isnan(entropy):
         return math.nan, math.nan
+    losses = []
+    for predictions in (challenger, champion):
+        if predictions is None:
+            logits = torch.full_like(labels, math.log(rate / (1 - rate)))
+        else:
+            rows = prediction_rows(logs, predictions, indices)
+            logits = torch.from_numpy(predictions.logits[rows, predictions.objectives.index(task)][labelled]).double()
+        losses.append(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none"))
     difference = (losses[0] - losses[1]) / entropy
     stderr = difference.std().item() / math.sqrt(difference.numel()) if difference.numel() > 1 else math.inf
     return difference.mean().item(), stderr
@@ -141,9 +146,11 @@ def promote_if_not_worse(client: MlflowClient, name: str, logs: SequenceLogs, in
                          cache: dict | None = None, ne_standard_errors: float = 0.0) -> PromotionDecision:
     """Scores the challenger and the champion on the same examples; the challenger becomes champion unless
     its NE exceeds the champion's by more than ne_tolerance + ne_standard_errors standard errors of the
-    paired difference (see paired_ne_delta; 0 standard errors: any excess keeps it out). The figures and the
-    decision go on the challenger's version tags either way. `cache` keeps scored versions between calls on
-    the same examples."""
+    paired difference (see paired_ne_delta; 0 standard errors: any excess keeps it out). With no champion
+    yet, the base rate (NE 1) stands in for it: a first model worse than predicting the base rate is kept
+    out by the same rule. A promoted version loses the challenger alias. The figures and the decision go on
+    the challenger's version tags either way. `cache` keeps scored versions between calls on the same
+    examples."""
     challenger_version = challenger_version or current_version(client, name, CHALLENGER)
     if challenger_version is None:
         raise ValueError(f"registered model {name!r} has no {CHALLENGER!r} version to judge")
@@ -151,25 +158,30 @@ def promote_if_not_worse(client: MlflowClient, name: str, logs: SequenceLogs, in
     cache = {} if cache is None else cache  # shared across calls: a teacher scored once serves all its students
     challenger = version_quality(client, name, challenger_version, logs, indices, task, cache)
     champion, delta, stderr = None, None, None
-    if champion_version is None:
-        promoted, reason = True, "no champion yet"
-    elif champion_version == str(challenger_version):
+    if champion_version is not None and str(champion_version) == str(challenger_version):
         champion = challenger
         promoted, reason = True, "already champion"
     else:
-        champion = version_quality(client, name, champion_version, logs, indices, task, cache)
-        delta, stderr = paired_ne_delta(logs, score_version(client, name, challenger_version, logs, indices, cache)[1],
-                                        score_version(client, name, champion_version, logs, indices, cache)[1],
-                                        indices, task)
+        scored = score_version(client, name, challenger_version, logs, indices, cache)[1]
+        if champion_version is None:
+            reference, reference_ne = None, 1.0
+            against = "no champion yet; against the base rate's NE 1"
+        else:
+            champion = version_quality(client, name, champion_version, logs, indices, task, cache)
+            reference = score_version(client, name, champion_version, logs, indices, cache)[1]
+            reference_ne, against = champion["ne"], f"vs champion's {champion['ne']:.4f}"
+        delta, stderr = paired_ne_delta(logs, scored, reference, indices, task)
         allowed = ne_tolerance + ne_standard_errors * stderr if ne_standard_errors else ne_tolerance
-        promoted = _not_worse(challenger["ne"], champion["ne"], delta, allowed)
-        reason = (f"NE {challenger['ne']:.4f} vs champion's {champion['ne']:.4f}: {delta:+.4f} "
+        promoted = _not_worse(challenger["ne"], reference_ne, delta, allowed)
+        reason = (f"NE {challenger['ne']:.4f} {against}: {delta:+.4f} "
                   f"(paired standard error {stderr:.4f}) {'<=' if promoted else '>'} {allowed:+.4f} allowed"
                   + (f" (tolerance {ne_tolerance:+g} + {ne_standard_errors:g} standard errors)" if ne_standard_errors else ""))
     decision = PromotionDecision(name, str(challenger_version), champion_version, challenger, champion, promoted, reason,
                                  delta, stderr)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, str(challenger_version))
+        if str(current_version(client, name, CHALLENGER)) == str(challenger_version):
+            client.delete_registered_model_alias(name, CHALLENGER)
     _record(client, decision)
     return decision
 

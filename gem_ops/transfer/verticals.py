@@ -66,7 +66,8 @@ def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLo
     for task in tasks:
         name = f"{settings.prefix}_{data.domain}_{task}"
         tags = lineage_tags(settings.mode, teacher.identity if teacher else None) | {"domain": data.domain, "task": task}
-        with tracker.child(f"{name} [{run_label}]", tags) as child:
+        # The part that tells the models apart first: run names are cut short in MLflow's tables.
+        with tracker.child(f"{data.domain}/{task} · {name} [{run_label}]", tags) as child:
             vm = train_vertical_model(logs, data, task, settings.base, settings.train, work_dir / f"{data.domain}_{task}",
                                       settings.transfer, teacher, settings.shuffling, child)
             version = register_student(client, child.run_id, vm.model, vm.data, data.eval, name, tags, CHALLENGER)
