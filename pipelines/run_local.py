@@ -5,12 +5,13 @@ domain foundation models and vertical models) for the last day.
 
     python -m pipelines.run_local [--end 2026-11-14] [--days 14] [--config run_config.yaml]
 
-Unless the run config says otherwise, GEM trains for LOCAL_TRAINING's short budget and the students for
-LOCAL_STUDENTS', so that the whole path runs in minutes on a laptop CPU; set epochs / max_steps in the
-config for a full training.
+GEM trains for LOCAL_TRAINING's short budget and the students for LOCAL_STUDENTS', so that the whole path
+runs in minutes on a laptop CPU; the run config given is merged over them setting by setting (set epochs /
+max_steps for a full training), and the settings each op runs with are printed first.
 """
 
 import argparse
+import json
 import os
 from datetime import date, timedelta
 from pathlib import Path
@@ -46,13 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     if not os.environ.get("DAGSTER_HOME"):
         raise SystemExit("DAGSTER_HOME is not set: point it at a folder for the Dagster instance (make pipeline does)")
     Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
-    run_config = yaml.safe_load(args.config.read_text()) if args.config else {}
-    # Step events at INFO on the console; every event still lands in the instance for the UI.
-    run_config.setdefault("loggers", {"console": {"config": {"log_level": "INFO"}}})
-    ops = run_config.setdefault("ops", {})
-    ops.setdefault("gem_foundation_model", {"config": LOCAL_TRAINING})
-    ops.setdefault("domain_foundation_models", {"config": {**LOCAL_STUDENTS, "width": 0.5}})
-    ops.setdefault("vertical_models", {"config": LOCAL_STUDENTS})
+    run_config = local_run_config(yaml.safe_load(args.config.read_text()) if args.config else {})
+    for op, settings in run_config["ops"].items():
+        print(f"{op}: {json.dumps(settings.get('config', {}), sort_keys=True)}", flush=True)
     end = date.fromisoformat(args.end)
     job = defs.get_job_def("gem_pipeline")
     with dg.DagsterInstance.get() as instance:
@@ -73,6 +70,23 @@ def main(argv: list[str] | None = None) -> None:
                     print(line, flush=True)
                 raise SystemExit(1)
     print("done: open the Dagster UI with `make dagster` and MLflow with `make mlflow-ui`")
+
+
+def local_run_config(user: dict) -> dict:
+    """The embedded short budgets with the user's run config merged over them, setting by setting: configuring
+    one setting of an op (say `epochs`) keeps that op's other defaults (width, history length, ...)."""
+    defaults = {"loggers": {"console": {"config": {"log_level": "INFO"}}},  # every event still lands in the instance
+                "ops": {"gem_foundation_model": {"config": LOCAL_TRAINING},
+                        "domain_foundation_models": {"config": {**LOCAL_STUDENTS, "width": 0.5}},
+                        "vertical_models": {"config": LOCAL_STUDENTS}}}
+    return _merged(defaults, user or {})
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
 
 
 def local_run_tags(job_name: str) -> dict[str, str]:
