@@ -84,6 +84,10 @@ def test_domain_models_and_verticals_carry_their_lineage(transferred):
         assert tags["transfer.mode"] == "hierarchical" and tags["teacher.model_name"] == f"domain_fm_{domain}"
         assert tags["teacher.teacher.model_name"] == MODEL_NAME and tags["teacher.teacher.model_version"] == gem_version
         assert entry["promoted"] and tags["promotion.decision"] == "promoted"
+        # One evaluation everywhere: the figures reported are the ones the promotion judged, with their count.
+        assert entry["eval_examples"] == int(tags["promotion.examples"])
+        assert entry["vertical.auc"] == pytest.approx(float(tags["promotion.challenger_auc"]), abs=1e-3)
+        assert entry["vertical.ne"] == pytest.approx(float(tags["promotion.challenger_ne"]), abs=1e-3)
 
 
 def test_first_challengers_become_champions_and_later_ones_not_good_enough_are_kept_out(transferred):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,7 @@ class VerticalOutcome:
 
     def summary(self) -> dict:
         return {"version": self.version, "promoted": self.decision.promoted, "reason": self.decision.reason,
+                "eval_examples": int(self.figures["vertical"]["count"]),
                 **{f"{who}.{m}": round(v[m], 4) for who, v in self.figures.items() for m in ("auc", "ne", "calibration")}}
 
 
@@ -62,13 +63,17 @@ def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLo
     nested under `tracker`'s; `gem`: GEM's scores of the eval examples, for the figures beside it."""
     tasks = [t for t in labelled_tasks(logs, data.train) if t in labelled_tasks(logs, data.eval)]
     compare = comparison_examples(data, settings.promotion_max_examples, settings.seed)
+    # One evaluation, reported the same everywhere (the run log, MLflow, the promotion, the summary): every
+    # model is judged on the comparison examples, all of them.
+    judged = replace(data, eval=compare)
+    train_config = replace(settings.train, eval_max_examples=max(settings.train.eval_max_examples, compare.size))
     scored: dict = {}  # the teachers of this domain's models, scored once for all its comparisons
     for task in tasks:
         name = f"{settings.prefix}_{data.domain}_{task}"
         tags = lineage_tags(settings.mode, teacher.identity if teacher else None) | {"domain": data.domain, "task": task}
         # The part that tells the models apart first: run names are cut short in MLflow's tables.
         with tracker.child(f"{data.domain}/{task} · {name} [{run_label}]", tags) as child:
-            vm = train_vertical_model(logs, data, task, settings.base, settings.train, work_dir / f"{data.domain}_{task}",
+            vm = train_vertical_model(logs, judged, task, settings.base, train_config, work_dir / f"{data.domain}_{task}",
                                       settings.transfer, teacher, settings.shuffling, child)
             version = register_student(client, child.run_id, vm.model, vm.data, data.eval, name, tags, CHALLENGER)
             decision = promote_if_not_worse(client, name, logs, compare, task, version, settings.ne_tolerance, scored,
@@ -77,12 +82,12 @@ def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLo
             group = f"{data.domain}/{task}"
             figures = {"vertical": vm.result.final_report[group]}
             if settings.compare_alone and teacher is not None:
-                alone = train_vertical_model(logs, data, task, settings.base, settings.train,
+                alone = train_vertical_model(logs, judged, task, settings.base, train_config,
                                              work_dir / f"{data.domain}_{task}_alone", settings.transfer, None,
                                              settings.shuffling)
                 figures["alone"] = alone.result.final_report[group]
             if gem is not None:
-                figures["gem"] = predictions_quality(logs, gem, data.eval, (task,))[group]
+                figures["gem"] = predictions_quality(logs, gem, compare, (task,))[group]
             child.log_metrics({f"compare.{who}.{m}": v[m] for who, v in figures.items()
                                for m in ("auc", "ne", "calibration") if math.isfinite(v[m])})
         yield VerticalOutcome(name, version, decision, figures)
