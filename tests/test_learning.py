@@ -1,5 +1,6 @@
 """GEM learns what the synthetic generator plants: AUC well above chance on every domain and task, and
-long histories beat short ones on the long-range (retargeting) pattern."""
+long histories beat short ones on the long-range (retargeting) pattern. Two GEMs trained for an epoch
+(about 3.5 minutes on 2 cores), so marked slow."""
 
 import pytest
 
@@ -9,6 +10,7 @@ from gem_ops.train.config import TrainConfig
 from tests.training_data import learnable_data
 
 LONG, SHORT = 128, 8
+pytestmark = pytest.mark.slow
 
 
 def small_gem(max_history_len: int):
