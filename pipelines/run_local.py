@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{day}: {'ok' if result.success else 'FAILED'} (run {result.run_id})", flush=True)
             if offset == 0:
                 print(run_summary(result), flush=True)
+            for line in failed_checks(result):  # warnings too: a first model kept out for not beating the base rate
+                print(line, flush=True)
             if not result.success:
-                for line in failed_checks(result):
-                    print(line, flush=True)
                 raise SystemExit(1)
     print("done: open the Dagster UI with `make dagster` and MLflow with `make mlflow-ui`")
 
@@ -123,7 +123,11 @@ def failed_checks(result) -> list[str]:
         check = event.asset_check_evaluation_data
         reported = {key: value.value for key, value in check.metadata.items() if key != "decisions"}
         lines.append(f"  check {check.asset_key.to_user_string()}:{check.check_name} did not pass: {reported}")
-        if check.check_name == "challengers_not_worse_than_champions":
+        gate = check.check_name == "challengers_not_worse_than_champions"
+        if gate and not reported.get("kept_out_against_a_champion"):
+            lines.append("  Those first models did not beat the base rate: none of them became champion, and nothing "
+                         "they would replace serves yet (a warning; train them longer or on more days).")
+        elif gate:
             lines.append("  The champions stay registered. To accept challengers up to a margin, set "
                          "ops.vertical_models.config.ne_tolerance (or ne_standard_errors) in --config; to start "
                          "over, use a fresh "

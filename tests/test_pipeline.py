@@ -162,14 +162,20 @@ def test_local_runner_explains_a_failed_promotion_gate():
 
     check = "challengers_not_worse_than_champions"
 
-    @dg.asset(check_specs=[dg.AssetCheckSpec(check, asset="verticals", blocking=True)])
-    def verticals():
-        return dg.MaterializeResult(check_results=[dg.AssetCheckResult(
-            check_name=check, passed=False, severity=dg.AssetCheckSeverity.ERROR,
-            metadata={"kept_out": ["vertical_feed_click"], "decisions": "[...]"})])
+    def gate(against_a_champion: bool):
+        @dg.asset(check_specs=[dg.AssetCheckSpec(check, asset="verticals", blocking=True)])
+        def verticals():
+            return dg.MaterializeResult(check_results=[dg.AssetCheckResult(
+                check_name=check, passed=False,
+                severity=dg.AssetCheckSeverity.ERROR if against_a_champion else dg.AssetCheckSeverity.WARN,
+                metadata={"kept_out": ["vertical_feed_click"], "decisions": "[...]",
+                          "kept_out_against_a_champion": ["vertical_feed_click"] if against_a_champion else []})])
+        return dg.materialize([verticals], raise_on_error=False)
 
-    result = dg.materialize([verticals], raise_on_error=False)
+    result = gate(against_a_champion=True)
     assert not result.success
     lines = failed_checks(result)
     assert "verticals:challengers_not_worse_than_champions" in lines[0] and "vertical_feed_click" in lines[0]
     assert "decisions" not in lines[0] and "ne_tolerance" in lines[1]
+    first = gate(against_a_champion=False)  # a first model that did not beat the base rate: a warning
+    assert first.success and "did not beat the base rate" in failed_checks(first)[1]
