@@ -10,9 +10,8 @@ import numpy as np
 
 from gem_ops.data.batch_shuffling import plan_info, read_plan
 from gem_ops.data.loader import SequenceLogs
+from gem_ops.train.batches import MS_PER_DAY
 from gem_ops.train.config import TrainConfig
-
-MS_PER_DAY = 86_400_000
 
 
 def training_data_problem(logs: SequenceLogs, plan_path: str | os.PathLike, config: TrainConfig,
