@@ -16,8 +16,11 @@ $(STAMP): requirements.txt requirements-test.txt requirements-nodeps.txt pyproje
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-pipeline: setup
+$(DAGSTER_HOME)/dagster.yaml:
 	mkdir -p $(DAGSTER_HOME)
+	cp pipelines/configs/dagster.yaml $@
+
+pipeline: setup $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m pipelines.run_local
 
 test: setup
@@ -26,8 +29,7 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -q -m ""
 
-dagster: setup
-	mkdir -p $(DAGSTER_HOME)
+dagster: setup $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 mlflow-ui: setup
