@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     for op, settings in run_config["ops"].items():
         print(f"{op}: {json.dumps(settings.get('config', {}), sort_keys=True)}", flush=True)
     end = date.fromisoformat(args.end)
-    job = defs.get_job_def("gem_pipeline")
+    job = defs.resolve_job_def("gem_pipeline")
     with dg.DagsterInstance.get() as instance:
         for line in close_orphaned_runs(instance, defs.resources["mlflow"]):
             print(f"closed an orphaned {line}", flush=True)
