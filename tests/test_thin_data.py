@@ -83,7 +83,7 @@ def test_a_window_without_labelled_events_stops_at_the_plan_naming_the_counts(tm
 
 
 @pytest.mark.parametrize("validation_days, message", [
-    (1, "the training examples span 1 day(s) ({day}), so validation_days=1 would leave none to train on"),
+    (1, "the training examples span the days {day}, so validation_days=1 would leave none to train on"),
     (0, "the eval examples cannot be scored: 1 of them (click: 1 labelled, {positives} positive"),
 ])
 def test_a_day_with_a_single_labelled_event_stops_gem_before_torchrun(tmp_path, validation_days, message):

@@ -28,13 +28,13 @@ def training_data_problem(logs: SequenceLogs, plan_path: str | os.PathLike, conf
     if not any(labelled for labelled, _ in logs.label_counts(examples).values()):
         return (f"{where}: none of the plan's {examples.size} training examples carries a label "
                 f"({', '.join(logs.objectives)})")
-    days = np.unique(logs.column("timestamp")[examples] // MS_PER_DAY)
-    if config.validation_days and days.size <= config.validation_days:
-        return (f"{where}: the training examples span {days.size} day(s) ({_days(days)}), so validation_days="
-                f"{config.validation_days} would leave none to train on: set validation_days to 0 or give "
-                f"sequence_logs more labelled days (lookback_days)")
-    if config.validation_days:
-        kept = examples[logs.column("timestamp")[examples] // MS_PER_DAY <= days[-config.validation_days - 1]]
+    if config.validation_days:  # held out as batches.newest_days does: the newest `validation_days` calendar days
+        day = logs.column("timestamp")[examples] // MS_PER_DAY
+        kept = examples[day <= day.max() - config.validation_days]
+        if kept.size == 0:
+            return (f"{where}: the training examples span the days {_days(np.unique(day))}, so validation_days="
+                    f"{config.validation_days} would leave none to train on: set validation_days to 0 or give "
+                    f"sequence_logs more labelled days (lookback_days)")
         per_step = _examples_per_step(info)
         if per_step and kept.size < per_step:
             return (f"{where}: {kept.size} training examples outside the {config.validation_days} validation day(s) "
