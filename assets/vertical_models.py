@@ -18,7 +18,7 @@ from gem_ops.transfer.knowledge import read_predictions
 from gem_ops.transfer.registry import load_model_version
 from gem_ops.transfer.student import Teacher
 from gem_ops.transfer.user_representations import read_user_representations
-from gem_ops.transfer.verticals import VerticalSettings, domain_verticals
+from gem_ops.transfer.verticals import VerticalSettings, domain_verticals, vertical_objectives
 
 CHECK = "challengers_not_worse_than_champions"
 
@@ -34,6 +34,8 @@ class VerticalModelsConfig(StudentTrainingConfig):
     promotion_max_examples: int = Field(20_000, description="Eval examples per domain on which challenger and champion are compared.")
     compare_alone: bool = Field(True, description="Also train each vertical without its teacher (not registered), to "
                                                   "report it beside the transferred one.")
+    min_positives: int = Field(50, description="An objective gets a vertical only with at least this many positives in "
+                                               "its training examples and in the eval examples it is judged on.")
 
 
 def summary_table(outcomes, mode: str) -> str:
@@ -80,7 +82,8 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
     settings = VerticalSettings(**config.student_settings(), mode=config.mode, prefix=config.registered_model_prefix,
                                 ne_tolerance=config.ne_tolerance, ne_standard_errors=config.ne_standard_errors,
                                 promotion_max_examples=config.promotion_max_examples,
-                                seed=config.seed, compare_alone=config.compare_alone)
+                                seed=config.seed, compare_alone=config.compare_alone,
+                                min_positives=config.min_positives)
     gem = read_predictions(predictions_path(lake, day))
     outcomes, skipped = [], {}
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
@@ -94,9 +97,15 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
                 skipped[domain] = reason
                 context.log.warning(f"skipped {reason}")
                 continue
+            tasks, left_out = vertical_objectives(logs, data, settings)
+            for vertical, why in left_out.items():
+                skipped[vertical] = why
+                context.log.warning(f"no vertical for {vertical}: {why}")
+            if not tasks:
+                continue
             teacher = _teacher(config.mode, lake, day, domain, client)
             for outcome in domain_verticals(client, run, logs, data, teacher, settings,
-                                            lake.path("vertical_models", day), day, gem):
+                                            lake.path("vertical_models", day), day, gem, tasks):
                 outcomes.append(outcome)
                 context.log.info(f"{outcome.name} v{outcome.version}: {outcome.summary()}")
         run.log_dict([o.decision.to_dict() for o in outcomes], "promotion_decisions.json")

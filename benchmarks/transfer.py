@@ -56,6 +56,15 @@ VARIANTS = {
     "stale_direct_serving": ("stale_gem", SERVING),
     "stale_direct_serving_no_adapter": ("stale_gem", {**SERVING, "student_adapter": False}),
 }
+# Ablations (--variants): which mechanism of the full transfer pays, and hierarchical with the serving head.
+ABLATIONS = {
+    "direct_serving_no_representation": ("gem", {**SERVING, "representation": False}),
+    "direct_serving_no_sharing": ("gem", {**SERVING, "shared_tables": ()}),
+    "direct_serving_no_adapter": ("gem", {**SERVING, "student_adapter": False}),
+    "hierarchical_serving": ("fm", SERVING),
+}
+ALL_VARIANTS = {**VARIANTS, **ABLATIONS}
+TEACHERS = ("gem", "stale_gem", "fm")
 
 
 def synthetic_source():
@@ -160,7 +169,8 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
             config = replace(vm_base, tasks=(task,))
             row = {who: _figures(prediction_report(logs, teachers[who].predictions, part.eval, config), task)
                    for who in ("gem", "stale_gem", "fm")}
-            for variant, (teacher, transfer) in VARIANTS.items():
+            for variant in args.variants:
+                teacher, transfer = ALL_VARIANTS[variant]
                 run = train_vertical_model(logs, part, task, vm_base, settings(args.student_epochs, args.student_eval_every),
                                            work / f"{domain}_{task}_{variant}_{seed}", TransferConfig(**transfer),
                                            teachers[teacher], shuffling, device=args.device)
@@ -170,7 +180,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
                                                             args.latency_reps)
             rows[f"{domain}/{task}"] = row
             print(f"{name} seed {seed} {domain}/{task}: " + ", ".join(
-                f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}" for v in ("gem", "stale_gem", "fm", *VARIANTS)), flush=True)
+                f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}" for v in (*TEACHERS, *args.variants)), flush=True)
     return {"verticals": rows, "gem_eval": gem_run.final_report, "gem_steps": gem_run.steps,
             "seconds": round(time.perf_counter() - began, 1)}
 
@@ -185,16 +195,22 @@ def summarize(seeds: list[dict]) -> dict:
         teacher, alone = per["gem"]["auc"], per["alone"]["auc"]
         real_gap = teacher["mean"] - alone["mean"] > max(teacher["spread"], alone["spread"])
         gap = {v: ((per[v]["auc"]["mean"] - alone["mean"]) / (teacher["mean"] - alone["mean"]) if real_gap else None)
-               for v in VARIANTS if v != "alone"}
+               for v in per if v not in (*TEACHERS, "alone")}
         out[key] = {"figures": per, "gap_real": real_gap, "gap_closed_auc": gap,
-                    "hierarchical_not_worse_than_alone": per["hierarchical"]["auc"]["mean"] >= alone["mean"]
-                    - max(per["hierarchical"]["auc"]["spread"], alone["spread"]),
+                    "hierarchical_not_worse_than_alone": {
+                        v: per[v]["auc"]["mean"] >= alone["mean"] - max(per[v]["auc"]["spread"], alone["spread"])
+                        for v in ("hierarchical", "hierarchical_serving") if v in per},
                     "full_over_plain_distillation": {
                         full: gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
-                        for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"))},
-                    "adapter": {with_: _gain(per, with_, without) for with_, without in (
+                        for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"))
+                        if full in per and plain in per},
+                    # Each mechanism's own worth: the full transfer against it without that mechanism.
+                    "mechanisms": {with_: _gain(per, with_, without) for with_, without in (
                         ("stale_direct", "stale_direct_no_adapter"),
-                        ("stale_direct_serving", "stale_direct_serving_no_adapter"))}}
+                        ("stale_direct_serving", "stale_direct_serving_no_adapter"),
+                        ("direct_serving", "direct_serving_no_adapter"),
+                        ("direct_serving", "direct_serving_no_representation"),
+                        ("direct_serving", "direct_serving_no_sharing")) if with_ in per and without in per}}
     return out
 
 
@@ -233,6 +249,8 @@ def main() -> None:
     parser.add_argument("--domains", nargs="*", default=None, help="default: the --top-domains largest")
     parser.add_argument("--top-domains", type=int, default=2)
     parser.add_argument("--tasks", nargs="+", default=["click", "conversion"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(ALL_VARIANTS),
+                        help="vertical variants to train (alone is always among them: the gaps are measured from it)")
     parser.add_argument("--student-days", type=int, default=4, help="the newest is held out for validation")
     parser.add_argument("--staleness-days", type=int, default=3)
     parser.add_argument("--eval-days", type=int, default=2)
@@ -254,6 +272,7 @@ def main() -> None:
     parser.add_argument("--output-name", default="transfer")
     parser.add_argument("--resume", action="store_true", help="keep the seeds saved under --output-name")
     args = parser.parse_args()
+    args.variants = list(dict.fromkeys(["alone", *args.variants]))
 
     if args.prepare_to is not None:  # the GPU machine has no polars: prepare here, carry the folder there
         for name in args.datasets:
@@ -276,7 +295,7 @@ def main() -> None:
             for d in (d for d in args.datasets if done[d]):
                 seeds = sorted(done[d], key=lambda f: f["seed"])
                 results[d] = {"seeds": seeds, "summary": summarize(seeds)}
-            save(args.output_name, {**vars(args), "end": END.isoformat(), "days": DAYS, "variants": VARIANTS}, results)
+            save(args.output_name, {**vars(args), "end": END.isoformat(), "days": DAYS, "variants": {v: ALL_VARIANTS[v] for v in args.variants}}, results)
 
 
 def prepare(name: str, root: Path, args) -> Path:

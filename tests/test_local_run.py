@@ -1,6 +1,7 @@
 """`python -m pipelines.run_local` on the embedded defaults, end to end, in fresh stores (about 9 minutes on
 2 cores, so marked slow): GEM beats predicting the base rate (NE < 1) on every domain and objective with
-enough positives on the eval day to tell, and the run ends with its summary of GEM and the verticals."""
+enough positives on the eval day to tell, every vertical it builds (those with enough positives) beats the
+base rate too, and the run ends with its summary of GEM and the verticals."""
 
 import math
 import os
@@ -34,3 +35,7 @@ def test_first_local_run_ends_with_a_gem_better_than_the_base_rate(tmp_path):
     assert "all.click" in judged and len(judged) >= 3, judged
     assert all(ne < 1 for ne in judged.values()), judged
     assert math.isfinite(metrics["validation.all.click.ne"])
+
+    verticals = [r for r in client.search_runs([experiment.experiment_id]) if "task" in r.data.tags]
+    ne = {r.info.run_name: r.data.metrics["compare.vertical.ne"] for r in verticals}
+    assert ne and all(v < 1 for v in ne.values()), ne

@@ -20,6 +20,7 @@ from gem_ops.train.optimizer import build_optimizer, split_parameters
 from gem_ops.transfer import windows
 from gem_ops.transfer.adapter import adapt, fit_adapter
 from gem_ops.transfer.config import TransferConfig, TransferWindows
+from gem_ops.transfer.hierarchy import DomainData
 from gem_ops.transfer.knowledge import (TeacherJoinedLogs, predictions_quality, read_predictions, score_examples,
                                        write_predictions)
 from gem_ops.transfer.registry import (CHALLENGER, CHAMPION, TEACHER_NAME, TEACHER_VERSION, current_version,
@@ -29,6 +30,7 @@ from gem_ops.transfer.sharing import fold_projections, embedding_tables, share_t
 from gem_ops.transfer.student import Teacher, prediction_report, student_config, train_student, write_student_plan
 from gem_ops.transfer.user_representations import (NO_ITEM, compute_user_representations, read_user_representations,
                                                    write_user_representations)
+from gem_ops.transfer.verticals import VerticalSettings, vertical_objectives
 from tests.training_data import learnable_data
 
 # Feed's click rate climbs and reels' falls day by day: a teacher trained on old days is miscalibrated now.
@@ -96,6 +98,24 @@ def test_windows_split_old_and_fresh_days(logs):
     assert set(logs.column("surface")[feed]) == {list(logs.surfaces).index("feed")}
     with pytest.raises(ValueError, match="unknown domain 'nowhere'"):
         windows.student_examples(logs, WINDOWS, "nowhere")
+
+
+def test_an_objective_with_too_few_positives_gets_no_vertical_and_the_counts_say_why(logs):
+    data = DomainData.of(logs, "feed", WINDOWS)
+    counts = {task: min(logs.label_counts(data.train)[task][1], logs.label_counts(data.eval)[task][1])
+              for task in logs.objectives}
+    fewest = min(counts.values())
+
+    def settings(min_positives):
+        return VerticalSettings(SMALL, QUICK, TransferConfig(), SHUFFLING, min_positives=min_positives)
+
+    tasks, left_out = vertical_objectives(logs, data, settings(fewest + 1))
+    assert tasks == [t for t in logs.objectives if counts[t] > fewest] and tasks != list(logs.objectives)
+    for task in set(logs.objectives) - set(tasks):
+        why = left_out[f"feed/{task}"]
+        assert f"{logs.label_counts(data.train)[task][1]} positives in {data.train.size} training examples" in why
+        assert f"a vertical needs {fewest + 1} in each (min_positives)" in why
+    assert vertical_objectives(logs, data, settings(fewest))[0] == list(logs.objectives)
 
 
 def test_predictions_round_trip_and_join(logs, stale_teacher, tmp_path):

@@ -30,7 +30,7 @@ def transferred(gem_asset_runs):
     config = {
         "teacher_predictions": {"config": {"registered_model_name": MODEL_NAME, "staleness_days": 1, "student_days": 2}},
         "domain_foundation_models": {"config": {**STUDENT, "preset": "domain_fm", "width": 0.5, "domains": DOMAINS}},
-        "vertical_models": {"config": {**STUDENT, "domains": DOMAINS, "mode": "hierarchical"}},
+        "vertical_models": {"config": {**STUDENT, "domains": DOMAINS, "mode": "hierarchical", "min_positives": 1}},
     }
     first = dg.materialize([teacher_predictions, domain_foundation_models, vertical_models],
                            run_config={"ops": config}, **common)
@@ -124,7 +124,7 @@ def test_a_domain_too_small_to_train_is_skipped_and_the_others_train(transferred
     assert sizes[small] < sizes[large]
     sized = {**STUDENT, "sub_batch_size": int(sizes[small]) + 1, "max_steps": 2}
     config = {"domain_foundation_models": {"config": {**sized, "preset": "domain_fm", "width": 0.5, "domains": DOMAINS}},
-              "vertical_models": {"config": {**sized, "domains": DOMAINS, "mode": "hierarchical"}}}
+              "vertical_models": {"config": {**sized, "domains": DOMAINS, "mode": "hierarchical", "min_positives": 1}}}
     result = dg.materialize([domain_foundation_models, vertical_models], run_config={"ops": config},
                             resources=transferred["resources"], instance=transferred["instance"],
                             partition_key=transferred["day"], selection=[domain_foundation_models, vertical_models])
@@ -132,7 +132,9 @@ def test_a_domain_too_small_to_train_is_skipped_and_the_others_train(transferred
     why = f"domain '{small}': {sizes[small]} training examples in the student window are fewer than one batch"
     for key in ("domain_foundation_models", "vertical_models"):
         meta = _materialization(result, key).metadata
-        assert list(meta["skipped"].value) == [small] and meta["skipped"].value[small].startswith(why)
+        skipped = meta["skipped"].value  # domains, and (vertical_models) objectives too few positives left out
+        assert [k for k in skipped if "/" not in k] == [small] and skipped[small].startswith(why)
+        assert all(k.startswith(f"{large}/") and "min_positives" in v for k, v in skipped.items() if "/" in k)
     assert set(_materialization(result, "domain_foundation_models").metadata["models"].value) == {large}
     trained = _materialization(result, "vertical_models").metadata["models"].value
     assert trained and all(f"_{large}_" in name for name in trained)
@@ -160,7 +162,7 @@ def test_a_day_with_a_single_labelled_event_skips_every_student_with_its_counts(
         "sequence_logs": DATA_CONFIG["sequence_logs"],
         "teacher_predictions": {"config": {"registered_model_name": MODEL_NAME, "staleness_days": 1, "student_days": 2}},
         "domain_foundation_models": {"config": {**STUDENT, "preset": "domain_fm", "width": 0.5}},
-        "vertical_models": {"config": {**STUDENT, "mode": "hierarchical"}},
+        "vertical_models": {"config": {**STUDENT, "mode": "hierarchical", "min_positives": 1}},
     }
     common = {"resources": transferred["resources"], "instance": transferred["instance"], "partition_key": day.isoformat()}
     data = ("raw_event_logs", "sequence_logs")

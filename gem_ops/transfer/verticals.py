@@ -31,6 +31,9 @@ class VerticalSettings(StudentSettings):
     promotion_max_examples: int = 20_000
     seed: int = 0
     compare_alone: bool = True  # also train the same vertical without a teacher, for the summary (not registered)
+    # An objective gets a vertical only with this many positives in its training examples and in the examples it
+    # is judged on: with fewer, no figure can tell the model from the base rate.
+    min_positives: int = 50
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,31 @@ def comparison_examples(data: DomainData, limit: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(data.eval, limit, replace=False))
 
 
+def vertical_objectives(logs: SequenceLogs, data: DomainData, settings: VerticalSettings) -> tuple[list[str], dict[str, str]]:
+    """The objectives of the domain that get a vertical, and for each objective left out, why (with its counts)."""
+    compare = comparison_examples(data, settings.promotion_max_examples, settings.seed)
+    labelled = [t for t in labelled_tasks(logs, data.train) if t in labelled_tasks(logs, compare)]
+    train_counts, judged_counts = logs.label_counts(data.train), logs.label_counts(compare)
+    tasks, left_out = [], {}
+    for task in logs.objectives:
+        train_positives, judged_positives = train_counts[task][1], judged_counts[task][1]
+        if task in labelled and min(train_positives, judged_positives) >= settings.min_positives:
+            tasks.append(task)
+        elif train_counts[task][0] and judged_counts[task][0]:
+            left_out[f"{data.domain}/{task}"] = (
+                f"{train_positives} positives in {data.train.size} training examples and {judged_positives} in the "
+                f"{compare.size} eval examples it would be judged on; a vertical needs {settings.min_positives} in each "
+                f"(min_positives)")
+    return tasks, left_out
+
+
 def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLogs, data: DomainData,
                      teacher: Teacher | None, settings: VerticalSettings, work_dir: Path, run_label: str,
-                     gem: TeacherPredictions | None = None) -> Iterator[VerticalOutcome]:
-    """A VerticalOutcome for each objective with labels in both splits, each model in its own MLflow run
+                     gem: TeacherPredictions | None = None, tasks: list[str] | None = None) -> Iterator[VerticalOutcome]:
+    """A VerticalOutcome for each of `tasks` (default: vertical_objectives'), each model in its own MLflow run
     nested under `tracker`'s; `gem`: GEM's scores of the eval examples, for the figures beside it."""
-    tasks = [t for t in labelled_tasks(logs, data.train) if t in labelled_tasks(logs, data.eval)]
+    if tasks is None:
+        tasks, _ = vertical_objectives(logs, data, settings)
     compare = comparison_examples(data, settings.promotion_max_examples, settings.seed)
     # One evaluation, reported the same everywhere (the run log, MLflow, the promotion, the summary): every
     # model is judged on the comparison examples, all of them.
