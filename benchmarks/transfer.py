@@ -205,7 +205,7 @@ def summarize(seeds: list[dict]) -> dict:
                         for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"))
                         if full in per and plain in per},
                     # Each mechanism's own worth: the full transfer against it without that mechanism.
-                    "mechanisms": {with_: _gain(per, with_, without) for with_, without in (
+                    "mechanisms": {f"{with_} over {without}": _gain(per, with_, without) for with_, without in (
                         ("stale_direct", "stale_direct_no_adapter"),
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_adapter"),

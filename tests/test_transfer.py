@@ -186,9 +186,13 @@ def test_distillation_head_and_teacher_token(logs, stale_teacher):
     total.backward()
     assert model.distillation_towers.weights[0].grad.abs().sum() > 0
     assert model.teacher_proj[1].weight.grad.abs().sum() > 0
-    # The representation is an input: changing it changes the prediction.
+    # The representation is an input whose projection starts at zero: the student begins as it would without
+    # it, and once the projection has learnt weights, changing the representation changes the prediction.
+    model.eval()
     with torch.no_grad():
         other = replace(x, teacher_representation=torch.randn_like(x.teacher_representation))
+        assert torch.allclose(model(x), model(other))
+        model.teacher_proj[1].weight.normal_()
         assert not torch.allclose(model(x), model(other))
     with pytest.raises(ValueError, match="teacher representation of width"):
         model_input(logs.batch([0]), spec, config)

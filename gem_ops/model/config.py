@@ -103,6 +103,8 @@ class ModelConfig:
     # interaction token; teacher targets are learned with this weight by an auxiliary head on the shared
     # trunk (the serving head keeps to the true labels) or by the serving head itself (soft targets).
     teacher_representation_dim: int = 0
+    # Dropout on the looked-up representation while training: the student must not lean on it alone.
+    teacher_representation_dropout: float = 0.2
     distillation_weight: float = 0.0
     distillation_head: Literal["auxiliary", "serving"] = "auxiliary"
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from gem_ops.model import jagged
 from gem_ops.model.config import FeatureSpec, ModelConfig
@@ -83,6 +84,11 @@ class GEMModel(nn.Module):
         self.dense_proj = nn.Linear(len(spec.dense_features), d) if spec.dense_features else None
         rep = config.teacher_representation_dim
         self.teacher_proj = nn.Sequential(nn.LayerNorm(rep), nn.Linear(rep, d)) if rep else None
+        if rep:
+            # Zero at the start: the student begins as it would without the representation and takes from
+            # it only what lowers its loss.
+            nn.init.zeros_(self.teacher_proj[1].weight)
+            nn.init.zeros_(self.teacher_proj[1].bias)
         n = self.embeddings.n_pooled + 1 + (1 if spec.dense_features else 0) + (1 if rep else 0)
         wk = config.wukong
         n_out = wk.n_fm + wk.n_lcb
@@ -125,7 +131,8 @@ class GEMModel(nn.Module):
         if self.dense_proj is not None:
             tokens.append(self.dense_proj(x.dense).unsqueeze(1))
         if self.teacher_proj is not None:
-            tokens.append(self.teacher_proj(x.teacher_representation).unsqueeze(1))
+            rep = F.dropout(x.teacher_representation, self.config.teacher_representation_dropout, self.training)
+            tokens.append(self.teacher_proj(rep).unsqueeze(1))
         tokens = torch.cat(tokens, dim=1)
         states, sizes = self._branch_histories(history, x)
         for block, interaction in enumerate(self.interaction):
