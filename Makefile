@@ -3,7 +3,16 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The Dagster instance's storage: sqlite (under DAGSTER_HOME) or postgres (at DAGSTER_POSTGRES_URL), each in a
+# home of its own, so that switching never reuses the other's dagster.yaml.
+DAGSTER_STORAGE ?= sqlite
+ifeq ($(DAGSTER_STORAGE),postgres)
+DAGSTER_CONFIG := pipelines/configs/dagster-postgres.yaml
+export DAGSTER_HOME ?= $(CURDIR)/.dagster-postgres
+else
+DAGSTER_CONFIG := pipelines/configs/dagster.yaml
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
+endif
 
 .PHONY: setup pipeline test test-all dagster mlflow-ui clean
 
@@ -18,7 +27,7 @@ $(STAMP): requirements.txt requirements-test.txt requirements-nodeps.txt pyproje
 
 $(DAGSTER_HOME)/dagster.yaml:
 	mkdir -p $(DAGSTER_HOME)
-	cp pipelines/configs/dagster.yaml $@
+	cp $(DAGSTER_CONFIG) $@
 
 pipeline: setup $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m pipelines.run_local
@@ -36,4 +45,4 @@ mlflow-ui: setup
 	$(BIN)/python mlflow/server.py --port 5000
 
 clean:
-	rm -rf lake .dagster mlflow/mlflow.db mlflow/artifacts
+	rm -rf lake .dagster .dagster-postgres mlflow/mlflow.db mlflow/artifacts

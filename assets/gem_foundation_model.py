@@ -31,9 +31,9 @@ def checkpoint_dir(lake: LakeResource, day: str, dagster_run_id: str):
 
 
 def training_command(config: GEMTrainingConfig, lake: LakeResource, day: str, run_id: str | None,
-                     tracking_uri: str, warm, dagster_run_id: str) -> list[str]:
+                     warm, dagster_run_id: str) -> list[str]:
     extra = ["--checkpoint-dir", str(checkpoint_dir(lake, day, dagster_run_id)), "--progress-every", "25",
-             "--registered-model-name", config.registered_model_name, "--mlflow-tracking-uri", tracking_uri]
+             "--registered-model-name", config.registered_model_name]
     if run_id is not None:
         extra += ["--mlflow-run-id", run_id]
     if warm is not None:
@@ -61,9 +61,9 @@ def gem_foundation_model(
     if problem is not None:
         raise dg.Failure(description=problem)
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
-        command = training_command(config, lake, day, run.run_id, mlflow.tracking_uri, warm, context.run_id)
+        command = training_command(config, lake, day, run.run_id, warm, context.run_id)
         context.log.info("launching: %s", " ".join(command))
-        completed = pipes_subprocess_client.run(command=command, context=context)
+        completed = pipes_subprocess_client.run(command=command, context=context, env=mlflow.job_env())
     reported = completed.get_materialize_result()
     return dg.MaterializeResult(
         metadata={**(reported.metadata or {}), "warm_start": str(warm) if warm else "none",

@@ -36,10 +36,9 @@ def mfu_report(context: dg.AssetExecutionContext, config: MFUReportConfig, lake:
     day = context.partition_key
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
         command = config.torchrun_command(sequence_logs_path(lake, day), lake.path("shuffled_batches", day),
-                                          [*config.window_flags(), "--mlflow-run-id", run.run_id,
-                                           "--mlflow-tracking-uri", mlflow.tracking_uri])
+                                          [*config.window_flags(), "--mlflow-run-id", run.run_id])
         context.log.info("launching: %s", " ".join(command))
-        completed = pipes_subprocess_client.run(command=command, context=context)
+        completed = pipes_subprocess_client.run(command=command, context=context, env=mlflow.job_env())
     reported = {key: value.value for key, value in (completed.get_materialize_result().metadata or {}).items()}
     context.log.info(f"MFU {100 * reported['mfu']:.2f}% over the window ({reported['model_tflops']:.3g} model TFLOP/s "
                      f"against {reported['peak_tflops']:.4g} {reported['peak_source']}), "

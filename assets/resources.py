@@ -53,6 +53,11 @@ class MLflowResource(dg.ConfigurableResource):
     def get_client(self) -> MlflowClient:
         return tracking.tracking_client(self.tracking_uri)
 
+    def job_env(self) -> dict[str, str]:
+        """The environment that points a training job at this store. Not a command-line flag: a database URI
+        may hold a password, which the logged command line and the process list would show."""
+        return {"MLFLOW_TRACKING_URI": self.tracking_uri}
+
     def experiment_id(self, client: MlflowClient | None = None) -> str:
         location = self.artifact_location
         if location is None and tracking.is_local_store(self.tracking_uri):

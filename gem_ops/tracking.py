@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 try:
     from mlflow.entities import Metric, Param, RunStatus, RunTag
@@ -57,13 +58,26 @@ def default_ui_url(tracking_uri: str | None = None) -> str:
 
 
 def default_artifact_location() -> str:
-    """The project's local artifact folder, as a file URI (mlflow/server.py serves the same one)."""
-    return (TRACKING_DIR / "artifacts").as_uri()
+    """Where a database store's new experiments keep their artifacts, as a URI: GEM_MLFLOW_ARTIFACT_ROOT (a
+    folder or a URI; mlflow/server.py reads the same variable), else the project's mlflow/artifacts folder."""
+    root = os.environ.get("GEM_MLFLOW_ARTIFACT_ROOT") or str(TRACKING_DIR / "artifacts")
+    if urlparse(root).scheme not in ("", "file"):
+        return root  # s3://, gs://, ...: as it is
+    return Path(root.removeprefix("file://")).resolve().as_uri()
 
 
 def is_local_store(tracking_uri: str) -> bool:
     """True for a store this process writes itself (a database), False for a tracking server."""
     return not tracking_uri.startswith(("http://", "https://", "databricks"))
+
+
+# The SQLAlchemy dialects MLflow stores runs in; a URI may name a driver too (postgresql+psycopg2://).
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def is_database_uri(tracking_uri: str) -> bool:
+    """True for a database MLflow writes through SQLAlchemy: SQLite, or a PostgreSQL (MySQL, MSSQL) server."""
+    return tracking_uri.split(":", 1)[0].split("+", 1)[0].lower() in DATABASE_SCHEMES
 
 
 def is_logging_rank() -> bool:
@@ -103,10 +117,11 @@ def source_tags(repo_dir: str | os.PathLike | None = None) -> dict[str, str]:
 
 
 @functools.cache
-def _prepare_sqlite_store(tracking_uri: str) -> None:
+def _prepare_database_store(tracking_uri: str) -> None:
     # Parallel step processes may open a fresh database at once, and MLflow creates its tables
-    # without a lock; the first one in also gives MLflow's "Default" experiment the project's
-    # artifact root (the client alone would use ./mlruns under the working directory).
+    # without a lock (the lock file serializes the processes of one machine); the first one in also
+    # gives MLflow's "Default" experiment the project's artifact root (the client alone would use
+    # ./mlruns under the working directory). SQLite or PostgreSQL alike.
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     digest = hashlib.sha256(tracking_uri.encode()).hexdigest()[:16]
@@ -141,8 +156,8 @@ def check_server(tracking_uri: str, timeout_s: float | None = None) -> None:
 
 def tracking_client(tracking_uri: str | None = None) -> MlflowClient:
     tracking_uri = tracking_uri or default_tracking_uri()
-    if tracking_uri.startswith("sqlite:"):
-        _prepare_sqlite_store(tracking_uri)
+    if is_database_uri(tracking_uri):
+        _prepare_database_store(tracking_uri)
     elif tracking_uri.startswith(("http://", "https://")) and tracking_uri not in _ANSWERED:
         check_server(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)

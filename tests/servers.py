@@ -10,7 +10,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import psutil
 
@@ -36,15 +36,18 @@ def _log_tail(proc: subprocess.Popen, chars: int = 4000) -> str:
 
 def start_server(
     cmd: Sequence[str],
-    url: str,
+    ready: str | Callable[[], bool],
     env: Mapping[str, str] | None = None,
     timeout: float = 60.0,
+    **popen_options,
 ) -> subprocess.Popen:
-    """Starts `cmd` and returns once `url` answers 200; the output goes to `proc.log`.
+    """Starts `cmd` and returns once it is ready: `ready` is a URL that answers 200, or a predicate (for a
+    server that speaks no HTTP); the output goes to `proc.log`. `popen_options` go to Popen (e.g. `user`).
 
     A new session makes the process a group leader with default signal handlers, so
     `stop_server` can end it together with any workers it forks.
     """
+    is_ready = ready if callable(ready) else lambda: _is_up(ready)
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(
         list(cmd),
@@ -52,15 +55,16 @@ def start_server(
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        **popen_options,
     )
     proc.log = log
     deadline = time.monotonic() + timeout
-    while not _is_up(url):
+    while not is_ready():
         if proc.poll() is not None:
             raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}:\n{_log_tail(proc)}")
         if time.monotonic() > deadline:
             stop_server(proc)
-            raise TimeoutError(f"{url} did not answer within {timeout} s:\n{_log_tail(proc)}")
+            raise TimeoutError(f"{ready if isinstance(ready, str) else cmd[0]} was not ready within {timeout} s:\n{_log_tail(proc)}")
         time.sleep(0.2)
     return proc
 

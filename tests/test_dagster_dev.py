@@ -49,7 +49,7 @@ def test_dagster_dev_serves_the_asset_graph(tmp_path):
     dagster = str(Path(sys.executable).with_name("dagster"))
     proc = start_server(
         [dagster, "dev", "-w", str(PROJECT / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
-        url=f"http://127.0.0.1:{port}/server_info",
+        ready=f"http://127.0.0.1:{port}/server_info",
         env={"DAGSTER_HOME": str(tmp_path), "GEM_LAKE_DIR": str(tmp_path / "lake"), "DAGSTER_DISABLE_TELEMETRY": "yes"},
         timeout=120,
     )

@@ -281,6 +281,20 @@ def test_lake_paths(tmp_path, monkeypatch):
     assert LakeResource().base_dir == str(tmp_path / "elsewhere")
 
 
+def test_database_stores_and_their_artifact_root(tmp_path, monkeypatch):
+    # Any database MLflow writes itself is prepared alike (tables, the Default experiment's artifact root).
+    for uri in ("sqlite:///x.db", "postgresql://u:p@db/mlflow", "postgresql+psycopg2://u@127.0.0.1:5432/m"):
+        assert tracking.is_database_uri(uri) and tracking.is_local_store(uri)
+    for uri in ("http://127.0.0.1:5000", "https://mlflow.example", "databricks"):
+        assert not tracking.is_database_uri(uri)
+    monkeypatch.delenv("GEM_MLFLOW_ARTIFACT_ROOT", raising=False)
+    assert tracking.default_artifact_location() == (tracking.TRACKING_DIR / "artifacts").as_uri()
+    monkeypatch.setenv("GEM_MLFLOW_ARTIFACT_ROOT", str(tmp_path / "shared"))
+    assert tracking.default_artifact_location() == (tmp_path / "shared").as_uri()
+    monkeypatch.setenv("GEM_MLFLOW_ARTIFACT_ROOT", "s3://bucket/mlflow")
+    assert tracking.default_artifact_location() == "s3://bucket/mlflow"
+
+
 def _get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.load(response)

@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--warm-start", type=Path, default=None, help="a checkpoint (or folder of them) to take weights from")
     parser.add_argument("--mlflow-run-id", default=None)
-    parser.add_argument("--mlflow-tracking-uri", default=None)
+    parser.add_argument("--mlflow-tracking-uri", default=None,
+                        help="the store or server the run is in (default: MLFLOW_TRACKING_URI, else the project's store)")
     parser.add_argument("--registered-model-name", default=None,
                         help="rank 0 logs the trained model to the MLflow run and registers it under this name")
     parser.add_argument("--progress-every", type=int, default=10, help="steps between progress lines")
