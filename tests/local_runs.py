@@ -15,7 +15,8 @@ def local_gem_pipeline(lake: Path, mlflow: MLflowResource) -> dg.JobDefinition:
     """The gem_pipeline job over a lake and an MLflow store of the test's own."""
     resources = {"lake": LakeResource(base_dir=str(lake)), "mlflow": mlflow,
                  "pipes_subprocess_client": dg.PipesSubprocessClient(env={"OMP_NUM_THREADS": "1"})}
-    return dg.Definitions(assets=defs.assets, jobs=[gem_pipeline_job], resources=resources).resolve_job_def("gem_pipeline")
+    definitions = dg.Definitions(assets=defs.assets, jobs=[gem_pipeline_job], resources=resources)
+    return definitions.resolve_job_def("gem_pipeline")
 
 
 def run_local(job: dg.JobDefinition, instance: dg.DagsterInstance, day: str, assets: list[str], run_config: dict):

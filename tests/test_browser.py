@@ -7,6 +7,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import dagster as dg
 import pytest
@@ -21,6 +22,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium")
 GEM_DAY = DAYS[2].isoformat()
 LAUNCHED_DAY = DAYS[3].isoformat()  # a partition no run has materialized yet
+GEM_ASSETS = ["raw_event_logs", "sequence_logs", "shuffled_batches", "gem_foundation_model"]
 RUN_TIMEOUT_MS = 240_000  # a run launched from the UI starts a process that imports the whole code location
 
 pytestmark = [
@@ -39,7 +41,7 @@ def test_dagster_and_mlflow_uis_in_a_browser(tmp_path):
         servers.append(_start_mlflow_server(tmp_path, mlflow_url))
         dagster_url = f"http://127.0.0.1:{free_port()}"
         servers.append(_start_dagster_dev(tmp_path, dagster_url, mlflow_url))
-        with _browser() as page:
+        with _browser(shots) as page:
             _find_run_under_job(page, dagster_url, gem_run.run_id, shots)
             _materialize_from_ui(page, dagster_url, "raw_event_logs", LAUNCHED_DAY, shots)
             _open_mlflow_run_of_gem(page, dagster_url, mlflow_url, _mlflow_run_id(gem_run), shots)
@@ -51,15 +53,16 @@ def test_dagster_and_mlflow_uis_in_a_browser(tmp_path):
 def _record_gem_run(home: Path, mlflow_url: str):
     """What `make pipeline` leaves behind, in small: raw events for the days before, then one gem_pipeline run
     of the day that trains and registers GEM; the links in its metadata point at `mlflow_url`."""
-    shutil.copy(PROJECT / "pipelines" / "configs" / "dagster.yaml", home / "dagster.yaml")
-    mlflow = MLflowResource(tracking_uri=_tracking_uri(home), artifact_location=str(home / "artifacts"), ui_url=mlflow_url)
+    shutil.copy(PROJECT / "pipelines" / "configs" / "dagster.yaml", home / "dagster.yaml")  # as make pipeline does
+    mlflow = MLflowResource(tracking_uri=_tracking_uri(home), artifact_location=str(home / "artifacts"),
+                            ui_url=mlflow_url)
     job = local_gem_pipeline(home / "lake", mlflow)
+    raw_events = {"ops": {"raw_event_logs": DATA_CONFIG["raw_event_logs"]}}
+    training = {"gem_foundation_model": {"config": {**TRAIN_CONFIG, "nproc_per_node": 1}}}
     with dg.DagsterInstance.from_config(str(home)) as instance:
         for day in DAYS[:2]:
-            run_local(job, instance, day.isoformat(), ["raw_event_logs"], {"ops": {"raw_event_logs": DATA_CONFIG["raw_event_logs"]}})
-        training = {"gem_foundation_model": {"config": {**TRAIN_CONFIG, "nproc_per_node": 1}}}
-        return run_local(job, instance, GEM_DAY, ["raw_event_logs", "sequence_logs", "shuffled_batches", "gem_foundation_model"],
-                         {"ops": {**DATA_CONFIG, **training}})
+            run_local(job, instance, day.isoformat(), ["raw_event_logs"], raw_events)
+        return run_local(job, instance, GEM_DAY, GEM_ASSETS, {"ops": {**DATA_CONFIG, **training}})
 
 
 def _tracking_uri(home: Path) -> str:
@@ -67,13 +70,12 @@ def _tracking_uri(home: Path) -> str:
 
 
 def _mlflow_run_id(result) -> str:
-    [event] = [e for e in result.get_asset_materialization_events() if e.asset_key == dg.AssetKey("gem_foundation_model")]
-    return event.materialization.metadata["mlflow_run_id"].value
+    [gem] = [e for e in result.get_asset_materialization_events() if e.asset_key == dg.AssetKey("gem_foundation_model")]
+    return gem.materialization.metadata["mlflow_run_id"].value
 
 
 def _start_mlflow_server(home: Path, url: str):
-    port = url.rsplit(":", 1)[1]
-    command = [sys.executable, str(PROJECT / "mlflow" / "server.py"), "--port", port,
+    command = [sys.executable, str(PROJECT / "mlflow" / "server.py"), "--port", str(urlparse(url).port),
                "--backend-store-uri", _tracking_uri(home), "--artifact-root", str(home / "artifacts")]
     return start_server(command, f"{url}/health", timeout=120)
 
@@ -84,22 +86,27 @@ def _start_dagster_dev(home: Path, url: str, mlflow_url: str):
     dagster = str(Path(sys.executable).with_name("dagster"))
     env = {"DAGSTER_HOME": str(home), "GEM_LAKE_DIR": str(home / "lake"), "MLFLOW_TRACKING_URI": _tracking_uri(home),
            "MLFLOW_UI_URL": mlflow_url}
-    command = [dagster, "dev", "-w", str(PROJECT / "workspace.yaml"), "-h", "127.0.0.1", "-p", url.rsplit(":", 1)[1]]
+    command = [dagster, "dev", "-w", str(PROJECT / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(urlparse(url).port)]
     return start_server(command, f"{url}/server_info", env=env, timeout=180)
 
 
 @contextlib.contextmanager
-def _browser():
+def _browser(shots: Path):
+    """A page in a headless chromium; on a failure, a screenshot of every open page first."""
     with sync_playwright() as playwright:
         # No sandbox and no GPU: CI containers run as root without either; /dev/shm is small there.
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
                                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        # A fresh instance greets its first visitor with a newsletter dialog over the page.
+        page.add_locator_handler(page.get_by_text("Join the Dagster community"),
+                                 lambda: page.get_by_role("button", name="Skip").click())
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            # A fresh instance greets its first visitor with a newsletter dialog over the page.
-            page.add_locator_handler(page.get_by_text("Join the Dagster community"),
-                                     lambda: page.get_by_role("button", name="Skip").click())
             yield page
+        except Exception:
+            for opened in page.context.pages:
+                _screenshot(opened, shots, "failed")
+            raise
         finally:
             browser.close()
 
@@ -131,7 +138,8 @@ def _materialize_from_ui(page: Page, dagster_url: str, asset: str, day: str, sho
     _screenshot(page, shots, "partition_picked")
     dialog.get_by_role("button", name="Launch 1 run").click()
     page.get_by_role("link", name="View", exact=True).click()  # in the "Launched run" toast
-    expect(page.get_by_text(day).first).to_be_visible()
+    expect(page).to_have_url(re.compile(r"/runs/[0-9a-f-]{36}$"))
+    expect(page.get_by_text(f"partition: {day}").first).to_be_visible()
     ended = page.get_by_text(re.compile(r"^(Success|Failure|Canceled)$")).first
     expect(ended).to_be_visible(timeout=RUN_TIMEOUT_MS)
     _screenshot(page, shots, "launched_run")
@@ -152,5 +160,5 @@ def _open_mlflow_run_of_gem(page: Page, dagster_url: str, mlflow_url: str, mlflo
     mlflow = opened.value
     expect(mlflow.get_by_text(f"gem_foundation_model [{GEM_DAY}]").first).to_be_visible(timeout=60_000)
     registered = mlflow.locator(f'a[href="#/models/{MODEL_NAME}/versions/1"]')
-    expect(registered).to_have_text(re.compile(rf"{MODEL_NAME}\s*v1"))
+    expect(registered).to_have_text(re.compile(rf"{MODEL_NAME}\s*v1"), timeout=30_000)
     _screenshot(mlflow, shots, "mlflow_run")
