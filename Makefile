@@ -14,7 +14,7 @@ DAGSTER_CONFIG := pipelines/configs/dagster.yaml
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 endif
 
-.PHONY: setup pipeline test test-all dagster mlflow-ui clean
+.PHONY: setup chromium pipeline test test-all dagster mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -32,10 +32,17 @@ $(DAGSTER_HOME)/dagster.yaml:
 pipeline: setup $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m pipelines.run_local
 
-test: setup
+# The browser test drives Debian's chromium, headless. Nothing to do when it is on PATH; as root with apt-get it
+# is installed; otherwise that test is skipped, saying what to install.
+chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "chromium is not installed (apt-get install chromium): the browser test will be skipped"
+
+test: setup chromium
 	$(BIN)/python -m pytest -q
 
-test-all: setup
+test-all: setup chromium
 	$(BIN)/python -m pytest -q -m ""
 
 dagster: setup $(DAGSTER_HOME)/dagster.yaml

@@ -26,20 +26,13 @@ def _local_run(home: Path, lake: Path) -> str:
     the instance at `home`); its run id."""
     import dagster as dg
 
-    from assets.resources import LakeResource, MLflowResource
-    from pipelines.definitions import defs
-    from pipelines.jobs import gem_pipeline_job
-    from pipelines.run_local import local_run_tags
+    from assets.resources import MLflowResource
+    from tests.local_runs import local_gem_pipeline, run_local
 
-    resources = {"lake": LakeResource(base_dir=str(lake)), "pipes_subprocess_client": dg.PipesSubprocessClient(),
-                 "mlflow": MLflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")}
-    job = dg.Definitions(assets=defs.assets, jobs=[gem_pipeline_job], resources=resources).resolve_job_def("gem_pipeline")
+    job = local_gem_pipeline(lake, MLflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}"))
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        result = job.execute_in_process(
-            partition_key="2026-11-14", instance=instance, asset_selection=[dg.AssetKey("raw_event_logs")],
-            run_config={"ops": {"raw_event_logs": {"config": {"synthetic_users": 200}}}}, tags=local_run_tags(job.name))
-    assert result.success
-    return result.run_id
+        return run_local(job, instance, "2026-11-14", ["raw_event_logs"],
+                         {"ops": {"raw_event_logs": {"config": {"synthetic_users": 200}}}}).run_id
 
 
 @pytest.mark.server
