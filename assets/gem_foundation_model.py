@@ -30,6 +30,20 @@ def checkpoint_dir(lake: LakeResource, day: str, dagster_run_id: str):
     return runs_dir(lake) / day / "runs" / dagster_run_id / "checkpoints"
 
 
+def how_it_trains(instance: dg.DagsterInstance, day: str, warm, enabled: bool) -> str:
+    """One line for the run log and the metadata: where GEM starts from and what this materialization replaces
+    (a second run of the same day retrains it and registers a new version; the earlier versions stay)."""
+    start = (f"warm-starts from {warm}" if warm is not None else
+             "starts from its initialization (warm_start is off)" if not enabled else
+             "starts from its initialization: no earlier day has a checkpoint")
+    earlier = instance.fetch_materializations(
+        dg.AssetRecordsFilter(dg.AssetKey("gem_foundation_model"), asset_partitions=[day]), limit=1).records
+    if not earlier:
+        return f"GEM {start}; the first GEM of {day}."
+    return (f"GEM {start}; it retrains {day}, materialized before by run "
+            f"{earlier[0].event_log_entry.run_id[:8]}, and registers a new version (the earlier ones stay registered).")
+
+
 def training_command(config: GEMTrainingConfig, lake: LakeResource, day: str, run_id: str | None,
                      warm, dagster_run_id: str) -> list[str]:
     extra = ["--checkpoint-dir", str(checkpoint_dir(lake, day, dagster_run_id)), "--progress-every", "25",
@@ -60,12 +74,14 @@ def gem_foundation_model(
                                                 plan_for_world_size(plans, config.nproc_per_node), config.train())
     if problem is not None:
         raise dg.Failure(description=problem)
+    training = how_it_trains(context.instance, day, warm, config.warm_start)
+    context.log.info(training)
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
         command = training_command(config, lake, day, run.run_id, warm, context.run_id)
         context.log.info("launching: %s", " ".join(command))
         completed = pipes_subprocess_client.run(command=command, context=context, env=mlflow.job_env())
     reported = completed.get_materialize_result()
     return dg.MaterializeResult(
-        metadata={**(reported.metadata or {}), "warm_start": str(warm) if warm else "none",
+        metadata={**(reported.metadata or {}), "warm_start": str(warm) if warm else "none", "training": training,
                   "registered_model": config.registered_model_name}
     )

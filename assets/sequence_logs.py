@@ -6,9 +6,11 @@ import dagster as dg
 from pydantic import Field
 
 from assets.partitions import LOOKBACK_DAYS, PARTITIONS_START, daily_partitions, lookback_window
+from assets.metadata_values import metadata_value
 from assets.raw_event_logs import raw_partition_path, raw_event_logs
 from assets.resources import LakeResource, MLflowResource
 from gem_ops.data.loader import SequenceLogs
+from gem_ops.metadata_views import figure_markdown
 from gem_ops.data.plots import length_histogram
 from gem_ops.data.quality import leakage_violations, length_distribution
 from gem_ops.data.sequence_logs import SequenceLogsConfig, build_sequence_logs
@@ -86,6 +88,7 @@ def sequence_logs(
         run.log_params(config.model_dump() | {"window": f"{days[0]}..{days[-1]}"})
         run.log_metrics(counts | {f"history_len.{k}": v for k, v in history.items()} | {f"leakage.{k}": v for k, v in leaks.items()})
         run.log_figure(figure, "length_histogram.png")
+        histogram = metadata_value(figure_markdown(figure, "history and timeline lengths"))
         run.log_artifact(str(destination / "manifest.json"))
 
     return dg.MaterializeResult(
@@ -97,6 +100,7 @@ def sequence_logs(
             **counts,
             "lengths": dg.MetadataValue.md(length_table({"history at request": history,
                                                          "user timeline": summary.timeline_length_quantiles})),
+            "length_histogram": histogram,
         },
         check_results=[
             dg.AssetCheckResult(check_name="no_future_leakage", passed=sum(leaks.values()) == 0, metadata=leaks),

@@ -3,12 +3,14 @@
 import dagster as dg
 from pydantic import Field
 
+from assets.metadata_values import metadata_value
 from assets.partitions import daily_partitions
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs, sequence_logs_path
 from gem_ops.data.batch_shuffling import ShufflingConfig, imbalance, plan_base_batch_shuffling, plan_random, write_plan
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.data.plots import balance_chart
+from gem_ops.metadata_views import figure_markdown
 from gem_ops.train.data_check import describe_labels
 
 
@@ -63,9 +65,11 @@ def shuffled_batches(
                  f"ws{world_size}.worst_step_bbs": balanced["worst_step"],
                  f"ws{world_size}.steps": plan.steps, f"ws{world_size}.dropped": plan.dropped}
             )
-        run.log_figure(balance_chart(figures), "balance.png")
+        chart = balance_chart(figures)
+        run.log_figure(chart, "balance.png")
+        balance = metadata_value(figure_markdown(chart, "step imbalance, random against Base Batch Shuffling"))
         run.log_dict(figures, "balance.json")
     return dg.MaterializeResult(
         metadata={"dagster/row_count": len(train), "train_examples": len(train), **metadata,
-                  "imbalance": dg.MetadataValue.json(figures)}
+                  "imbalance": dg.MetadataValue.json(figures), "balance_chart": balance}
     )

@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+# Artifact transfers draw progress bars into pipeline logs, where nobody watches them move; set it to
+# true to have them back.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
 try:
     from mlflow.entities import Metric, Param, RunStatus, RunTag
     from mlflow.exceptions import MlflowException

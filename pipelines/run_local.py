@@ -3,7 +3,11 @@ DAGSTER_HOME (so every run shows in `dagster dev`) and in the project's MLflow s
 for each day of the window, then the `gem_pipeline` job (data, GEM training, knowledge transfer to the
 domain foundation models and vertical models) for the last day.
 
-    python -m pipelines.run_local [--end 2026-11-14] [--days 14] [--config run_config.yaml]
+    python -m pipelines.run_local [--job gem_pipeline|prepare_data] [--end DAY] [--days N] [--config FILE]
+
+The days come from the data the config names (the newest day of a `parquet_template`'s files, or of the
+MovieLens replay; 2026-11-14 for the synthetic log) and the look-back window before it, and the daily
+partitions start where that data starts (GEM_PARTITIONS_START, unless already set).
 
 GEM trains for LOCAL_TRAINING's short budget and the students for LOCAL_STUDENTS', so that the whole path
 runs in minutes on a laptop CPU; the run config given is merged over them setting by setting (set epochs /
@@ -21,11 +25,13 @@ import yaml
 
 from dagster._core.storage.tags import PARTITION_SET_TAG, REPOSITORY_LABEL_TAG
 
-from assets.partitions import LOOKBACK_DAYS
-from pipelines.definitions import defs
+from pipelines.data_window import data_window
 from pipelines.orphaned_runs import close_orphaned_runs, orchestrator_tags
 
 DEFAULT_END = "2026-11-14"
+DEFAULT_PARTITIONS_START = "2026-11-01"
+PARTITIONS_START_ENV = "GEM_PARTITIONS_START"
+JOBS = ("gem_pipeline", "prepare_data")
 # workspace.yaml's code location (a python_module location is named after its module) and its one repository.
 CODE_LOCATION, REPOSITORY = "pipelines.definitions", "__repository__"
 # GEM: up to 2 epochs at half width, histories cut to 128 events, stopped early on the held-out newest
@@ -39,23 +45,47 @@ LOCAL_STUDENTS = {"max_steps": 60, "eval_every": 20, "eval_max_examples": 5_000,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--end", default=DEFAULT_END, help="last day (partition) to prepare, YYYY-MM-DD")
-    parser.add_argument("--days", type=int, default=LOOKBACK_DAYS, help="days of raw events before and including --end")
+    parser.add_argument("--job", default="gem_pipeline", choices=JOBS,
+                        help="gem_pipeline (data, GEM, transfer) or prepare_data (the data assets alone)")
+    parser.add_argument("--end", default=None, help="last day (partition), YYYY-MM-DD; default: the newest day of "
+                                                    f"the configured data ({DEFAULT_END} for the synthetic log)")
+    parser.add_argument("--days", type=int, default=None,
+                        help="days of raw events up to --end; default: the look-back window, as far as the data reaches")
     parser.add_argument("--config", type=Path, help="Dagster run config (YAML) applied to every run")
     args = parser.parse_args(argv)
 
     if not os.environ.get("DAGSTER_HOME"):
         raise SystemExit("DAGSTER_HOME is not set: point it at a folder for the Dagster instance (make pipeline does)")
     Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
-    run_config = local_run_config(yaml.safe_load(args.config.read_text()) if args.config else {})
+    user = yaml.safe_load(args.config.read_text()) if args.config else {}
+    try:
+        window = data_window(user or {})
+    except ValueError as error:
+        raise SystemExit(f"{args.config}: {error}")
+    if window is not None and not os.environ.get(PARTITIONS_START_ENV):
+        os.environ[PARTITIONS_START_ENV] = window.first.isoformat()  # read when the definitions are imported
+    from assets.partitions import LOOKBACK_DAYS, PARTITIONS_START
+    from pipelines.definitions import defs
+
+    end = date.fromisoformat(args.end) if args.end else window.end if window else date.fromisoformat(DEFAULT_END)
+    days = args.days or (window.days(LOOKBACK_DAYS) if window else LOOKBACK_DAYS)
+    first = end - timedelta(days=days - 1)
+    if first < date.fromisoformat(PARTITIONS_START):
+        raise SystemExit(f"the run starts on {first}, before the first partition ({PARTITIONS_START}): set "
+                         f"{PARTITIONS_START_ENV}={first} (and the same for `make dagster`), or a later --end / fewer --days")
+    print(f"{args.job}: {days} day(s), {first} .. {end}; partitions start on {PARTITIONS_START}", flush=True)
+    if PARTITIONS_START != DEFAULT_PARTITIONS_START:
+        print(f"  (start the UI with {PARTITIONS_START_ENV}={PARTITIONS_START} make dagster to see these days)", flush=True)
+    job = defs.resolve_job_def(args.job)
+    run_config = for_job(local_run_config(user or {}), (user or {}).get("ops", {}), job)
     for op, settings in run_config["ops"].items():
         print(f"{op}: {json.dumps(settings.get('config', {}), sort_keys=True)}", flush=True)
-    end = date.fromisoformat(args.end)
-    job = defs.resolve_job_def("gem_pipeline")
     with dg.DagsterInstance.get() as instance:
         for line in close_orphaned_runs(instance, defs.resources["mlflow"]):
             print(f"closed an orphaned {line}", flush=True)
-        for offset in range(args.days - 1, -1, -1):
+        if args.job == "gem_pipeline":
+            print(retraining_note(instance, end.isoformat()), flush=True)
+        for offset in range(days - 1, -1, -1):
             day = (end - timedelta(days=offset)).isoformat()
             selection = None if offset == 0 else [dg.AssetKey("raw_event_logs")]
             result = job.execute_in_process(
@@ -70,6 +100,16 @@ def main(argv: list[str] | None = None) -> None:
             if not result.success:
                 raise SystemExit(1)
     print("done: open the Dagster UI with `make dagster` and MLflow with `make mlflow-ui`")
+
+
+def for_job(run_config: dict, user_ops: dict, job) -> dict:
+    """The run config with only the job's ops: the embedded budgets of ops outside it are dropped, a user's
+    setting for an op outside it is an error that names the op."""
+    ops = set(job.graph.node_dict)
+    foreign = sorted(op for op in user_ops if op not in ops)
+    if foreign:
+        raise SystemExit(f"--config: ops {foreign} are not in job {job.name} (its ops: {sorted(ops)})")
+    return {**run_config, "ops": {op: v for op, v in run_config["ops"].items() if op in ops}}
 
 
 def local_run_config(user: dict) -> dict:
@@ -95,6 +135,18 @@ def local_run_tags(job_name: str) -> dict[str, str]:
     in process does not get by itself; plus this process's identity, to close the run if the process dies."""
     return {REPOSITORY_LABEL_TAG: f"{REPOSITORY}@{CODE_LOCATION}", PARTITION_SET_TAG: f"{job_name}_partition_set",
             **orchestrator_tags()}
+
+
+def retraining_note(instance: dg.DagsterInstance, day: str) -> str:
+    """What this run does to the models an earlier run of the same day left (said at its start)."""
+    earlier = instance.fetch_materializations(
+        dg.AssetRecordsFilter(dg.AssetKey("vertical_models"), asset_partitions=[day]), limit=1).records
+    if not earlier:
+        return (f"{day}: first run in this instance: GEM and the verticals train from the start; a vertical becomes "
+                f"champion only if it beats the base rate.")
+    return (f"{day}: retraining (run {earlier[0].event_log_entry.run_id[:8]} materialized this day before): GEM and "
+            f"every vertical train again and register new versions; a vertical replaces its champion only if it is "
+            f"not measurably worse on the same eval examples (else the promotion check fails and the champion stays).")
 
 
 def run_summary(result) -> str:

@@ -7,26 +7,16 @@ events in (the newest day's sequence_logs reads them as its look-back window).""
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 from datetime import date
 
 import dagster as dg
 
 from assets.partitions import PARTITIONS_START
+from pipelines.data_window import landed_days
 from pipelines.jobs import gem_pipeline_job
 
 TEMPLATE_ENV = "GEM_EVENTS_TEMPLATE"
-
-
-def landed_days(template: str) -> list[str]:
-    """The days (ISO) for which a file of `template` exists, sorted."""
-    if "{date}" not in template:
-        raise ValueError(f"{TEMPLATE_ENV}={template!r} must hold the placeholder {{date}}")
-    pattern = re.compile(re.escape(template).replace(re.escape("{date}"), r"(\d{4}-\d{2}-\d{2})") + r"\Z")
-    days = {m.group(1) for path in glob.glob(template.replace("{date}", "*")) if (m := pattern.match(path))}
-    return sorted(days)
 
 
 @dg.sensor(job=gem_pipeline_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,

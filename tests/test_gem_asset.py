@@ -3,6 +3,7 @@ processes launched through Dagster Pipes (its progress in the run log, its figur
 MLflow run's metrics, plot and registered model, which loads back and predicts what the trained model did;
 the next day warm-starts from the sharded checkpoint on one process."""
 
+import dagster as dg
 import mlflow.pyfunc
 import numpy as np
 import torch
@@ -26,10 +27,17 @@ def test_runs_succeed_and_report_quality_as_metadata(gem_asset_runs):
     assert meta["world_size"].value == 2
     assert meta["samples_per_second"].value > 0
     assert meta["imbalance_observed.tokens"].value >= 1.0
-    report = meta["eval"].value
+    # Read as tables on the run page, not as JSON blobs; the loss curves as an inline image.
+    assert isinstance(meta["eval"], dg.TableMetadataValue)
+    report = {record.data["group"]: record.data for record in meta["eval"].value.records}
     assert {"all/click", "all/conversion"} <= set(report)
     assert 0.0 <= report["all/click"]["auc"] <= 1.0 and report["all/click"]["ne"] > 0
+    assert report["all/click"]["examples"] >= report["all/click"]["positives"] > 0
     assert "eval.all.click.auc" in meta
+    plan = {record.data["table"]: record.data["sharding"] for record in meta["sharding_plan"].value.records}
+    assert plan and all(plan.values())
+    assert meta["loss_curves"].value.startswith("![training loss and eval NE by step](data:image/png;base64,")
+    assert "losses" not in meta
 
 
 def test_pipes_streams_progress_into_the_run_log(gem_asset_runs):
@@ -42,6 +50,11 @@ def test_second_day_warm_starts_from_the_first(gem_asset_runs):
     first, second = (_metadata(gem_asset_runs["results"][d]) for d in DAYS[2:])
     assert first["warm_start"].value == "none"
     assert DAYS[2].isoformat() in second["warm_start"].value
+    # The run log and the metadata say where each GEM started and whether it replaces one of its day.
+    assert first["training"].value == (f"GEM starts from its initialization: no earlier day has a checkpoint; the "
+                                       f"first GEM of {DAYS[2].isoformat()}.")
+    assert second["training"].value.startswith(f"GEM warm-starts from {second['warm_start'].value}; the first GEM")
+    assert any(m == first["training"].value for m in gem_asset_runs["logs"][DAYS[2]])
     assert second["world_size"].value == 1
 
 
@@ -153,3 +166,15 @@ def test_undefined_figures_are_left_out_of_the_reported_metadata():
                                      "steps": 6, "warm_start": None})
     assert set(pipes.reported) == {"eval.all.click.auc", "steps", "warm_start"}
     assert pipes.reported["eval.all.click.auc"] == {"raw_value": 0.7, "type": "float"}
+
+
+def test_a_second_materialization_of_a_day_says_it_retrains_it():
+    from assets.gem_foundation_model import how_it_trains
+
+    day = DAYS[2].isoformat()
+    with dg.instance_for_test() as instance:
+        assert how_it_trains(instance, day, None, False).endswith(f"(warm_start is off); the first GEM of {day}.")
+        instance.report_runless_asset_event(dg.AssetMaterialization("gem_foundation_model", partition=day))
+        again = how_it_trains(instance, day, "/lake/ckpt", True)
+    assert again.startswith(f"GEM warm-starts from /lake/ckpt; it retrains {day}, materialized before by run ")
+    assert again.endswith("registers a new version (the earlier ones stay registered).")

@@ -87,6 +87,11 @@ def test_materialization_metadata(pipeline):
     assert lengths.value.startswith("| | history at request | user timeline |") and "| p50 |" in lengths.value
     balance = materializations["shuffled_batches"].materialization.metadata["imbalance"].value
     assert set(balance) == {"1", "2"} or set(balance) == {1, 2}
+    # The plots logged to MLflow are on the Dagster run page too, as inline images.
+    for asset, key in (("sequence_logs", "length_histogram"), ("shuffled_batches", "balance_chart")):
+        image = materializations[asset].materialization.metadata[key]
+        assert isinstance(image, dg.MarkdownMetadataValue) and image.value.startswith("![")
+        assert "(data:image/png;base64,iVBORw0KGgo" in image.value  # a PNG's signature, base64-encoded
 
 
 def test_mlflow_runs_metrics_and_artifacts(pipeline):

@@ -8,7 +8,8 @@ import polars as pl
 
 from pipelines.definitions import defs
 from pipelines.jobs import gem_pipeline_schedule
-from pipelines.sensors import TEMPLATE_ENV, landed_days, new_event_days_sensor
+from pipelines.data_window import landed_days
+from pipelines.sensors import TEMPLATE_ENV, new_event_days_sensor
 
 
 def test_the_daily_schedule_retrains_on_the_day_before():

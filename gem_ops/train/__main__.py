@@ -137,6 +137,17 @@ def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: TrainResult, 
     return log_model(tracker.client, tracker.run_id, model, batch_to_frame(example, model.spec), registered_name)
 
 
+def run_page_views(result: TrainResult) -> dict[str, Any]:
+    """What a person reads on the run page: eval quality and the sharding plan as tables, the loss curves."""
+    from gem_ops.metadata_views import figure_markdown, mapping_table, quality_table
+    from gem_ops.train.plots import loss_curves
+
+    return {"eval": quality_table(result.final_report),
+            "sharding_plan": mapping_table(result.sharding_plan, "table", "sharding"),
+            "loss_curves": figure_markdown(loss_curves(result.losses, result.eval_steps, result.eval_reports),
+                                           "training loss and eval NE by step")}
+
+
 def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -157,16 +168,19 @@ def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> 
                               union_of_ranks=args.union_of_ranks, reporter=reporter, step_hooks=step_hooks,
                               export_model_state=True)
             metadata = {**result.metadata(), "losses": result.losses}
+            views = run_page_views(result) if rank == 0 else {}
             if rank == 0:
                 metadata["model_version"] = log_to_mlflow(tracker, logs, result, args.registered_model_name)
         else:
             metadata = measure_mfu(window, logs, plan, model, config, args, tracker, reporter, step_hooks, rank)
+            views = {}
         if rank == 0:
             metadata.update({"plan": str(plan), "mlflow_run_id": args.mlflow_run_id})
             if args.result_json is not None:
                 args.result_json.parent.mkdir(parents=True, exist_ok=True)
                 args.result_json.write_text(json.dumps(metadata, indent=2, default=str))
-            reporter.finish(metadata)
+            # The run page shows tables and the loss curves where the result file holds raw figures.
+            reporter.finish({k: v for k, v in metadata.items() if k not in ("losses", "eval", "sharding_plan")} | views)
     return 0
 
 

@@ -170,7 +170,3 @@ def previous_checkpoint(runs_dir: str | os.PathLike, before: str) -> Path | None
         if folders:
             return max(folders, key=lambda f: latest_checkpoint(f).stat().st_mtime)
     return None
-    for key in sorted((p.name for p in runs_dir.iterdir() if p.is_dir() and p.name < before), reverse=True):
-        if checkpoint_steps(runs_dir / key / "checkpoints"):
-            return runs_dir / key / "checkpoints"
-    return None

@@ -144,7 +144,7 @@ def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example:
         package = Path(tmp) / artifact_path
         mlflow.pyfunc.save_model(
             package,
-            python_model=GEMPyfunc(),
+            python_model=str(Path(__file__).with_name("pyfunc_model_code.py")),
             artifacts={MODEL_STATE: str(state_path)},
             code_paths=[str(PROJECT_ROOT / "gem_ops"), str(PROJECT_ROOT / "kernels")],
             input_example=input_example,

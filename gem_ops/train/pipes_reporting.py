@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from gem_ops.metadata_views import Markdown, Table
+
 log = logging.getLogger(__name__)
 
 PIPES_CONTEXT_ENV = "DAGSTER_PIPES_CONTEXT"
@@ -35,7 +37,8 @@ class LogReporter:
         log.info(text)
 
     def finish(self, metadata: dict[str, Any]) -> None:
-        log.info("result: %s", json.dumps(metadata, default=str))
+        figures = {k: v for k, v in metadata.items() if not isinstance(v, (Markdown, Table))}  # views are for UIs
+        log.info("result: %s", json.dumps(figures, default=str))
 
 
 class PipesReporter(LogReporter):
@@ -61,7 +64,13 @@ class PipesReporter(LogReporter):
 
 
 def pipes_value(value: Any) -> dict[str, Any]:
-    """A metadata entry with an explicit Pipes type (dicts as json, missing numbers as null)."""
+    """A metadata entry with an explicit Pipes type (tables and markdown as such, dicts as json, missing numbers
+    as null)."""
+    if isinstance(value, Markdown):
+        return {"raw_value": value.text, "type": "md"}
+    if isinstance(value, Table):
+        return {"raw_value": {"records": list(value.records),
+                              "schema": [{"name": name, "type": kind} for name, kind in value.columns]}, "type": "table"}
     if isinstance(value, bool):
         return {"raw_value": value, "type": "bool"}
     if isinstance(value, int):
