@@ -36,7 +36,7 @@ RUN_CONFIG = {"ops": {
     "gem_foundation_model": {"config": {**_SMALL, "preset": "vertical", "width": 0.5, "epochs": 1, "max_steps": 4}},
     "teacher_predictions": {"config": {"student_days": 1}},
     "domain_foundation_models": {"config": _STUDENT},
-    "vertical_models": {"config": {**_STUDENT, "compare_alone": False, "promotion_max_examples": 256}},
+    "vertical_models": {"config": {**_STUDENT, "compare_alone": False, "promotion_max_examples": 256, "min_positives": 1}},
 }}
 JOB_ASSETS = {"raw_event_logs", "sequence_logs", "shuffled_batches", "gem_foundation_model", "teacher_predictions",
               "domain_foundation_models", "vertical_models"}

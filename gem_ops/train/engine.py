@@ -274,6 +274,9 @@ class Trainer:
         try:
             for step in range(self.start, end):
                 stepped = time.perf_counter()
+                # Dropout's masks as a function of the step: a run resumed from a checkpoint draws what an
+                # unbroken one did.
+                torch.manual_seed(config.seed * 1_000_003 + step)
                 lr = set_dense_lr(sharded.optimizer, config, step, self.total)
                 with record_function("data"):  # waiting for the prefetched batch, and the copy to the device
                     _, (size, x, costs) = next(inputs)
