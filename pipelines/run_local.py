@@ -43,7 +43,7 @@ LOCAL_STUDENTS = {"max_steps": 60, "eval_every": 20, "eval_max_examples": 5_000,
                   "model_overrides": {"sequence.max_history_len": "64"}}
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", default="gem_pipeline", choices=JOBS,
                         help="gem_pipeline (data, GEM, transfer) or prepare_data (the data assets alone)")
@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--days", type=int, default=None,
                         help="days of raw events up to --end; default: the look-back window, as far as the data reaches")
     parser.add_argument("--config", type=Path, help="Dagster run config (YAML) applied to every run")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
 
     if not os.environ.get("DAGSTER_HOME"):
         raise SystemExit("DAGSTER_HOME is not set: point it at a folder for the Dagster instance (make pipeline does)")

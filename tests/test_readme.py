@@ -1,7 +1,14 @@
-"""The README's run configs, as written: each YAML block parses and is a valid run config of the job it
-is for (Dagster's own validation against the code location's jobs)."""
+"""The README as written: each YAML block parses and is a valid run config of the job it is for (Dagster's
+own validation against the code location's jobs), and each shell command is accepted by what runs it (make's
+dry run of the target with its variables, the entry point's own argument parser, files it names exist).
+Running them is left to the tests that run those entry points: `make test` is CI itself, `make pipeline`'s
+run_local the slow end-to-end test, `make dagster`'s dagster dev and `make mlflow-ui`'s server the server
+tests."""
 
+import os
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import dagster as dg
@@ -10,8 +17,25 @@ import yaml
 
 from pipelines.definitions import defs
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PROJECT = Path(__file__).resolve().parents[1]
+README = PROJECT / "README.md"
 BLOCKS = re.findall(r"```yaml\n(.*?)```", README.read_text(), flags=re.S)
+SHELL = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+
+
+def shell_commands() -> list[str]:
+    """Every command line of the README's bash blocks: continuations joined, comments dropped."""
+    commands = []
+    for block in SHELL:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                commands.extend(part.strip() for part in line.split("&&"))
+    return commands
+
+
+COMMANDS = shell_commands()
 
 
 def _job_for(ops: dict) -> str:
@@ -29,3 +53,44 @@ def test_every_readme_run_config_is_valid_for_its_job(block):
     config = yaml.safe_load(block)
     job = defs.resolve_job_def(_job_for(config["ops"]))
     assert dg.validate_run_config(job, config) is not None
+
+
+def test_the_readme_has_shell_commands():
+    assert any(c.startswith("make pipeline") for c in COMMANDS) and any(c.startswith("torchrun") for c in COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[f"command{i}" for i in range(len(COMMANDS))])
+def test_every_readme_shell_command_is_accepted_as_written(command, tmp_path):
+    words = shlex.split(command)
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path)}
+    while words and ASSIGNMENT.match(words[0]):  # VAR=value before the command
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    program, args = words[0], words[1:]
+    if program in ("export", "createdb"):  # the shell's own, and PostgreSQL's client on the user's database
+        assert program == "export" or all(re.fullmatch(r"\w+", a) for a in args)
+        return
+    if program == "make":
+        dry = subprocess.run(["make", "-n", *args], cwd=PROJECT, env=env, capture_output=True, text=True)
+        assert dry.returncode == 0, dry.stderr
+        return
+    if program == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        launched = get_args_parser().parse_args(args)
+        assert launched.module and launched.training_script == "gem_ops.train"
+        script_args = launched.training_script_args
+        if "..." not in script_args:  # elided examples are checked up to their launcher
+            _check_entry_point("gem_ops.train", script_args)
+        return
+    assert program.endswith("python") and args[0] == "-m", command
+    _check_entry_point(args[1], args[2:])
+
+
+def _check_entry_point(module: str, args: list[str]) -> None:
+    import importlib
+
+    parsed = importlib.import_module({"gem_ops.train": "gem_ops.train.__main__"}.get(module, module)).parse_args(args)
+    for value in vars(parsed).values():  # a file the example names is in the project
+        if isinstance(value, Path) and value.suffix in (".yaml", ".yml"):
+            assert (PROJECT / value).is_file(), value
