@@ -3,12 +3,14 @@
 import dagster as dg
 from pydantic import Field
 
+from assets.metadata_values import metadata_value
 from assets.partitions import daily_partitions
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs_path
 from assets.student_training import StudentTrainingConfig
 from assets.teacher_predictions import predictions_path, teacher_predictions
 from gem_ops.data.loader import SequenceLogs
+from gem_ops.metadata_views import models_quality_table
 from gem_ops.transfer.config import TransferWindows
 from gem_ops.transfer.domain_models import DomainModelSettings, domain_foundation_model
 from gem_ops.transfer.hierarchy import DomainData
@@ -42,7 +44,7 @@ def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFo
                   read_user_representations(identity["representations"]))
     window = TransferWindows(student_days=identity["student_days"])
     settings = DomainModelSettings(**config.student_settings(), prefix=config.registered_model_prefix)
-    summary, skipped = {}, {}
+    summary, skipped, reports = {}, {}, {}
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())
         for domain in config.selected(logs.surfaces):
@@ -57,8 +59,10 @@ def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFo
                                          lake.path("domain_foundation_models", day, domain, "work"),
                                          fm_predictions_path(lake, day, domain), day)
             summary[domain] = fm.summary()
+            reports[f"{fm.name} v{fm.version}"] = fm.report
             context.log.info(f"{fm.name} v{fm.version}: {summary[domain]}")
         if skipped:
             run.set_tags({f"skipped.{d}": r for d, r in skipped.items()})
     return dg.MaterializeResult(metadata={"models": dg.MetadataValue.json(summary), "skipped": dg.MetadataValue.json(skipped),
+                                          "quality": metadata_value(models_quality_table(reports)),
                                           "teacher_version": identity["version"]})

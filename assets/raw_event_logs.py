@@ -1,5 +1,6 @@
 """raw_event_logs: one day of validated events per partition, from the configured source."""
 
+from dataclasses import replace
 from datetime import date
 
 import dagster as dg
@@ -11,26 +12,35 @@ from gem_ops.data.event_logs import read_event_log
 from gem_ops.data.quality import null_rates
 from gem_ops.data.raw_event_logs import EventSource, load_day, write_partition
 from gem_ops.data.schema import REQUIRED_COLUMNS, EventLogError
-from gem_ops.data.synthetic import SyntheticConfig
+from gem_ops.data.synthetic import STRONG_SIGNAL, SyntheticConfig
 
 MAX_FEATURE_NULL_RATE = 0.05
 
 
+SYNTHETIC_PRESETS = {"ads": SyntheticConfig(n_users=5_000), "strong_signal": STRONG_SIGNAL}
+
+
 class RawEventLogsConfig(dg.Config):
     source: str = Field("synthetic", description="synthetic | movielens | parquet")
-    synthetic_users: int = Field(5_000, description="Users in the synthetic population.")
-    synthetic_events_per_user_per_day: float = 3.0
+    synthetic_preset: str = Field(
+        "ads", description="For source=synthetic: ads (realistic base rates, 0.8-6% CTR, faint effects) or "
+                           "strong_signal (dense labels and strong planted effects, learnable in minutes).")
+    synthetic_users: int | None = Field(None, description="Users in the synthetic population (None: the preset's; "
+                                                          "ads 5,000, strong_signal 3,000).")
+    synthetic_events_per_user_per_day: float | None = Field(None, description="None: the preset's (ads 3, strong_signal 2).")
     synthetic_seed: int = 0
     parquet_template: str = Field("", description="For source=parquet: a path with {date}, e.g. /data/{date}.parquet")
     movielens_dir: str = Field("", description="For source=movielens: the ml-latest-small folder (default: bundled).")
     movielens_replay_days: int = Field(14, description="For source=movielens: days the sample is replayed onto.")
 
     def event_source(self) -> EventSource:
-        synthetic = SyntheticConfig(
-            n_users=self.synthetic_users,
-            events_per_user_per_day=self.synthetic_events_per_user_per_day,
-            seed=self.synthetic_seed,
-        )
+        if self.synthetic_preset not in SYNTHETIC_PRESETS:
+            raise ValueError(f"raw_event_logs.config.synthetic_preset must be one of {sorted(SYNTHETIC_PRESETS)}, "
+                             f"got {self.synthetic_preset!r}")
+        preset = SYNTHETIC_PRESETS[self.synthetic_preset]
+        synthetic = replace(preset, seed=self.synthetic_seed,
+                            n_users=self.synthetic_users or preset.n_users,
+                            events_per_user_per_day=self.synthetic_events_per_user_per_day or preset.events_per_user_per_day)
         extra = {"movielens_dir": self.movielens_dir} if self.movielens_dir else {}
         return EventSource(kind=self.source, synthetic=synthetic, parquet_template=self.parquet_template,
                            movielens_replay_days=self.movielens_replay_days, **extra)

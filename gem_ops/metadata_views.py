@@ -48,6 +48,13 @@ def quality_table(report: dict[str, dict[str, float]]) -> Table:
     return Table(columns, records)
 
 
+def models_quality_table(reports: dict[str, dict[str, dict[str, float]]]) -> Table:
+    """quality_table's rows for several models at once, each row led by its model."""
+    base = quality_table({})
+    records = tuple({"model": model, **row} for model, report in reports.items() for row in quality_table(report).records)
+    return Table((("model", "string"), *base.columns), records)
+
+
 def mapping_table(mapping: dict[str, Any], key: str, value: str) -> Table:
     """A two-column table of a flat mapping (e.g. each embedding table and how it is sharded)."""
     return Table(((key, "string"), (value, "string")), tuple({key: k, value: str(v)} for k, v in mapping.items()))

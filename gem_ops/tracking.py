@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import logging
 import math
 import os
 import subprocess
@@ -24,6 +25,9 @@ from urllib.parse import urlparse
 # Artifact transfers draw progress bars into pipeline logs, where nobody watches them move; set it to
 # true to have them back.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+# The store's one-time table set-up is announced at INFO in every fresh store; only its warnings matter.
+for _notice in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+    logging.getLogger(_notice).setLevel(logging.WARNING)
 
 try:
     from mlflow.entities import Metric, Param, RunStatus, RunTag

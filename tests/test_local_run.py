@@ -1,4 +1,4 @@
-"""`python -m pipelines.run_local` on the embedded defaults, end to end, in fresh stores (about 9 minutes on
+"""`python -m pipelines.run_local` on the embedded defaults, end to end, in fresh stores (about 7 minutes on
 2 cores, so marked slow): GEM beats predicting the base rate (NE < 1) on every domain and objective with
 enough positives on the eval day to tell, every vertical it builds (those with enough positives) beats the
 base rate too, and the run ends with its summary of GEM and the verticals."""
@@ -24,7 +24,7 @@ def test_first_local_run_ends_with_a_gem_better_than_the_base_rate(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pipelines.run_local"], cwd=PROJECT_ROOT, env=env,
                           capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "GEM on the eval day (AUC / NE)" in done.stdout and "| vertical (hierarchical) |" in done.stdout
+    assert "GEM on the eval day (AUC / NE)" in done.stdout and "| vertical (direct) |" in done.stdout
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("gem")

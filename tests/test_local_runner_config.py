@@ -4,7 +4,7 @@ at a time, so that configuring `epochs` alone does not drop the half width and s
 import dagster as dg
 
 from pipelines.definitions import defs
-from pipelines.run_local import LOCAL_STUDENTS, LOCAL_TRAINING, local_run_config
+from pipelines.run_local import LOCAL_DATA, LOCAL_STUDENTS, LOCAL_TRAINING, local_run_config
 
 
 def test_one_setting_keeps_the_other_defaults_of_its_op():
@@ -17,7 +17,8 @@ def test_one_setting_keeps_the_other_defaults_of_its_op():
     assert gem["model_overrides"] == {"sequence.max_history_len": "128", "sequence.activation": "silu"}
     verticals = config["ops"]["vertical_models"]["config"]
     assert verticals["domains"] == ["feed"] and verticals["max_steps"] == LOCAL_STUDENTS["max_steps"]
-    assert config["ops"]["raw_event_logs"]["config"] == {"synthetic_users": 300}
+    assert config["ops"]["raw_event_logs"]["config"] == {**LOCAL_DATA, "synthetic_users": 300}
+    assert verticals["mode"] == "direct"
     assert config["loggers"]["console"]["config"]["log_level"] == "INFO"
     assert dg.validate_run_config(defs.resolve_job_def("gem_pipeline"), config)
 

@@ -70,8 +70,13 @@ def test_teacher_predictions_come_from_the_stale_gem(transferred):
 
 def test_domain_models_and_verticals_carry_their_lineage(transferred):
     client = transferred["client"]
-    fms = _materialization(transferred["first"], "domain_foundation_models").metadata["models"].value
+    fm_meta = _materialization(transferred["first"], "domain_foundation_models").metadata
+    fms = fm_meta["models"].value
     assert set(fms) == set(DOMAINS)
+    # Each FM's eval figures, read as a table on the run page.
+    rows = [r.data for r in fm_meta["quality"].value.records]
+    assert {r["model"] for r in rows} == {f"domain_fm_{d} v{fms[d]['version']}" for d in DOMAINS}
+    assert all(0 <= r["auc"] <= 1 for r in rows if r["auc"] is not None) and any(r["group"] == "all/click" for r in rows)
     gem_version = str(_materialization(transferred["first"], "teacher_predictions").metadata["teacher_version"].value)
     for domain in DOMAINS:
         fm = client.get_model_version(f"domain_fm_{domain}", fms[domain]["version"])

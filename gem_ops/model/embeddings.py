@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
@@ -12,6 +14,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from gem_ops.model import features as F
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.features import ModelInput
+
+# TorchRec's collections ask torch whether they are being traced, and torch answers the first time with a
+# deprecation notice in every training log.
+logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 ITEM_TABLE = "item"
 
