@@ -25,8 +25,9 @@ from urllib.parse import urlparse
 # Artifact transfers draw progress bars into pipeline logs, where nobody watches them move; set it to
 # true to have them back.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-# The store's one-time table set-up is announced at INFO in every fresh store; only its warnings matter.
-for _notice in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+# The store's one-time table set-up and the model packaging's routine steps are announced at INFO in every
+# pipeline log; only their warnings matter.
+for _notice in ("mlflow.store.db.utils", "alembic.runtime.migration", "mlflow.pyfunc"):
     logging.getLogger(_notice).setLevel(logging.WARNING)
 
 try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -142,16 +143,10 @@ def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example:
         state_path = Path(tmp) / "model_state.pt"
         torch.save(model_state(model), state_path)
         package = Path(tmp) / artifact_path
-        mlflow.pyfunc.save_model(
-            package,
-            python_model=str(Path(__file__).with_name("pyfunc_model_code.py")),
-            artifacts={MODEL_STATE: str(state_path)},
-            code_paths=[str(PROJECT_ROOT / "gem_ops"), str(PROJECT_ROOT / "kernels")],
-            input_example=input_example,
-            # Inferred here, from a real prediction, so a model that cannot predict fails loudly now.
-            signature=infer_signature(input_example, predict_frame(model, input_example)),
-            pip_requirements=_requirements(),
-        )
+        with warnings.catch_warnings():
+            # The example's id columns are integers by design (never missing): MLflow's hint about them is noise.
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer column")
+            _save_package(package, state_path, input_example, model)
         experiment_id = client.get_run(run_id).info.experiment_id
         logged = client.create_logged_model(experiment_id, name=registered_name or artifact_path, source_run_id=run_id,
                                             tags=version_tags, model_type="pyfunc")
@@ -168,6 +163,19 @@ def log_model(client: MlflowClient, run_id: str, model: GEMModel, input_example:
     version = client.create_model_version(registered_name, logged.artifact_location, run_id=run_id, tags=version_tags,
                                           model_id=logged.model_id)
     return version.version
+
+
+def _save_package(package: Path, state_path: Path, input_example: pd.DataFrame, model: GEMModel) -> None:
+    mlflow.pyfunc.save_model(
+        package,
+        python_model=str(Path(__file__).with_name("pyfunc_model_code.py")),
+        artifacts={MODEL_STATE: str(state_path)},
+        code_paths=[str(PROJECT_ROOT / "gem_ops"), str(PROJECT_ROOT / "kernels")],
+        input_example=input_example,
+        # Inferred here, from a real prediction, so a model that cannot predict fails loudly now.
+        signature=infer_signature(input_example, predict_frame(model, input_example)),
+        pip_requirements=_requirements(),
+    )
 
 
 def _requirements() -> list[str]:
