@@ -13,7 +13,8 @@ seed: AUC, NE and calibration per (domain, objective) and over all, the training
 of the steps run) and seconds.
 The summary gives each figure's mean and spread (max - min) over the seeds, and for every group with at
 least `--min-positives` positives whether GEM's mean AUC beats every other model's by more than the
-larger of the two spreads. `--budgets` adds GEM and DLRM at other widths (FLOPs against quality).
+larger of the two spreads. `--budgets` adds GEM and DLRM at other widths (FLOPs against quality: the
+compute each needs for DLRM's best AUC).
 
     python benchmarks/gem_quality.py --prepare-to .gpu_data/quality        # on a machine with polars
     python benchmarks/gem_quality.py --device cuda --jobs 8 --data .gpu_data/quality --budgets 0.25 2.0
@@ -116,7 +117,26 @@ def summarize(runs: dict[str, list[dict]], min_positives: int) -> dict:
                                   "beyond_spread": gem["mean"] - theirs["mean"] > max(gem["spread"], theirs["spread"])}
             verdicts[group] = {"positives": figures["positives"], "vs": margins,
                                "gem_best": all(m["beyond_spread"] for m in margins.values())}
-    return {"models": table, "gem_against_each": verdicts}
+    return {"models": table, "gem_against_each": verdicts,
+            "compute_efficiency": {g: compute_efficiency(table, g) for g in ("all/click", "all/conversion")}}
+
+
+def compute_efficiency(table: dict, group: str) -> dict | None:
+    """Training FLOPs each family needs for a quality: DLRM's best AUC over its budgets, the cheapest GEM
+    budget that reaches it, and DLRM's FLOPs at its best over that GEM's (how many times less compute
+    GEM needs for DLRM's best quality)."""
+    def points(family: str) -> list[dict]:
+        return sorted(({"model": n, "train_flops": t["train_flops"]["mean"], "auc": t[group]["auc"]["mean"]}
+                       for n, t in table.items() if n.split("@")[0] == family and group in t), key=lambda p: p["train_flops"])
+
+    gem, dlrm = points("gem"), points("dlrm")
+    if not gem or not dlrm:
+        return None
+    best = max(dlrm, key=lambda p: p["auc"])
+    matching = [p for p in gem if p["auc"] >= best["auc"]]
+    cheapest = matching[0] if matching else None
+    return {"gem": gem, "dlrm": dlrm, "dlrm_best": best, "gem_cheapest_reaching_it": cheapest,
+            "dlrm_flops_over_gem_flops": best["train_flops"] / cheapest["train_flops"] if cheapest else None}
 
 
 def _spread(values: list[float]) -> dict:

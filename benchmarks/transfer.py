@@ -62,8 +62,12 @@ ABLATIONS = {
     "direct_serving_no_sharing": ("gem", {**SERVING, "shared_tables": ()}),
     "direct_serving_no_adapter": ("gem", {**SERVING, "student_adapter": False}),
     "hierarchical_serving": ("fm", SERVING),
+    # The looked-up representation with the sequence arm's summary of the user beside the trunk's output.
+    "direct_serving_summary": ("gem_summary", SERVING),
+    "distillation_serving_summary": ("gem_summary", {**SERVING, "student_adapter": False, "shared_tables": ()}),
 }
 ALL_VARIANTS = {**VARIANTS, **ABLATIONS}
+GUARDED = ("direct", "direct_serving", "direct_serving_summary", "hierarchical", "hierarchical_serving")
 TEACHERS = ("gem", "stale_gem", "fm")
 
 
@@ -139,7 +143,8 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
                            eval_every=eval_every, early_stopping_patience=args.patience,
                            early_stopping_min_steps=min_steps, eval_max_examples=1_000_000, seed=seed)
 
-    def train_gem(label: str, gem_window) -> tuple[Teacher, object]:
+    def train_gem(label: str, gem_window, sources: tuple[str, ...] = ("trunk",)) -> tuple[list[Teacher], object]:
+        """The GEM of `gem_window`, as one teacher per representation source."""
         began = time.perf_counter()
         examples = windows.teacher_examples(logs, gem_window)
         plan = write_student_plan(logs, examples, work / f"{label}_plan.parquet", shuffling, args.max_history_len)
@@ -147,34 +152,43 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
         model, run = train(logs, plan, gem_config, settings(args.gem_epochs, args.gem_eval_every, first_epoch),
                            device=args.device)
         scored = students_examples(logs, window)
-        table = compute_user_representations(model, logs, scored, {"name": label}, device=args.device)
-        predictions = score_examples(model, logs, scored, {"name": label}, representations=table, device=args.device)
+        teachers = []
+        for source in sources:
+            table = compute_user_representations(model, logs, scored, {"name": label}, device=args.device, source=source)
+            predictions = score_examples(model, logs, scored, {"name": label}, representations=table, device=args.device)
+            teachers.append(Teacher(model, predictions, {"name": label}, table))
+        model.cpu()  # students share its tables on the CPU
         print(f"{name} seed {seed}: {label} {run.steps} steps (kept {run.best_step}) in "
               f"{time.perf_counter() - began:.0f} s", flush=True)
-        return Teacher(model.cpu(), predictions, {"name": label}, table), run  # students share its tables on the CPU
+        return teachers, run
 
     began = time.perf_counter()
-    gem, gem_run = train_gem("gem", replace(window, staleness_days=0))  # trained up to the students' newest day
-    stale_gem, _ = train_gem("stale_gem", window)  # `staleness_days` older: where the Student Adapter matters
+    with_summary = any(ALL_VARIANTS[v][0] == "gem_summary" for v in args.variants)
+    # Trained up to the students' newest day.
+    (gem, *gem_summary), gem_run = train_gem("gem", replace(window, staleness_days=0),
+                                            ("trunk", "summary") if with_summary else ("trunk",))
+    (stale_gem,), _ = train_gem("stale_gem", window)  # `staleness_days` older: where the Student Adapter matters
     rows = {}
     for domain in args.domains or largest_domains(logs, window, args.top_domains):
         part = DomainData.of(logs, domain, window)
         fm_run = train_domain_foundation_model(logs, part, fm_base, settings(args.student_epochs, args.student_eval_every),
                                                work / f"{domain}_fm_{seed}", TransferConfig(), gem, shuffling,
                                                device=args.device)
-        teachers = {"gem": gem, "stale_gem": stale_gem, None: None,
+        teachers = {"gem": gem, "stale_gem": stale_gem, None: None, "gem_summary": gem_summary[0] if gem_summary else None,
                     "fm": as_teacher(fm_run, part, {"name": f"fm_{domain}"}, args.device)}
         tasks = [t for t in windows.labelled_tasks(logs, part.train) if t in windows.labelled_tasks(logs, part.eval)]
         for task in (t for t in tasks if t in args.tasks):
             config = replace(vm_base, tasks=(task,))
             row = {who: _figures(prediction_report(logs, teachers[who].predictions, part.eval, config), task)
                    for who in ("gem", "stale_gem", "fm")}
+            row["calibration_if_rate_held"] = calibration_if_rate_held(logs, part, task)
             for variant in args.variants:
                 teacher, transfer = ALL_VARIANTS[variant]
                 run = train_vertical_model(logs, part, task, vm_base, settings(args.student_epochs, args.student_eval_every),
                                            work / f"{domain}_{task}_{variant}_{seed}", TransferConfig(**transfer),
                                            teachers[teacher], shuffling, device=args.device)
                 row[variant] = _figures(run.result.final_report, task)
+                row[variant]["validation_ne"] = kept_validation_ne(run)
                 row[variant]["parameters"] = sum(p.numel() for p in run.model.parameters())
                 row[variant]["cpu_latency_s"] = cpu_latency(run.model.cpu(), run.data, int(part.eval[0]), args.candidates,
                                                             args.latency_reps)
@@ -185,13 +199,48 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
             "seconds": round(time.perf_counter() - began, 1)}
 
 
+def with_guarded(row: dict) -> dict:
+    """The seed's figures and, per transfer variant, `<variant>_guarded`: the student the guard keeps
+    (gem_ops.transfer.guard: the variant unless the alone model's validation NE is lower)."""
+    from gem_ops.transfer.guard import keep_transfer
+
+    out = dict(row)
+    for variant in (v for v in GUARDED if v in row):
+        out[f"{variant}_guarded"] = row[variant] if keep_transfer(row[variant].get("validation_ne", math.nan),
+                                                                  row["alone"].get("validation_ne", math.nan)) else row["alone"]
+    return out
+
+
+def kept_validation_ne(run) -> float:
+    """The student's validation NE at the step whose weights it kept (its early-stopping criterion)."""
+    from gem_ops.train.engine import validation_ne
+
+    scores = [validation_ne(r, run.model.objectives) for r in run.result.validation_reports]
+    return min(scores) if scores else math.nan
+
+
+def calibration_if_rate_held(logs, part, task: str) -> float:
+    """The newest training day's label rate (where calibration is fitted) over the eval days': what a model
+    exactly calibrated on that day gets on the eval days when the rate it saw there holds."""
+    day = logs.column("timestamp")[part.train] // 86_400_000
+    (n_new, p_new), (n_eval, p_eval) = (logs.label_counts(idx)[task] for idx in (part.train[day == day.max()], part.eval))
+    return (p_new / n_new) / (p_eval / n_eval) if n_new and p_eval else math.nan
+
+
+def paired(seeds: list[dict], key: str, with_: str, without: str) -> dict:
+    """`with_` against `without` seed by seed (each seed shares its data, teacher and initial draws)."""
+    differences = [s["verticals"][key][with_]["auc"] - s["verticals"][key][without]["auc"] for s in seeds]
+    return {"auc_difference": _spread(differences), "every_seed_better": all(d > 0 for d in differences)}
+
+
 def summarize(seeds: list[dict]) -> dict:
     """Per vertical: each variant's figures as mean and spread over seeds, the gap closed where real, and
     the protocol's comparisons."""
     out = {}
     for key in seeds[0]["verticals"]:
-        per = {who: {m: _spread([s["verticals"][key][who][m] for s in seeds]) for m in seeds[0]["verticals"][key][who]}
-               for who in seeds[0]["verticals"][key]}
+        rows = [with_guarded(s["verticals"][key]) for s in seeds]
+        per = {who: {m: _spread([r[who][m] for r in rows]) for m in rows[0][who]}
+               for who in rows[0] if who != "calibration_if_rate_held"}
         teacher, alone = per["gem"]["auc"], per["alone"]["auc"]
         real_gap = teacher["mean"] - alone["mean"] > max(teacher["spread"], alone["spread"])
         gap = {v: ((per[v]["auc"]["mean"] - alone["mean"]) / (teacher["mean"] - alone["mean"]) if real_gap else None)
@@ -199,7 +248,8 @@ def summarize(seeds: list[dict]) -> dict:
         out[key] = {"figures": per, "gap_real": real_gap, "gap_closed_auc": gap,
                     "hierarchical_not_worse_than_alone": {
                         v: per[v]["auc"]["mean"] >= alone["mean"] - max(per[v]["auc"]["spread"], alone["spread"])
-                        for v in ("hierarchical", "hierarchical_serving") if v in per},
+                        for v in ("hierarchical", "hierarchical_serving", "hierarchical_guarded",
+                                  "hierarchical_serving_guarded") if v in per},
                     "full_over_plain_distillation": {
                         full: gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
                         for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"))
@@ -210,7 +260,18 @@ def summarize(seeds: list[dict]) -> dict:
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_representation"),
-                        ("direct_serving", "direct_serving_no_sharing")) if with_ in per and without in per}}
+                        ("direct_serving", "direct_serving_no_sharing"),
+                        ("direct_serving_summary", "direct_serving"),
+                        ("distillation_serving_summary", "distillation_serving")) if with_ in per and without in per},
+                    "paired": {f"{with_} over {without}": paired(seeds, key, with_, without) for with_, without in (
+                        ("direct", "distillation"), ("direct_serving", "distillation_serving"),
+                        ("direct_serving_summary", "distillation_serving"),
+                        ("stale_direct_serving", "stale_direct_serving_no_adapter"),
+                        ("hierarchical", "alone"), ("hierarchical_serving", "alone")) if with_ in per and without in per},
+                    "calibration_if_rate_held": seeds[0]["verticals"][key].get("calibration_if_rate_held", math.nan)}
+        if "direct_serving_summary" in per and "distillation_serving" in per and real_gap and gap["distillation_serving"] > 0:
+            out[key]["full_over_plain_distillation"]["direct_serving_summary"] = (
+                gap["direct_serving_summary"] / gap["distillation_serving"])
     return out
 
 

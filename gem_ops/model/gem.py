@@ -125,6 +125,17 @@ class GEMModel(nn.Module):
 
     def encode(self, x: ModelInput) -> torch.Tensor:
         """The shared trunk's representation [B, trunk_hidden] (what knowledge transfer reuses)."""
+        return self._encode(x)[0]
+
+    def user_summary(self, x: ModelInput) -> torch.Tensor:
+        """[B, trunk_hidden + branches x sequence_dim]: the trunk's output beside the mean of each branch's
+        last pyramid level (the user's most recent events after every sequence layer), which under a
+        neutral request is what the sequence arm knows of the user before any candidate is named."""
+        trunk, states = self._encode(x)
+        return torch.cat([trunk, *(jagged.segment_mean(h, offsets).to(trunk.dtype) for h, offsets in states)], dim=1)
+
+    def _encode(self, x: ModelInput) -> tuple[torch.Tensor, list]:
+        """(the trunk's output, each branch's (history, offsets) after its last level)."""
         pooled, candidate, history = self.embeddings(x)
         candidate = self.candidate_proj(candidate)
         tokens = [pooled, candidate.unsqueeze(1)]
@@ -141,7 +152,7 @@ class GEMModel(nn.Module):
                 summary, *states[i] = branch(block, tokens, candidate, *states[i], sizes[i][block + 1])
                 extra.append(summary)
             tokens = interaction(torch.cat([tokens, *extra], dim=1))
-        return self.trunk(tokens.flatten(1))
+        return self.trunk(tokens.flatten(1)), states
 
     def _branch_histories(self, history: torch.Tensor, x: ModelInput) -> tuple[list, list[list[int]]]:
         """Each branch's (history, offsets), and its token count at every level of its pyramid: the

@@ -1,8 +1,9 @@
 """Candidate-independent teacher representations, per domain, user and day: a feature table that a student
 reads by lookup, at training and at serving, without running the teacher.
 
-The representation of (domain, user, day D) is the teacher's trunk output for a neutral request of that
-user on that domain at D's first instant: the user's history strictly before D (so nothing of D leaks),
+The representation of (domain, user, day D) is the teacher's trunk output (beside its sequence arm's summary
+of the user's recent events, with source "summary") for a neutral request of that user on that domain at
+D's first instant: the user's history strictly before D (so nothing of D leaks),
 no candidate (a reserved item id, item features unknown, no dense features). A request on day D reads
 row (domain, user, D): in production the table is computed once a day, after the day's logs close.
 """
@@ -26,6 +27,7 @@ from gem_ops.transfer.vector_files import column_vectors, read_vector_file, vect
 MS_PER_DAY = 86_400_000
 METADATA_KEY = b"gem.user_representations"
 NO_ITEM = -1  # the neutral request's candidate: an id no event carries
+REPRESENTATION_SOURCES = ("trunk", "summary")
 
 
 @dataclass
@@ -72,8 +74,13 @@ class UserRepresentations:
 @torch.no_grad()
 def compute_user_representations(model, logs: SequenceLogs, indices: np.ndarray, teacher: dict[str, Any] | None = None,
                                  batch_size: int = 1024, device: torch.device | str = "cpu",
-                                 precision: str = "auto") -> UserRepresentations:
-    """The teacher's representation of every (domain, user, day) the examples `indices` fall on."""
+                                 precision: str = "auto", source: str = "trunk") -> UserRepresentations:
+    """The teacher's representation of every (domain, user, day) the examples `indices` fall on: its trunk
+    output (`source` "trunk") or, for a model with a sequence arm, the trunk's output beside the arm's
+    summary of the user's recent events ("summary", GEMModel.user_summary)."""
+    if source not in REPRESENTATION_SOURCES:
+        raise ValueError(f"representation source {source!r}: use one of {list(REPRESENTATION_SOURCES)}")
+    represent = model.user_summary if source == "summary" and hasattr(model, "user_summary") else model.encode
     device = torch.device(device)
     indices = np.asarray(indices, dtype=np.int64)
     domain = logs.column("surface")[indices].astype(np.int64)
@@ -89,9 +96,9 @@ def compute_user_representations(model, logs: SequenceLogs, indices: np.ndarray,
         batch = logs.neutral_requests(part[:, 1], part[:, 2] * MS_PER_DAY, part[:, 0], NO_ITEM, max_len)
         x = model_input(batch, model.spec, model.config).to(device)
         with autocast_context(device, precision):
-            vectors.append(model.encode(x).float().cpu().numpy().astype(np.float16))
+            vectors.append(represent(x).float().cpu().numpy().astype(np.float16))
     model.train(was_training)
-    hidden = model.config.trunk_hidden
+    hidden = vectors[0].shape[1] if vectors else model.config.trunk_hidden
     return UserRepresentations(domain=keys[:, 0], user_id=logs.user_ids[keys[:, 1]].astype(np.int64), day=keys[:, 2],
                                vectors=np.concatenate(vectors) if vectors else np.zeros((0, hidden), np.float16),
                                domains=tuple(logs.surfaces), teacher=dict(teacher or {}))
