@@ -56,8 +56,10 @@ def signature(fn, config: triton.Config, dim: int, value_dim: int | None = None,
             types[name] = f"tensordesc<fp32[{config.kwargs['BLOCK_M']}]>"
         elif name in STATS_DESCRIPTORS:
             types[name] = "*fp32"
+        elif name == "dq_desc" and atomic_dq and tma:
+            types[name] = f"tensordesc<fp32[{config.kwargs['BLOCK_M']}, {dim}]>"
         elif name in ("dq_ptr", "dq_desc") and atomic_dq:
-            types[name] = f"tensordesc<fp32[{config.kwargs['BLOCK_M']}, {dim}]>" if tma and name == "dq_desc" else "*fp32"
+            types[name] = "*fp32"
         elif name.endswith("_ptr") or name.endswith("_desc"):  # dq_desc is the dq tensor itself without atomic dq
             out = "bf16" if dtype == "fp8e4nv" else dtype  # FP8 inputs give a bf16 output
             types[name] = POINTER_TYPES.get(name, f"*{out}" if name == "out_ptr" else f"*{dtype}")
