@@ -1,8 +1,10 @@
-"""Registers and spills of the jagged attention kernels as ptxas builds them for Hopper (sm_90a), per
-autotune config: compiled on the host, no GPU needed. Bf16, causal softmax, tensor-descriptor loads, the
-backward without atomic dq.
+"""Registers, spills and shared memory of the jagged attention kernels as ptxas builds them for Hopper (sm_90a),
+per autotune config that the kernels may choose at each head dim on an H200 (kernel._choose_configs, by the shared
+memory estimate kernel.shared_memory_bytes, which each row shows beside the compiler's figure): compiled on the
+host, no GPU needed. Bf16, causal softmax, self attention; tensor-descriptor loads where the head dim is a power of
+two, pointer loads otherwise; the backward without atomic dq.
 
-    python -m benchmarks.kernel_registers [--head-dims 64 128]
+    python -m benchmarks.kernel_registers [--head-dims 16 32 64 96 128 192 256]
 
 Writes benchmarks/results/kernel_registers.json. The figures are the local Triton's (recorded in the
 settings); the GPU machine may run another version.
@@ -16,6 +18,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -89,21 +92,28 @@ def ptxas_report(compiled) -> dict:
             "spill_load_bytes": int(spills.group(2)), "shared_bytes": compiled.metadata.shared}
 
 
+H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory
+KERNELS = {"forward": kernel._forward_kernel, "dq": kernel._dq_kernel, "dkdv": kernel._dkdv_kernel}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256])
     args = parser.parse_args()
     results = []
-    for tuner in (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel):
+    for name, tuner in KERNELS.items():
         for dim in args.head_dims:
-            for config in tuner.configs:
+            d_pad = kernel._pad(dim)
+            for config in kernel._choose_configs(name, tuner.configs, d_pad, d_pad, torch.bfloat16, H200_SHARED_BYTES):
                 compiled = compile_for_hopper(tuner.fn, config, dim)
-                row = {"kernel": tuner.fn.__name__, "head_dim": dim, **config.kwargs, "warps": config.num_warps,
-                       "stages": config.num_stages, **ptxas_report(compiled)}
+                row = {"kernel": tuner.fn.__name__, "head_dim": dim, "tma": d_pad == dim, **config.kwargs,
+                       "warps": config.num_warps, "stages": config.num_stages, **ptxas_report(compiled),
+                       "shared_estimate_bytes": kernel.shared_memory_bytes(name, config, d_pad, d_pad, torch.bfloat16)}
                 print(row, flush=True)
                 results.append(row)
     save("kernel_registers", {"target": "sm_90a", "triton": triton.__version__, "head_dims": args.head_dims,
-                              "dtype": "bfloat16", "causal": True, "activation": "softmax", "tma": True}, results)
+                              "dtype": "bfloat16", "causal": True, "activation": "softmax",
+                              "shared_limit_bytes": H200_SHARED_BYTES}, results)
 
 
 if __name__ == "__main__":
