@@ -5,7 +5,8 @@ FLOPs are counted on real tokens only: a sequence with Lq queries and Lk keys ha
 (QK^T and PV); backward = 2.5 x forward, as FlashAttention counts it; forward + backward = 3.5 x forward.
 Every method is charged the same real-token FLOPs whatever it computes on padding or masked blocks.
 
-Methods, all bf16, self attention over one jagged batch of `--tokens` tokens:
+Methods, all bf16, self attention over one jagged batch of `--tokens` tokens (with --sweep also cross attention,
+one query per sample over `--cross-tokens` keys):
   triton      kernels.triton (values + offsets), tile lists built inside the timed step (cache cleared
               first; the forward builds them once and the backward reuses them), as a model step with a
               new batch must; the counterpart of 'flex+mask'
@@ -26,6 +27,12 @@ respect to each method's own input layout.
   reference   kernels.pytorch (the oracle), only with --with-reference
 
 Run on a GPU: python -m benchmarks.jagged_attention [--quick]. Writes benchmarks/results/jagged_attention.json.
+
+--sweep (issue 23): head dims 32, 64, 96, 128, 192, 256 (H = 1024 // D); causal self attention at max length 4096
+over long-tail, Zipf and uniform lengths, and cross attention of one query per sample over lognormal histories of up
+to 2048 keys; ours (lists built, cached) against flex (mask prebuilt, built per call), with each ratio in the rows.
+Each head dim's compiles run first in --warm-processes processes side by side (into the on-disk caches). Writes
+benchmarks/results/jagged_attention_head_dims.json.
 """
 
 from __future__ import annotations
@@ -49,19 +56,49 @@ REFERENCE = "reference"  # opt-in (--with-reference): the oracle, slow at long l
 def long_tail_lengths(tokens: int, max_len: int, seed: int) -> list[int]:
     """One sequence of max_len, then many short ones and a few long (L = max_len * u^3), `tokens` in all."""
     g = torch.Generator().manual_seed(seed)
-    lengths = [max_len]
-    while sum(lengths) < tokens:
-        n = max(1, int(max_len * float(torch.rand(1, generator=g)) ** 3))
-        lengths.append(min(n, tokens - sum(lengths)))
-    return lengths
+    return _fill([max_len], tokens, lambda: max(1, int(max_len * float(torch.rand(1, generator=g)) ** 3)))
 
 
 def uniform_lengths(tokens: int, max_len: int) -> list[int]:
     return [max_len] * (tokens // max_len)
 
 
-def visible_pairs(lengths: list[int], causal: bool) -> int:
-    return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+ZIPF_EXPONENT = 1.2
+
+
+def zipf_lengths(tokens: int, max_len: int, seed: int) -> list[int]:
+    """One sequence of max_len, then lengths L in 1..max_len with P(L) ~ L^-ZIPF_EXPONENT, `tokens` in all: most
+    sequences a few tokens long, a heavy tail up to max_len."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.arange(1, max_len + 1, dtype=torch.float64) ** -ZIPF_EXPONENT
+    return _fill([max_len], tokens, lambda: int(torch.multinomial(weights, 1, generator=g)) + 1)
+
+
+def lognormal_lengths(tokens: int, max_len: int, seed: int) -> list[int]:
+    """One sequence of max_len, then exp(N(5, 1)) (median ~150, as tests/test_batch_shuffling.py's histories) capped
+    at max_len, `tokens` in all."""
+    g = torch.Generator().manual_seed(seed)
+    return _fill([max_len], tokens, lambda: max(1, min(max_len, int(math.exp(5 + float(torch.randn(1, generator=g)))))))
+
+
+def _fill(lengths: list[int], tokens: int, draw) -> list[int]:
+    while sum(lengths) < tokens:
+        lengths.append(min(draw(), tokens - sum(lengths)))
+    return lengths
+
+
+LENGTHS = {"long_tail": long_tail_lengths, "zipf": zipf_lengths, "lognormal": lognormal_lengths,
+           "uniform": lambda tokens, max_len, seed: uniform_lengths(tokens, max_len)}
+
+
+def visible_pairs(lengths: list[int], causal: bool, q_lengths: list[int] | None = None) -> int:
+    """(query, key) pairs that attend: Lq * Lk per sequence, or with causality (aligned to the end) the keys each
+    query sees. q_lengths None: self attention (Lq = Lk)."""
+    if q_lengths is None:
+        return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+    if not causal:
+        return sum(m * n for m, n in zip(q_lengths, lengths))
+    return sum(min(n, max(0, i + n - m + 1)) for m, n in zip(q_lengths, lengths) for i in range(m))
 
 
 def timed(fn) -> float:
@@ -71,20 +108,36 @@ def timed(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: tuple[str, ...]) -> dict:
-    """Median ms of forward (no grad) and forward + backward for each method on one jagged batch."""
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    q, k, v = (torch.randn(int(offsets[-1]), heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: tuple[str, ...],
+               q_lengths: list[int] | None = None, warm_only: bool = False) -> dict:
+    """Median ms of forward (no grad) and forward + backward for each method on one jagged batch: self attention
+    over `lengths`, or (q_lengths given) cross attention of q_lengths[b] queries over lengths[b] keys. warm_only:
+    each method's forward and backward once, for their compiles, and nothing timed."""
+    kv_offsets = _offsets(lengths)
+    offsets = kv_offsets if q_lengths is None else _offsets(q_lengths)
+    q = torch.randn(int(offsets[-1]), heads, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(int(kv_offsets[-1]), heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     runners = {
-        "triton": _jagged(offsets, causal, "triton", fresh_lists=True),
-        "triton_cached": _jagged(offsets, causal, "triton"),
-        "reference": _jagged(offsets, causal, "pytorch"),
-        "sdpa_padded": _padded_sdpa(offsets, causal),
-        **_flex(lengths, offsets, causal),
+        "triton": _jagged(offsets, kv_offsets, causal, "triton", fresh_lists=True),
+        "triton_cached": _jagged(offsets, kv_offsets, causal, "triton"),
+        "reference": _jagged(offsets, kv_offsets, causal, "pytorch"),
+        **({"sdpa_padded": _padded_sdpa(offsets, causal)} if q_lengths is None else {}),
+        **_flex(q_lengths or lengths, lengths, offsets, kv_offsets, causal),
     }
-    row = {"triton": _disagreement(runners, q, k, v)}
+    if warm_only:
+        for method in (m for m in methods if m != "triton_fp8"):
+            prepare, call = runners[method]
+            inputs = [x.requires_grad_() for x in prepare(q, k, v)]
+            out = call(*inputs)
+            torch.autograd.grad(out, inputs, torch.randn_like(out))
+        return {}
+    try:
+        row = {"triton": _disagreement(runners, q, k, v)}
+    except Exception as e:  # flex cannot run this shape: its own rows say why
+        failure = f"{type(e).__name__}: {str(e)[:300]}"
+        row = {"triton": {"rel_error_vs_flex": float("nan"), "check_error_vs_flex": failure}}
     if "triton_fp8" in methods:
-        row["triton_fp8"] = _fp8_forward(offsets, causal, q, k, v)
+        row["triton_fp8"] = _fp8_forward(offsets, kv_offsets, causal, q, k, v)
     for method in (m for m in methods if m != "triton_fp8"):
         prepare, call = runners[method]
         inputs = [x.requires_grad_() for x in prepare(q, k, v)]  # layout changes are not timed
@@ -93,12 +146,18 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
             with torch.no_grad():
                 forward_ms = timed(lambda: call(*inputs))
             both_ms = timed(lambda: torch.autograd.grad(call(*inputs), inputs, d_out))
-        except torch.OutOfMemoryError:
+            failure = {}
+        except Exception as e:  # out of memory, or a method that cannot run this shape: recorded, the others go on
             forward_ms = both_ms = float("nan")
-        row.setdefault(method, {}).update(fwd_ms=forward_ms, fwd_bwd_ms=both_ms)
+            failure = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        row.setdefault(method, {}).update(fwd_ms=forward_ms, fwd_bwd_ms=both_ms, **failure)
         inputs = d_out = None  # freed before the next method's inputs
         torch.cuda.empty_cache()
     return row
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
 
 
 def _disagreement(runners, q, k, v) -> dict:
@@ -119,20 +178,20 @@ def _disagreement(runners, q, k, v) -> dict:
     return errors
 
 
-def _fp8_forward(offsets, causal, q, k, v) -> dict:
+def _fp8_forward(offsets, kv_offsets, causal, q, k, v) -> dict:
     quantized, descale = quantize_fp8(q, k, v)
     with torch.no_grad():
         def call():
-            return jagged_attention(*quantized, offsets, causal=causal, descale=descale, backend="triton")
+            return jagged_attention(*quantized, offsets, kv_offsets, causal=causal, descale=descale, backend="triton")
 
         forward_ms = timed(call)
         got = call().float()
-        want = jagged_attention(q, k, v, offsets, causal=causal, backend="triton").float()
+        want = jagged_attention(q, k, v, offsets, kv_offsets, causal=causal, backend="triton").float()
     return {"fwd_ms": forward_ms, "fwd_bwd_ms": float("nan"),
             "fp8_rel_error_vs_bf16": float((got - want).norm() / want.norm())}
 
 
-def _jagged(offsets, causal, backend, fresh_lists=False):
+def _jagged(offsets, kv_offsets, causal, backend, fresh_lists=False):
     from kernels.triton.triton_jagged_attention import clear_tile_cache
 
     def prepare(q, k, v):
@@ -141,7 +200,7 @@ def _jagged(offsets, causal, backend, fresh_lists=False):
     def call(q, k, v):
         if fresh_lists:
             clear_tile_cache()
-        return jagged_attention(q, k, v, offsets, causal=causal, backend=backend)
+        return jagged_attention(q, k, v, offsets, kv_offsets, causal=causal, backend=backend)
 
     return prepare, call
 
@@ -164,19 +223,26 @@ def _padded_sdpa(offsets, causal):
     return prepare, call
 
 
-def _flex(lengths, offsets, causal):
-    """flex_attention over the whole batch as one [1, H, T, D] sequence with a document mask."""
+def _flex(q_lengths, kv_lengths, offsets, kv_offsets, causal):
+    """flex_attention over the whole batch as one [1, H, T, D] sequence with a document mask (queries and keys of
+    the same sequence; with causality, keys up to the query's position aligned to the sequence's end)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    total = int(offsets[-1])
-    document = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), offsets.diff())
+    total_q, total_kv = int(offsets[-1]), int(kv_offsets[-1])
+    documents = torch.arange(len(q_lengths), device=offsets.device)
+    q_document = torch.repeat_interleave(documents, offsets.diff())
+    kv_document = torch.repeat_interleave(documents, kv_offsets.diff())
+    # a query at position i of its sequence sees keys up to i + (Lk - Lq): in batch rows, kv_idx <= q_idx + shift
+    shift = None if kv_offsets is offsets else (kv_offsets[1:] - offsets[1:])[q_document]
 
     def mask_mod(b, h, q_idx, kv_idx):
-        same = document[q_idx] == document[kv_idx]
-        return same & (q_idx >= kv_idx) if causal else same
+        same = q_document[q_idx] == kv_document[kv_idx]
+        if not causal:
+            return same
+        return same & (q_idx >= kv_idx if shift is None else kv_idx <= q_idx + shift[q_idx])
 
     def build_mask():
-        return create_block_mask(mask_mod, 1, None, total, total, device=offsets.device, _compile=True)
+        return create_block_mask(mask_mod, 1, None, total_q, total_kv, device=offsets.device, _compile=True)
 
     flex = _compiled_flex(flex_attention)
     prebuilt = build_mask()
@@ -235,7 +301,7 @@ def kernel_times(fn, reps: int = 5) -> dict[str, float]:
 def _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out) -> dict[str, float]:
     """FlexAttention's kernels on the same batch (block mask prebuilt), forward and backward, for the
     comparison kernel by kernel."""
-    prepare, call = _flex(lengths, offsets, causal)["flex"]
+    prepare, call = _flex(lengths, lengths, offsets, offsets, causal)["flex"]
     inputs = [x.requires_grad_() for x in prepare(q, k, v)]
     grad = d_out.transpose(0, 1)[None].contiguous()
     return kernel_times(lambda: call(*inputs).backward(grad))
@@ -258,7 +324,7 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
     for mix, max_len, dim, causal in cases:
         lengths = long_tail_lengths(tokens, max_len, seed=max_len) if mix == "long_tail" else \
             uniform_lengths(tokens, max_len)
-        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+        offsets = _offsets(lengths)
         heads = 1024 // dim
         q, k, v = (torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         d_out = torch.randn_like(q)
@@ -339,6 +405,63 @@ def _source_commit() -> str:
     return os.environ.get("GEM_SOURCE_COMMIT") or os.environ.get("SOURCE_COMMIT", "")
 
 
+SWEEP_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+SWEEP_METHODS = ("triton", "triton_cached", "flex", "flex+mask")
+
+
+def sweep_cases(head_dims) -> list[tuple]:
+    """Issue 23's cases per head dim: causal self attention at max length 4096 over long-tail, Zipf and uniform
+    lengths, and cross attention of one query per sample over a lognormal history of up to 2048 keys."""
+    cases = []
+    for dim in head_dims:
+        cases += [("self", mix, 4096, dim, True) for mix in ("long_tail", "zipf", "uniform")]
+        cases.append(("cross", "lognormal", 2048, dim, False))
+    return cases
+
+
+def run_case(case: tuple, tokens: int, cross_tokens: int, methods: tuple[str, ...], warm_only: bool = False):
+    """Result rows of one (attention, mix, max_len, head_dim, causal) case, a row per method: self attention over
+    `tokens` tokens, or cross attention of one query per sample over `cross_tokens` keys; H = 1024 // D heads."""
+    attention, mix, max_len, dim, causal = case
+    cross = attention == "cross"
+    lengths = LENGTHS[mix](cross_tokens if cross else tokens, max_len, max_len)
+    q_lengths = [1] * len(lengths) if cross else None
+    heads = 1024 // dim
+    row = bench_case(lengths, heads, dim, causal, methods, q_lengths, warm_only)
+    pairs = visible_pairs(lengths, causal, q_lengths)
+    forward_flops = 2 * pairs * heads * (dim + dim)
+    rows = []
+    for method, t in row.items():
+        rows.append({
+            "attention": attention, "mix": mix, "max_len": max_len, "head_dim": dim, "heads": heads,
+            "causal": causal, "sequences": len(lengths), "tokens": sum(lengths),
+            "queries": sum(q_lengths or lengths), "visible_pairs": pairs, "method": method,
+            "fwd_ms": t["fwd_ms"], "fwd_tflops": tflops(forward_flops, t["fwd_ms"]),
+            "fwd_bwd_ms": t["fwd_bwd_ms"], "fwd_bwd_tflops": tflops(3.5 * forward_flops, t["fwd_bwd_ms"]),
+            **{name: value for name, value in t.items() if name.endswith(("_vs_flex", "_vs_bf16")) or name == "error"},
+            **_speedups(method, row),
+        })
+    return rows
+
+
+def _speedups(method: str, row: dict) -> dict:
+    """Our time against FlexAttention's (theirs / ours) for our bf16 methods: with its block mask prebuilt ('flex')
+    and built in the call ('flex+mask')."""
+    if method not in ("triton", "triton_cached"):
+        return {}
+    out = {}
+    for flex, name in (("flex", "vs_flex"), ("flex+mask", "vs_flex_mask")):
+        if flex in row:
+            for phase in ("fwd", "fwd_bwd"):
+                out[f"{phase}_speedup_{name}"] = row[flex][f"{phase}_ms"] / row[method][f"{phase}_ms"]
+    return out
+
+
+def _warm(case: tuple, tokens: int, cross_tokens: int, methods: tuple[str, ...]) -> None:
+    """One case's compiles and autotuning, into the on-disk caches (Triton's, Inductor's) that the timed run reads."""
+    run_case(case, tokens, cross_tokens, methods, warm_only=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=32768)
@@ -347,48 +470,68 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="split call time into tile tables and kernels")
     parser.add_argument("--max-len", type=int, action="append", dest="max_lens",
                         help="only the cases of this maximum length (repeatable); the results file is named after them")
+    parser.add_argument("--sweep", action="store_true",
+                        help="head dims 32-256, self and cross attention, long-tail / Zipf / uniform / lognormal "
+                             "lengths, against FlexAttention with its mask prebuilt and built per call "
+                             "(jagged_attention_head_dims.json)")
+    parser.add_argument("--head-dims", type=int, nargs="+", help="with --sweep: only these head dims")
+    parser.add_argument("--cross-tokens", type=int, default=131072,
+                        help="with --sweep: keys of a cross-attention batch (one query per sample)")
+    parser.add_argument("--warm-processes", type=int, default=8,
+                        help="with --sweep: first compile and autotune each head dim, this many processes side by side")
     args = parser.parse_args()
     if args.overhead:
         return overhead(args.tokens, args.max_lens)
 
-    # (mix, max_len, head_dim, causal); the cases of the two targets first, as results are saved as they come.
-    cases = [("long_tail", max_len, dim, True) for dim in (128, 64) for max_len in (512, 2048, 8192)]
-    cases += [("uniform", 8192, dim, causal) for dim in (128, 64) for causal in (False, True)]
-    cases += [("uniform", max_len, dim, True) for max_len in (512, 2048) for dim in (128, 64)]
-    if args.quick:
-        cases = [("long_tail", 2048, 128, True), ("uniform", 8192, 128, False)]
-    if args.max_lens:
-        cases = [case for case in cases if case[1] in args.max_lens]
-
-    methods = METHODS + ((REFERENCE,) if args.with_reference else ())
+    if args.sweep:
+        cases = sweep_cases(args.head_dims or SWEEP_HEAD_DIMS)
+        methods = SWEEP_METHODS
+        results_name = "jagged_attention_head_dims" + "".join(f"_D{d}" for d in args.head_dims or ())
+        if args.warm_processes > 0:
+            _warm_caches(cases, args, methods)
+    else:
+        # (attention, mix, max_len, head_dim, causal); the cases of the two targets first, as results are saved as
+        # they come.
+        cases = [("self", "long_tail", max_len, dim, True) for dim in (128, 64) for max_len in (512, 2048, 8192)]
+        cases += [("self", "uniform", 8192, dim, causal) for dim in (128, 64) for causal in (False, True)]
+        cases += [("self", "uniform", max_len, dim, True) for max_len in (512, 2048) for dim in (128, 64)]
+        if args.quick:
+            cases = [("self", "long_tail", 2048, 128, True), ("self", "uniform", 8192, 128, False)]
+        if args.max_lens:
+            cases = [case for case in cases if case[2] in args.max_lens]
+        methods = METHODS + ((REFERENCE,) if args.with_reference else ())
+        results_name = "jagged_attention" + "".join(f"_L{n}" for n in args.max_lens or ())
     settings = _settings(args, methods)
-    results_name = "jagged_attention" + "".join(f"_L{n}" for n in args.max_lens or ())
     results = []
-    for mix, max_len, dim, causal in cases:
-        lengths = long_tail_lengths(args.tokens, max_len, seed=max_len) if mix == "long_tail" else \
-            uniform_lengths(args.tokens, max_len)
-        heads = 1024 // dim
-        pairs = visible_pairs(lengths, causal)
-        forward_flops = 2 * pairs * heads * (dim + dim)
-        row = bench_case(lengths, heads, dim, causal, methods)
-        for method, t in row.items():
-            results.append({
-                "mix": mix, "max_len": max_len, "head_dim": dim, "heads": heads, "causal": causal,
-                "sequences": len(lengths), "tokens": sum(lengths), "visible_pairs": pairs, "method": method,
-                "fwd_ms": t["fwd_ms"], "fwd_tflops": tflops(forward_flops, t["fwd_ms"]),
-                "fwd_bwd_ms": t["fwd_bwd_ms"], "fwd_bwd_tflops": tflops(3.5 * forward_flops, t["fwd_bwd_ms"]),
-                **{name: value for name, value in t.items() if name.endswith(("rel_error_vs_flex", "_vs_bf16"))},
-            })
-        print_rows(results[-len(row):])
+    for case in cases:
+        rows = run_case(case, args.tokens, args.cross_tokens, methods)
+        results += rows
+        print_rows(rows)
         save(results_name, settings | {"complete": False}, results)  # kept if a later case dies
 
     save(results_name, settings | {"complete": True}, results)
     print_summary(results)
 
 
+def _warm_caches(cases: list[tuple], args, methods) -> None:
+    """The first case of each (attention, head dim, causal), run once, `args.warm_processes` processes at a time: their
+    compiles (ours and FlexAttention's, most of a new head dim's time) run side by side into the on-disk caches, which
+    the timed run, one case at a time, then reads."""
+    from benchmarks.common import in_processes
+
+    firsts: dict[tuple, tuple] = {}
+    for case in cases:
+        firsts.setdefault((case[0], case[3], case[4]), case)
+    calls = {case: (case, args.tokens, args.cross_tokens, methods) for case in firsts.values()}
+    start = time.perf_counter()
+    for case, _ in in_processes(_warm, calls, args.warm_processes):
+        print(f"warmed {case} in {time.perf_counter() - start:.0f} s", flush=True)
+
+
 def _settings(args, methods) -> dict:
     return {"tokens": args.tokens, "dtype": "bfloat16", "heads_times_dim": 1024, "quick": args.quick,
-            "max_lens": args.max_lens,
+            "max_lens": args.max_lens, "sweep": args.sweep, "head_dims": args.head_dims,
+            "cross_tokens": args.cross_tokens if args.sweep else None, "zipf_exponent": ZIPF_EXPONENT,
             "methods": list(methods),
             "flop_convention": "forward 4*P*H*D (P = visible real pairs, causal exact), backward 2.5x forward",
             "torch": torch.__version__, "triton": __import__("triton").__version__,
@@ -397,26 +540,37 @@ def _settings(args, methods) -> dict:
 
 def print_rows(rows: list[dict]) -> None:
     for r in rows:
-        print(f"{r['mix']:>9} L<={r['max_len']:<5} D={r['head_dim']:<3} {'causal' if r['causal'] else 'full  '} "
-              f"{r['method']:>11}: fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
+        print(f"{_case_name(r)} {r['method']:>13}: fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TF/s | "
               f"fwd+bwd {r['fwd_bwd_ms']:8.3f} ms {r['fwd_bwd_tflops']:6.1f} TF/s", flush=True)
 
 
+def _case_name(r: dict) -> str:
+    return (f"{r.get('attention', 'self'):>5} {r['mix']:>9} L<={r['max_len']:<5} D={r['head_dim']:<3} "
+            f"{'causal' if r['causal'] else 'full':<6}")
+
+
+# (ours, FlexAttention's) forward + backward time ratios in the summary: lists and block mask both built in the call,
+# ours built against a mask prebuilt, both prebuilt.
+SUMMARY_RATIOS = (("triton", "flex+mask"), ("triton", "flex"), ("triton_cached", "flex"))
+
+
 def print_summary(results: list[dict]) -> None:
-    """TFLOP/s per case and method, then our speed-up over FlexAttention (mask built in the step)."""
-    by_case: dict[tuple, dict] = {}
+    """TFLOP/s per case and method, then our forward + backward speed-up over FlexAttention (SUMMARY_RATIOS)."""
+    by_case: dict[str, dict] = {}
     for r in results:
-        by_case.setdefault((r["mix"], r["max_len"], r["head_dim"], r["causal"]), {})[r["method"]] = r
-    print("\nTFLOP/s on real tokens, forward / forward+backward")
+        by_case.setdefault(_case_name(r), {})[r["method"]] = r
+    print("\nTFLOP/s on real tokens, forward / forward+backward; fwd+bwd speed-up over flex")
     methods = [m for m in (*METHODS, REFERENCE) if any(m in row for row in by_case.values())]
-    print(f"{'case':<30}" + "".join(f"{m:>18}" for m in methods) + f"{'vs flex+mask (built, cached)':>22}")
-    for (mix, max_len, dim, causal), row in by_case.items():
-        cells = "".join(
-            f"{row[m]['fwd_tflops']:>8.0f} /{row[m]['fwd_bwd_tflops']:>6.0f}  " if m in row else f"{'':>18}"
-            for m in methods)
-        ratios = "".join(f"{row['flex+mask']['fwd_bwd_ms'] / row[m]['fwd_bwd_ms']:>10.2f}x" if "flex+mask" in row
-                         else f"{'':>11}" for m in ("triton", "triton_cached"))
-        print(f"{mix:>9} L<={max_len:<5} D={dim:<3} {'causal' if causal else 'full':<7}{cells}{ratios}")
+    ratios = [(ours, theirs) for ours, theirs in SUMMARY_RATIOS
+              if any(ours in row and theirs in row for row in by_case.values())]
+    print(f"{'case':<41}" + "".join(f"{m:>16}" for m in methods)
+          + "".join(f"{ours.replace('triton', 'ours') + '/' + theirs:>20}" for ours, theirs in ratios))
+    for name, row in by_case.items():
+        cells = "".join(f"{row[m]['fwd_tflops']:>8.0f} /{row[m]['fwd_bwd_tflops']:>5.0f} " if m in row else f"{'':>16}"
+                        for m in methods)
+        speedups = "".join(f"{row[theirs]['fwd_bwd_ms'] / row[ours]['fwd_bwd_ms']:>19.2f}x"
+                           if ours in row and theirs in row else f"{'':>20}" for ours, theirs in ratios)
+        print(f"{name}{cells}{speedups}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""Registers and spills of the jagged attention kernels as ptxas builds them for Hopper (sm_90a), per
-autotune config: compiled on the host, no GPU needed. Bf16, causal softmax, tensor-descriptor loads, the
-backward without atomic dq.
+"""Registers, spills and shared memory of the jagged attention kernels as ptxas builds them for Hopper (sm_90a),
+per autotune config that the kernels may choose at each head dim on an H200 (kernel._choose_configs, by the shared
+memory estimate kernel.shared_memory_bytes, which each row shows beside the compiler's figure): compiled on the
+host, no GPU needed. Bf16, causal softmax, self attention; tensor-descriptor loads where the head dim is a power of
+two, pointer loads otherwise; the backward without atomic dq.
 
-    python -m benchmarks.kernel_registers [--head-dims 64 128]
+    python -m benchmarks.kernel_registers [--head-dims 16 32 64 96 128 192 256]
 
 Writes benchmarks/results/kernel_registers.json. The figures are the local Triton's (recorded in the
 settings); the GPU machine may run another version.
@@ -16,6 +18,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -26,28 +29,53 @@ from kernels.triton import triton_jagged_attention as kernel
 TARGET = GPUTarget("cuda", 90, 32)
 # Which descriptor argument holds blocks of which config size.
 DESCRIPTOR_BLOCK = {"k_desc": "BLOCK_N", "v_desc": "BLOCK_N", "q_desc": "BLOCK_M", "do_desc": "BLOCK_M"}
+VALUE_DESCRIPTORS = ("v_desc", "do_desc")  # blocks of the value dim; the others of the head dim
 STATS_DESCRIPTORS = ("stats_desc",)  # the dk/dv kernel's one-dimensional logsumexp and delta
 POINTER_TYPES = {"stats_ptr": "*fp32", "descale_ptr": "*fp32", "q_offsets_ptr": "*i64",
                  "kv_offsets_ptr": "*i64", "tiles_ptr": "*i32", "tile_index_ptr": "*i32"}
 
 
-def signature(fn, config: triton.Config, dim: int) -> tuple[dict, dict]:
-    constexprs = dict(HEAD_DIM=dim, VALUE_DIM=dim, D_PAD=dim, DV_PAD=dim, CAUSAL=True, SILU=False, TMA=True,
-                      FP8=False, ADD_DQ=False, DQ_TMA=False, **config.kwargs)
+def signature(fn, config: triton.Config, dim: int, value_dim: int | None = None, *, dtype: str = "bf16",
+              tma: bool | None = None, causal: bool = True, silu: bool = False,
+              atomic_dq: bool = False) -> tuple[dict, dict]:
+    """The argument types and constexprs of one launch of `fn` with `config`: head dim `dim`, value dim `value_dim`
+    (default `dim`), inputs of Triton type `dtype`; tensor descriptors where the kernel would take them (tma None:
+    where both dims are powers of two, as kernel._use_tma decides), pointers otherwise; atomic_dq: the dk/dv
+    kernel adds dq (in fp32, one TMA reduce per block with descriptors)."""
+    value_dim = value_dim or dim
+    d_pad, dv_pad = kernel._pad(dim), kernel._pad(value_dim)
+    tma = (dim == d_pad and value_dim == dv_pad) if tma is None else tma
+    constexprs = dict(HEAD_DIM=dim, VALUE_DIM=value_dim, D_PAD=d_pad, DV_PAD=dv_pad, CAUSAL=causal, SILU=silu,
+                      TMA=tma, FP8=dtype == "fp8e4nv", ADD_DQ=atomic_dq, DQ_TMA=atomic_dq and tma, **config.kwargs)
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     types = {}
     for name in fn.arg_names:
         if name in constexprs:
             types[name] = "constexpr"
-        elif name in DESCRIPTOR_BLOCK:
-            types[name] = f"tensordesc<bf16[{config.kwargs[DESCRIPTOR_BLOCK[name]]}, {dim}]>"
-        elif name in STATS_DESCRIPTORS:
+        elif tma and name in DESCRIPTOR_BLOCK:
+            width = value_dim if name in VALUE_DESCRIPTORS else dim
+            types[name] = f"tensordesc<{dtype}[{config.kwargs[DESCRIPTOR_BLOCK[name]]}, {width}]>"
+        elif tma and name in STATS_DESCRIPTORS:
             types[name] = f"tensordesc<fp32[{config.kwargs['BLOCK_M']}]>"
-        elif name.endswith("_ptr") or name == "dq_desc":  # dq_desc is the dq tensor itself without atomic dq
-            types[name] = POINTER_TYPES.get(name, "*bf16")
+        elif name in STATS_DESCRIPTORS:
+            types[name] = "*fp32"
+        elif name == "dq_desc" and atomic_dq and tma:
+            types[name] = f"tensordesc<fp32[{config.kwargs['BLOCK_M']}, {dim}]>"
+        elif name in ("dq_ptr", "dq_desc") and atomic_dq:
+            types[name] = "*fp32"
+        elif name.endswith("_ptr") or name.endswith("_desc"):  # dq_desc is the dq tensor itself without atomic dq
+            out = "bf16" if dtype == "fp8e4nv" else dtype  # FP8 inputs give a bf16 output
+            types[name] = POINTER_TYPES.get(name, f"*{out}" if name == "out_ptr" else f"*{dtype}")
         else:
             types[name] = "fp32" if name == "scale" else "i32"
     return types, constexprs
+
+
+def compile_for_hopper(fn, config: triton.Config, dim: int, value_dim: int | None = None, **options):
+    """`fn` compiled for sm_90a on the host with `config` (see `signature` for the options)."""
+    types, constexprs = signature(fn, config, dim, value_dim, **options)
+    return triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs), target=TARGET,
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
 
 
 def ptxas_report(compiled) -> dict:
@@ -64,23 +92,28 @@ def ptxas_report(compiled) -> dict:
             "spill_load_bytes": int(spills.group(2)), "shared_bytes": compiled.metadata.shared}
 
 
+H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory
+KERNELS = {"forward": kernel._forward_kernel, "dq": kernel._dq_kernel, "dkdv": kernel._dkdv_kernel}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256])
     args = parser.parse_args()
     results = []
-    for tuner in (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel):
+    for name, tuner in KERNELS.items():
         for dim in args.head_dims:
-            for config in tuner.configs:
-                types, constexprs = signature(tuner.fn, config, dim)
-                compiled = triton.compile(ASTSource(fn=tuner.fn, signature=types, constexprs=constexprs), target=TARGET,
-                                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-                row = {"kernel": tuner.fn.__name__, "head_dim": dim, **config.kwargs, "warps": config.num_warps,
-                       "stages": config.num_stages, **ptxas_report(compiled)}
+            d_pad = kernel._pad(dim)
+            for config in kernel._choose_configs(name, tuner.configs, d_pad, d_pad, torch.bfloat16, H200_SHARED_BYTES):
+                compiled = compile_for_hopper(tuner.fn, config, dim)
+                row = {"kernel": tuner.fn.__name__, "head_dim": dim, "tma": d_pad == dim, **config.kwargs,
+                       "warps": config.num_warps, "stages": config.num_stages, **ptxas_report(compiled),
+                       "shared_estimate_bytes": kernel.shared_memory_bytes(name, config, d_pad, d_pad, torch.bfloat16)}
                 print(row, flush=True)
                 results.append(row)
     save("kernel_registers", {"target": "sm_90a", "triton": triton.__version__, "head_dims": args.head_dims,
-                              "dtype": "bfloat16", "causal": True, "activation": "softmax", "tma": True}, results)
+                              "dtype": "bfloat16", "causal": True, "activation": "softmax",
+                              "shared_limit_bytes": H200_SHARED_BYTES}, results)
 
 
 if __name__ == "__main__":

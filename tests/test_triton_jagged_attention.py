@@ -55,6 +55,14 @@ def _long_tail(seed: int, count: int, typical: int, longest: int) -> tuple[int, 
     return tuple(lengths.tolist())
 
 
+def _lognormal(seed: int, count: int, longest: int) -> tuple[int, ...]:
+    """History lengths exp(N(5, 1.2)) (median ~150), one of `longest` tokens, none longer."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(5 + 1.2 * torch.randn(count, generator=g)).long().clamp(max=longest)
+    lengths[0] = longest
+    return tuple(lengths.tolist())
+
+
 # Interpreter tiles are 16 and 32 rows: lengths cross several blocks and stop mid-block.
 CPU_CASES = _cases(
     {"mixed": (0, 1, 5, 17, 33, 2, 70, 0, 9), "long_tail": _long_tail(0, 8, 6, 90)},
@@ -78,6 +86,17 @@ CPU_CASES = _cases(
     pytest.param(Case((3, 0, 17, 40), None, True, "softmax", 2, 16, outside=(5, 7)), id="self-outside-d16-causal"),
     pytest.param(Case((3, 0, 17, 40), None, False, "silu", 2, 8, outside=(1, 33)), id="self-outside-full-silu"),
     pytest.param(Case((2, 1, 4), (7, 0, 40), True, "softmax", 2, 16, 32, outside=(3, 2)), id="cross-outside-d16"),
+] + [
+    # Head dims above 128 (the large-head configs on the GPU) and dims that are not powers of two (padded, pointer
+    # loads): self attention, and cross attention of one query per sample with other value dims.
+    pytest.param(Case((0, 1, 5, 17, 33, 2, 40), None, causal, activation, 1, dim),
+                 id=f"self-d{dim}-{'causal' if causal else 'full'}-{activation}")
+    for dim in (96, 192, 256) for causal, activation in ((True, "softmax"), (False, "silu"))
+] + [
+    pytest.param(Case((1, 1, 1, 1, 1), (0, 7, 40, 3, 1), causal, activation, 1, dim, value_dim),
+                 id=f"cross-d{dim}-dv{value_dim}-{'causal' if causal else 'full'}-{activation}")
+    for dim, value_dim in ((96, 192), (192, 64), (256, 256)) for causal, activation in ((False, "softmax"),
+                                                                                      (True, "silu"))
 ]
 
 GPU_CASES = _cases(
@@ -89,6 +108,15 @@ GPU_CASES = _cases(
     pytest.param(Case((300, 0, 17, 1000), None, True, "softmax", 2, 128, outside=(70, 5000)), id="self-outside-d128"),
     pytest.param(Case((2, 1, 4), (700, 0, 40), False, "silu", 4, 64, 96, outside=(3, 129)), id="cross-outside-silu"),
     pytest.param(Case((1,), None, True, "softmax", 1, 64), id="self-single-token-one-head"),
+] + [
+    # Issue 23: one query per sample over a lognormal history of up to 2048 keys at head dim 256, and self attention
+    # at head dim 192 (padded to 256, pointer loads).
+    pytest.param(Case((1,) * 48, _lognormal(5, 48, 2048), False, activation, 2, 256),
+                 id=f"cross-d256-lognormal-{activation}") for activation in ("softmax", "silu")
+] + [
+    pytest.param(Case(_long_tail(6, 16, 200, 1500), None, causal, activation, 2, 192),
+                 id=f"self-long_tail-d192-{'causal' if causal else 'full'}-{activation}")
+    for causal, activation in ((True, "softmax"), (False, "silu"))
 ]
 
 
@@ -315,13 +343,21 @@ def test_fp8_forward_matches_reference_on_gpu(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("head_dim,activation", [(64, "softmax"), (128, "softmax"), (64, "silu")])
-def test_every_backward_config_matches_reference_on_gpu(head_dim, activation, monkeypatch):
-    """Autotuning runs one config per shape, so each backward config is checked here, not only the winners."""
+@pytest.mark.parametrize("head_dim,activation", [(64, "softmax"), (128, "softmax"), (64, "silu"), (256, "softmax"),
+                                                 (192, "silu")])
+def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, monkeypatch):
+    """Autotuning runs one config per shape, so each config the kernels may choose at this head dim on this GPU (and
+    the small-footprint fallbacks) is run here, one per kernel at a time, not only the winners: none may fail to
+    launch for want of shared memory."""
     from kernels.triton import triton_jagged_attention as kernel
 
-    tuners = (kernel._dq_kernel, kernel._dkdv_kernel)
-    configs = [list(tuner.configs) for tuner in tuners]
+    names = ("forward", "dq", "dkdv")
+    tuners = (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel)
+    limit = kernel._shared_memory_limit(torch.cuda.current_device())
+    configs = [kernel._choose_configs(name, tuner.configs, kernel._pad(head_dim), kernel._pad(head_dim),
+                                      torch.bfloat16, limit)
+               + [c for c in tuner.configs if any(c is x for x in kernel._FALLBACK_CONFIGS)]
+               for name, tuner in zip(names, tuners)]
     case = Case(_long_tail(4, 16, 200, 1500), None, True, activation, 2, head_dim)
     for round_ in range(max(map(len, configs))):
         for tuner, options in zip(tuners, configs):
@@ -356,22 +392,115 @@ def test_interpreter_cases():
                           + len(TILE_TABLE_CASES) + 1 + len(NAN_CASES))
 
 
-@pytest.mark.skipif(INTERPRETING, reason="the interpreter has one config per kernel")
-def test_small_head_configs_are_timed_only_for_small_heads():
+H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory on Hopper
+KERNEL_NAMES = ("forward", "dq", "dkdv")
+COMPILE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def _tuners():
     from kernels.triton import triton_jagged_attention as kernel
 
-    small = kernel._SMALL_HEAD_CONFIGS
-    assert all(t.early_config_prune is kernel._prune_for_head_dim
-               for t in (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel))
-    assert small and all(any(c is s for c in kernel._DQ_CONFIGS + kernel._FWD_CONFIGS + kernel._DKDV_CONFIGS)
-                         for s in small)
-    for configs in (kernel._FWD_CONFIGS, kernel._DQ_CONFIGS, kernel._DKDV_CONFIGS):
-        assert kernel._prune_for_head_dim(configs, {}, HEAD_DIM=64, VALUE_DIM=64) == configs
-        large = kernel._prune_for_head_dim(configs, {}, HEAD_DIM=128, VALUE_DIM=64)
-        assert large and not any(c is s for c in large for s in small)
-        assert len(large) == len(configs) - sum(any(c is s for s in small) for c in configs)
-    # a list of small-head configs alone (as the every-config GPU test sets) is kept rather than emptied
-    assert kernel._prune_for_head_dim(small[:1], {}, HEAD_DIM=128, VALUE_DIM=128) == small[:1]
+    return dict(zip(KERNEL_NAMES, (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel)))
+
+
+def _chosen(name: str, dim: int, value_dim: int, dtype=torch.bfloat16, limit: int = H200_SHARED_BYTES,
+            atomic_dq: bool = False):
+    from kernels.triton import triton_jagged_attention as kernel
+
+    return kernel._choose_configs(name, _tuners()[name].configs, kernel._pad(dim), kernel._pad(value_dim), dtype,
+                                  limit, atomic_dq)
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter has one config per kernel")
+def test_configs_are_chosen_by_head_dim_and_shared_memory():
+    """Each kernel's configs for a head dim: the tuned lists unchanged up to 128 (the one-warpgroup ones up to 64),
+    the large-head ones above; every one within the H200's shared memory by its estimate, for every head and value
+    dim up to 256 and every input dtype; the smallest fitting one where a head dim's own do not fit; a ValueError
+    naming the dims where nothing fits."""
+    from kernels.triton import triton_jagged_attention as kernel
+
+    assert all(t.early_config_prune.__qualname__.startswith("_pruner") for t in _tuners().values())
+    own_lists = {"forward": kernel._FWD_LARGE_HEAD, "dq": kernel._DQ_LARGE_HEAD, "dkdv": kernel._DKDV_LARGE_HEAD}
+    for name, tuner in _tuners().items():
+        configs = tuner.configs
+        extra = [c for c in configs if any(c is x for x in kernel._LARGE_HEAD_CONFIGS + kernel._FALLBACK_CONFIGS)]
+        tuned = [c for c in configs if not any(c is x for x in extra)]
+        small = [c for c in tuned if any(c is x for x in kernel._SMALL_HEAD_CONFIGS)]
+        assert small and extra and configs[:len(tuned)] == tuned
+        assert _chosen(name, 64, 64) == tuned and _chosen(name, 16, 8) == tuned
+        assert _chosen(name, 128, 128) == _chosen(name, 96, 64) == [c for c in tuned if not any(c is x for x in small)]
+        assert _chosen(name, 256, 256) == _chosen(name, 192, 16) == own_lists[name]
+        # tile blocks of the tuned lists only: the tile lists are built for those
+        tile = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
+        assert {c.kwargs[tile] for c in extra} <= {c.kwargs[tile] for c in tuned}
+        for dtype in COMPILE_DTYPES:
+            for dim in range(1, 257):
+                for value_dim in {dim, 64, 256}:
+                    if dtype == torch.float8_e4m3fn and name != "forward":
+                        continue  # FP8 runs the forward only
+                    for c in _chosen(name, dim, value_dim, dtype):
+                        need = kernel.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim), dtype)
+                        assert need <= H200_SHARED_BYTES, (name, dim, value_dim, dtype, c)
+        # fp32 at 256: none of the large-head configs fits, the fallback does
+        assert _chosen(name, 256, 256, torch.float32) == [c for c in configs if any(c is x for x in
+                                                                                    kernel._FALLBACK_CONFIGS)]
+        # the dk/dv kernel adding dq (JAGGED_ATTENTION_ATOMIC_DQ=1) holds more: its smallest config serves 256
+        assert _chosen(name, 256, 256, atomic_dq=True)
+        # an A100's 163 KB still serves bf16 at 256
+        assert _chosen(name, 256, 256, limit=166912)
+        with pytest.raises(ValueError, match="head dim 256, value dim 256"):
+            _chosen(name, 256, 256, limit=64 * 1024)
+        # a list without the head dim's own configs (a test running one config at a time) is taken whole
+        assert kernel._choose_configs(name, small[:1], 128, 128, torch.bfloat16, H200_SHARED_BYTES) == small[:1]
+
+
+def test_head_dims_above_256_are_refused_with_the_supported_range():
+    from kernels.triton.triton_jagged_attention import triton_jagged_attention
+
+    offsets = torch.tensor([0, 2, 5])
+    for d, dv in ((257, 64), (64, 512)):
+        q, k, v = torch.randn(5, 1, d), torch.randn(5, 1, d), torch.randn(5, 1, dv)
+        with pytest.raises(ValueError, match=rf"up to 256 .*head dim {d}, value dim {dv}"):
+            triton_jagged_attention(q, k, v, offsets, offsets, False, "softmax", 0.1)
+
+
+def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
+    """Every chosen config (or the first) of each kernel at each (head dim, value dim, dtype, options), compiled for
+    sm_90a on the host: the compiler's shared memory within the estimate, the estimate within the H200's."""
+    from benchmarks.kernel_registers import compile_for_hopper
+    from kernels.triton import triton_jagged_attention as kernel
+
+    rows = []
+    for name, tuner in _tuners().items():
+        for dim, value_dim, dtype, options in dims:
+            if dtype == torch.float8_e4m3fn and name != "forward":
+                continue
+            atomic_dq = options.get("atomic_dq", False)
+            for c in _chosen(name, dim, value_dim, dtype, atomic_dq=atomic_dq)[:1 if first_only else None]:
+                compiled = compile_for_hopper(tuner.fn, c, dim, value_dim, dtype=COMPILE_DTYPES[dtype], **options)
+                need = kernel.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim), dtype, atomic_dq)
+                row = dict(kernel=name, dim=dim, value_dim=value_dim, dtype=str(dtype), **options, **c.kwargs,
+                           warps=c.num_warps, stages=c.num_stages, shared=compiled.metadata.shared, estimate=need)
+                assert compiled.metadata.shared <= need <= H200_SHARED_BYTES, row
+                rows.append(row)
+    return rows
+
+
+@pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper instead")
+def test_first_chosen_configs_fit_hopper_shared_memory_at_head_dim_256():
+    _check_compiled_shared_memory([(256, 256, torch.bfloat16, {})], first_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper instead")
+def test_every_chosen_config_fits_hopper_shared_memory():
+    """About 150 host compiles (a few minutes): head dims 16 to 256 in bf16; cross dims, SiLU, full attention, fp32,
+    the FP8 forward and the dk/dv kernel adding dq (JAGGED_ATTENTION_ATOMIC_DQ=1) at the large dims."""
+    dims = [(d, d, torch.bfloat16, {}) for d in (16, 32, 64, 96, 128, 192, 256)]
+    dims += [(256, 64, torch.bfloat16, {"silu": True, "causal": False}), (64, 256, torch.bfloat16, {}),
+             (256, 256, torch.float32, {}), (128, 128, torch.float32, {}), (256, 256, torch.float8_e4m3fn, {}),
+             (128, 128, torch.bfloat16, {"atomic_dq": True}), (256, 256, torch.bfloat16, {"atomic_dq": True})]
+    _check_compiled_shared_memory(dims, first_only=False)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper instead")

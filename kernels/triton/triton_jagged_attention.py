@@ -82,37 +82,112 @@ if INTERPRETING:
     _DQ_CONFIGS = _configs([(32, 16, 4, 1)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DKDV_CONFIGS = _configs([(16, 32, 4, 1)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
     _SMALL_HEAD_CONFIGS: list[triton.Config] = []
-else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config of each list: fewer compiles, e.g. in tests
-    # The *_SMALL_HEAD configs run only for head dims up to SMALL_HEAD_DIM (_prune_for_head_dim): there one
+    _LARGE_HEAD_CONFIGS: list[triton.Config] = []
+    _FALLBACK_CONFIGS: list[triton.Config] = []
+else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config that _choose_configs allows: fewer compiles, e.g. in tests
+    # The *_SMALL_HEAD configs run only for head dims up to SMALL_HEAD_DIM (_choose_configs): there one
     # warpgroup per program, two programs per multiprocessor, lets one program's softmax overlap the other's
     # matmuls. At D=128 the same shapes spill or need two programs' worth of shared memory, and lost
     # (benchmarks/results/jagged_attention_overhead_L8192.json, source commit 539d58a).
     _FWD_SMALL_HEAD = _configs([(128, 32, 4, 3)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DQ_SMALL_HEAD = _configs([(64, 32, 4, 3), (128, 32, 4, 5)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DKDV_SMALL_HEAD = _configs([(64, 64, 4, 5)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    # The *_LARGE_HEAD configs alone run for head dims above LARGE_HEAD_DIM (padded to 256): there the shapes
+    # above need up to 396 KB of shared memory (the H200 has 227 KB), so these take two stages, or a smaller
+    # inner block, and 8 warps where the dk/dv accumulators need them (4 spill kilobytes). Their tile blocks
+    # (64, 128) are those of the lists above, so the tile lists need no other block size.
+    _FWD_LARGE_HEAD = _configs([(128, 64, 8, 2), (64, 64, 4, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DQ_LARGE_HEAD = _configs([(128, 32, 8, 2), (64, 64, 8, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DKDV_LARGE_HEAD = _configs([(64, 64, 8, 2), (64, 32, 8, 3)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    # The smallest footprint, for when no config of a head dim's own list fits (fp32 inputs at large head dims,
+    # GPUs with less shared memory than Hopper's).
+    _FWD_FALLBACK = _configs([(64, 32, 4, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DQ_FALLBACK = _configs([(64, 16, 8, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DKDV_FALLBACK = _configs([(64, 16, 8, 2)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
     _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N",
-                            _KV_BLOCKS) + _FWD_SMALL_HEAD
+                            _KV_BLOCKS) + _FWD_SMALL_HEAD + _FWD_LARGE_HEAD + _FWD_FALLBACK
     _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
-                           "BLOCK_M", "BLOCK_N", _KV_BLOCKS) + _DQ_SMALL_HEAD
+                           "BLOCK_M", "BLOCK_N", _KV_BLOCKS) + _DQ_SMALL_HEAD + _DQ_LARGE_HEAD + _DQ_FALLBACK
     _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                              (128, 64, 8, 4), (64, 64, 4, 4)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS) + _DKDV_SMALL_HEAD
+                              (128, 64, 8, 4), (64, 64, 4, 4)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS) + _DKDV_SMALL_HEAD \
+        + _DKDV_LARGE_HEAD + _DKDV_FALLBACK
     _SMALL_HEAD_CONFIGS = _FWD_SMALL_HEAD + _DQ_SMALL_HEAD + _DKDV_SMALL_HEAD
+    _LARGE_HEAD_CONFIGS = _FWD_LARGE_HEAD + _DQ_LARGE_HEAD + _DKDV_LARGE_HEAD
+    _FALLBACK_CONFIGS = _FWD_FALLBACK + _DQ_FALLBACK + _DKDV_FALLBACK
 
-if os.environ.get("JAGGED_ATTENTION_AUTOTUNE") == "0":
-    _FWD_CONFIGS, _DQ_CONFIGS, _DKDV_CONFIGS = _FWD_CONFIGS[:1], _DQ_CONFIGS[:1], _DKDV_CONFIGS[:1]
-
+AUTOTUNE = os.environ.get("JAGGED_ATTENTION_AUTOTUNE") != "0"
 SMALL_HEAD_DIM = 64
+LARGE_HEAD_DIM = 128  # padded head dims above this take the *_LARGE_HEAD configs
+MAX_HEAD_DIM = 256  # head and value dims the kernels serve (those below 16 padded to 16)
 
 
-def _prune_for_head_dim(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    """The configs worth timing for this call's head dims (all of them when the filter would leave none)."""
-    head_dim = max(kwargs.get("HEAD_DIM", 0), kwargs.get("VALUE_DIM", 0))
-    if head_dim <= SMALL_HEAD_DIM:
-        return configs
-    return [c for c in configs if not any(c is small for small in _SMALL_HEAD_CONFIGS)] or configs
+def shared_memory_bytes(kernel: str, config: triton.Config, d_pad: int, dv_pad: int, dtype: torch.dtype,
+                        atomic_dq: bool = False) -> int:
+    """Shared memory one program of `kernel` ("forward", "dq", "dkdv") needs with `config` on Hopper: `num_stages`
+    buffers of each block its inner loop loads (K and V; Q and dO for dk/dv), the blocks it holds across the loop
+    (Q; Q and dO for dq; K and V for dk/dv), dk/dv's per-stage statistics, the FP8 forward's V in fp16, dk/dv's
+    fp32 dq block, dS^T and a layout change's scratch when it adds dq (atomic_dq), and 1 KB of barriers. An upper
+    bound of what the compiler allots with tensor descriptors (tests compile every chosen config for sm_90a and
+    compare); pointer loads (head dims that are not powers of two) take less."""
+    tile, inner = (config.kwargs["BLOCK_N"], config.kwargs["BLOCK_M"]) if kernel == "dkdv" else \
+        (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
+    element = dtype.itemsize
+    loop = config.num_stages * inner * (d_pad + dv_pad) * element
+    held = tile * (d_pad if kernel == "forward" else d_pad + dv_pad) * element
+    stats = config.num_stages * inner * 8 if kernel == "dkdv" else 0
+    fp16_v = inner * dv_pad * 2 if dtype == torch.float8_e4m3fn else 0
+    add_dq = inner * d_pad * 4 + tile * inner * 2 + 128 * d_pad if atomic_dq and kernel == "dkdv" else 0
+    return loop + held + stats + fp16_v + add_dq + 1024
 
 
-_PRUNE = {"early_config_prune": _prune_for_head_dim}
+def _choose_configs(kernel: str, configs: list[triton.Config], d_pad: int, dv_pad: int, dtype: torch.dtype,
+                    shared_limit: int, atomic_dq: bool = False) -> list[triton.Config]:
+    """The configs worth timing for these padded dims, among those whose shared memory fits `shared_limit`: the
+    head dim's own list (small, tuned or large heads); if none of it fits, the fitting config with the least
+    shared memory; a list holding none of the head dim's own (as a test sets one config at a time) is taken
+    whole. ValueError when nothing fits. Without autotuning, the first one."""
+    dim = max(d_pad, dv_pad)
+
+    def own(c: triton.Config) -> bool:
+        if any(c is x for x in _FALLBACK_CONFIGS):
+            return False
+        if dim > LARGE_HEAD_DIM:
+            return any(c is x for x in _LARGE_HEAD_CONFIGS)
+        return not any(c is x for x in _LARGE_HEAD_CONFIGS) and (
+            dim <= SMALL_HEAD_DIM or not any(c is x for x in _SMALL_HEAD_CONFIGS))
+
+    needs = {id(c): shared_memory_bytes(kernel, c, d_pad, dv_pad, dtype, atomic_dq) for c in configs}
+    fitting = [c for c in configs if needs[id(c)] <= shared_limit]
+    chosen = [c for c in fitting if own(c)]
+    if not chosen and any(own(c) for c in configs):
+        chosen = sorted(fitting, key=lambda c: needs[id(c)])[:1]
+    elif not chosen:
+        chosen = fitting
+    if not chosen:
+        raise ValueError(
+            f"jagged attention: no {kernel} kernel config fits this GPU's {shared_limit} bytes of shared memory at "
+            f"head dim {d_pad}, value dim {dv_pad} (padded) in {dtype}; the least needs "
+            f"{min(needs.values())} bytes. Use smaller heads or backend='pytorch'")
+    return chosen if AUTOTUNE else chosen[:1]
+
+
+def _pruner(kernel: str):
+    """The autotuner's config filter for `kernel`: _choose_configs against the shared memory of q's device."""
+
+    def prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
+        q = nargs["q_ptr"]
+        return _choose_configs(kernel, configs, kwargs["D_PAD"], kwargs["DV_PAD"], q.dtype,
+                               _shared_memory_limit(q.device.index or 0), kwargs.get("ADD_DQ", False))
+
+    return prune
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_limit(device_index: int) -> int:
+    """Bytes of shared memory one program may take (opt-in maximum): what Triton checks before a launch."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
 _AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU", "TMA"]
 
 
@@ -522,7 +597,8 @@ def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_ba
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench, prune_configs_by=_PRUNE)
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench,
+                 prune_configs_by={"early_config_prune": _pruner("forward")})
 @triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, stats_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
@@ -642,7 +718,8 @@ def _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_ba
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench, prune_configs_by=_PRUNE)
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench,
+                 prune_configs_by={"early_config_prune": _pruner("dq")})
 @triton.jit
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, stats_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
@@ -748,7 +825,7 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, q_co
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA"], do_bench=_short_bench,
-                 reset_to_zero=["dq_ptr"], prune_configs_by=_PRUNE)
+                 reset_to_zero=["dq_ptr"], prune_configs_by={"early_config_prune": _pruner("dkdv")})
 @triton.jit
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, stats_ptr, stats_desc, dk_ptr, dv_ptr, dq_ptr, dq_desc,
@@ -949,7 +1026,7 @@ def _backward_prologue(p: _Problem, out, d_out, stats, dq, dk, dv, zero_dq: bool
         out, d_out, stats, dq, dk, dv, p.q_offsets, p.kv_offsets, p.table.tiles, p.table.index[0], out.stride(0),
         out.stride(1), d_out.stride(0), d_out.stride(1), p.stats_stride, stats.stride(0), p.total_q, p.total_kv,
         p.num_seqs, HEAD_DIM=p.head_dim, VALUE_DIM=p.value_dim, DV_PAD=_pad(p.value_dim), SILU=p.silu,
-        ZERO_DQ=zero_dq, BLOCK=block,
+        ZERO_DQ=zero_dq, BLOCK=block, num_warps=4 if _pad(p.value_dim) <= LARGE_HEAD_DIM else 8,  # O, dO in registers
     )
 
 
@@ -1020,6 +1097,10 @@ class JaggedAttentionFunction(torch.autograd.Function):
 
 def triton_jagged_attention(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale=None):
     """See kernels.jagged_attention.jagged_attention for the contract (descale: [3] fp32 with FP8 inputs)."""
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton jagged attention kernel serves head and value dims up to {MAX_HEAD_DIM} (16 to "
+                         f"{MAX_HEAD_DIM}; smaller ones are padded to 16), got head dim {q.shape[-1]}, value dim "
+                         f"{v.shape[-1]}: use backend='pytorch' for wider heads")
     return JaggedAttentionFunction.apply(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale)
 
 
