@@ -2,6 +2,8 @@
 through their domain's foundation model; each registers as `challenger` and a blocking check promotes
 only those not measurably worse than the current `champion`."""
 
+import math
+
 import dagster as dg
 from pydantic import Field
 
@@ -42,13 +44,14 @@ def summary_table(outcomes, mode: str) -> str:
     """Markdown: each vertical's eval AUC / NE / calibration beside GEM's and the alone model's."""
     def cell(figures, who):
         v = figures.get(who)
-        return "–" if v is None else f"{v['auc']:.3f} / {v['ne']:.3f} / {v['calibration']:.2f}"
+        return "–" if v is None else f"{v['auc']:.3f} / {v['ne']:.3f} / {v['calibration']:.2f} ± {v.get('calibration_stderr', math.nan):.2f}"
 
     lines = [f"| vertical ({mode}) | positives | GEM | vertical | alone | promoted |", "|---|---|---|---|---|---|"]
     for o in outcomes:
         lines.append(f"| {o.name} v{o.version} | {int(o.figures['vertical']['positives'])} | {cell(o.figures, 'gem')} | "
                      f"{cell(o.figures, 'vertical')} | {cell(o.figures, 'alone')} | {'yes' if o.decision.promoted else 'no'} |")
-    return "\n".join(lines) + "\n\nAUC / NE / calibration on the eval day."
+    return "\n".join(lines) + ("\n\nAUC / NE / calibration ± its standard error (the eval day's labels are draws: "
+                               "a calibrated model lands within about two of them) on the eval day.")
 
 
 def _teacher(mode: str, lake: LakeResource, day: str, domain: str, client) -> Teacher | None:

@@ -39,7 +39,7 @@ from gem_ops.data.loader import TrainingData  # noqa: E402
 
 END = date(2026, 11, 14)
 DAYS = 14
-METRICS = ("auc", "ne", "calibration")
+METRICS = ("auc", "ne", "calibration", "calibration_stderr")
 
 
 def prepare(dataset: str, root: Path, max_history_len: int, synthetic_users: int):

@@ -39,7 +39,7 @@ from benchmarks.common import in_processes, save, saved_results  # noqa: E402
 
 END = date(2026, 11, 14)
 DAYS = 14
-FIGURES = ("auc", "ne", "calibration")
+FIGURES = ("auc", "ne", "calibration", "calibration_stderr")
 # variant -> (teacher: none / gem (fresh) / stale_gem / fm (the domain FM, from the fresh GEM), TransferConfig settings)
 # Each transfer with the teacher's targets learned by an auxiliary head, and (`_serving`) by the serving head.
 PLAIN = {"student_adapter": False, "representation": False, "shared_tables": ()}
@@ -200,14 +200,13 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
 
 
 def with_guarded(row: dict) -> dict:
-    """The seed's figures and, per transfer variant, `<variant>_guarded`: the student the guard keeps
-    (gem_ops.transfer.guard: the variant unless the alone model's validation NE is lower)."""
-    from gem_ops.transfer.guard import keep_transfer
-
+    """The seed's figures and, per transfer variant, `<variant>_guarded`: the student a guard would keep,
+    the variant unless the alone model's validation NE (newest training day, at the step it kept) is lower."""
     out = dict(row)
+    alone = row["alone"].get("validation_ne", math.nan)
     for variant in (v for v in GUARDED if v in row):
-        out[f"{variant}_guarded"] = row[variant] if keep_transfer(row[variant].get("validation_ne", math.nan),
-                                                                  row["alone"].get("validation_ne", math.nan)) else row["alone"]
+        mine = row[variant].get("validation_ne", math.nan)
+        out[f"{variant}_guarded"] = row["alone"] if alone < mine else row[variant]  # NaN compares False
     return out
 
 

@@ -38,13 +38,15 @@ def _number(value: Any) -> float | None:
 
 
 def quality_table(report: dict[str, dict[str, float]]) -> Table:
-    """One row per (domain or all)/objective of an eval report: AUC, NE, calibration, examples and positives."""
+    """One row per (domain or all)/objective of an eval report: AUC, NE, calibration and its standard error
+    (the labels' draw), examples and positives."""
     records = tuple(
         {"group": group, "auc": _number(f["auc"]), "ne": _number(f["ne"]), "calibration": _number(f["calibration"]),
+         "calibration_stderr": _number(f.get("calibration_stderr", math.nan)),
          "examples": int(f.get("count", 0)), "positives": int(f.get("positives", 0))}
         for group, f in sorted(report.items()) if isinstance(f, dict) and "auc" in f)
     columns = (("group", "string"), ("auc", "float"), ("ne", "float"), ("calibration", "float"),
-               ("examples", "int"), ("positives", "int"))
+               ("calibration_stderr", "float"), ("examples", "int"), ("positives", "int"))
     return Table(columns, records)
 
 

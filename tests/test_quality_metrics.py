@@ -70,3 +70,15 @@ def test_report_per_domain_and_task_respects_label_masks():
     flat = flat_metrics(report)
     assert flat["eval.reels.click.auc"] == 1.0
     assert not any(math.isnan(v) for v in flat.values())
+
+
+def test_calibration_stderr_is_the_spread_of_calibration_over_label_draws():
+    # A model whose predictions are exact: its calibration on a day varies only with the day's draws.
+    generator = torch.Generator().manual_seed(0)
+    q = torch.rand(2000, generator=generator) * 0.2 + 0.02
+    draws = [binary_quality(logit(q.tolist()), torch.bernoulli(q, generator=generator)) for _ in range(400)]
+    calibrations = torch.tensor([d["calibration"] for d in draws])
+    stderr = torch.tensor([d["calibration_stderr"] for d in draws])
+    assert calibrations.std().item() == pytest.approx(stderr.mean().item(), rel=0.15)
+    assert 0.04 < stderr.mean().item() < 0.08  # ~240 positives: several times the 0.95-1.05 band's half-width
+    assert math.isnan(binary_quality(logit([0.1, 0.2]), torch.tensor([0.0, 0.0]))["calibration_stderr"])

@@ -89,6 +89,22 @@ def test_user_representations_are_per_domain_user_and_day_and_need_no_candidate(
     assert not back.lookup(np.array([keys[0, 0]]), np.array([-7]), np.array([day * 86_400_000])).any()  # unknown: 0
 
 
+def test_the_summary_source_adds_the_sequence_arms_view_of_the_recent_events(logs, stale_teacher):
+    """source "summary": the trunk's vector unchanged, then one mean of the last pyramid level per branch;
+    it too is per (domain, user, day), from a neutral request (the same rows as the trunk's)."""
+    model, idx = stale_teacher.model, stale_teacher.predictions.example_index[:300]
+    trunk = compute_user_representations(model, logs, idx)
+    summary = compute_user_representations(model, logs, idx, source="summary")
+    branches = len(SMALL.sequence.branches)
+    assert summary.dim == SMALL.trunk_hidden + branches * SMALL.embedding.sequence_dim
+    assert np.array_equal(summary.user_id, trunk.user_id) and np.array_equal(summary.day, trunk.day)
+    np.testing.assert_allclose(summary.vectors[:, :SMALL.trunk_hidden].astype(np.float32),
+                               trunk.vectors.astype(np.float32), atol=2e-3)
+    assert np.abs(summary.vectors[:, SMALL.trunk_hidden:].astype(np.float32)).sum(1).max() > 0
+    with pytest.raises(ValueError, match="representation source 'candidate'"):
+        compute_user_representations(model, logs, idx, source="candidate")
+
+
 def test_windows_split_old_and_fresh_days(logs):
     old, fresh = windows.teacher_examples(logs, WINDOWS), windows.student_examples(logs, WINDOWS)
     ts = logs.column("timestamp")

@@ -4,7 +4,8 @@ NE (He et al., "Practical Lessons from Predicting Clicks on Ads at Facebook") is
 divided by the entropy of the labels' base rate: 1.0 is no better than always predicting the base
 rate; lower is better. Calibration is mean prediction over mean label: 1.0 is calibrated. The AUC's
 standard error (DeLong et al., Biometrics 1988) and the count of positives say how far a figure can be
-trusted: an AUC from a handful of positives is mostly noise.
+trusted: an AUC from a handful of positives is mostly noise. So does calibration's: a day's labels are
+draws, and with 100 positives their sum alone moves by about 10% around what a calibrated model predicts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torchmetrics.functional.classification import binary_auroc
 # Fewer examples of either class than this: no standard error (DeLong's rests on the spread of each class's
 # placements, which a handful of examples cannot estimate); the count of positives tells the story there.
 MIN_CLASS_FOR_STDERR = 10
-METRICS = ("auc", "auc_stderr", "ne", "calibration", "log_loss", "count", "positives", "positive_rate")
+METRICS = ("auc", "auc_stderr", "ne", "calibration", "calibration_stderr", "log_loss", "count", "positives", "positive_rate")
 
 
 def binary_quality(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -39,11 +40,22 @@ def binary_quality(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
         "auc_stderr": auc_stderr(logits, labels) if both_classes else math.nan,
         "ne": log_loss / base_entropy if both_classes else math.nan,
         "calibration": torch.sigmoid(logits).mean().item() / p if p > 0 else math.nan,
+        "calibration_stderr": calibration_stderr(logits, positives),
         "log_loss": log_loss,
         "count": float(n),
         "positives": positives,
         "positive_rate": p,
     }
+
+
+def calibration_stderr(logits: torch.Tensor, positives: float) -> float:
+    """Standard error of calibration (sum of predictions over positives) from the labels' draw: were the
+    predictions q exact, the positives would vary by sum q(1 - q); the delta method carries that to the
+    ratio. NaN without positives."""
+    if positives <= 0:
+        return math.nan
+    q = torch.sigmoid(logits)
+    return (q.sum() / positives * (q * (1 - q)).sum().sqrt() / positives).item()
 
 
 def base_rate_entropy(p: float) -> float:
