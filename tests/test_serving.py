@@ -111,3 +111,28 @@ def test_the_latency_gate_refuses_a_champion_slower_than_the_budget(registry, tm
     assert str(client.get_model_version_by_alias(NAME, SERVING).version) == "2"
     folder = download_serving_artifact(client, NAME, str(tmp_path))
     assert json.loads(open(os.path.join(folder, "serving.json")).read())["format"] == "exported_program"
+
+
+def test_the_adaptive_policy_spends_the_long_cap_on_long_histories_within_its_mean_budget():
+    from gem_ops.serving.adaptive import fit_policy, history_costs, request_costs
+
+    config = model_config("gem", width=0.5, blocks=2,
+                          **{"sequence.max_history_len": 1024, "sequence.first_level_tokens": 32})
+    costs = history_costs(config, SPEC)
+    assert np.all(np.diff(costs) > 0)  # every further event costs something
+    lengths = np.minimum(np.random.default_rng(0).lognormal(3.5, 1.5, 5000).astype(int), 3000)
+    thresholds = []
+    for fixed in (16, 64, 256):
+        budget = request_costs(costs, lengths, fixed).mean()  # what the fixed cap spends on average
+        policy = fit_policy(lengths, costs, budget, short_cap=16, long_cap=1024)
+        spent = request_costs(costs, lengths, policy.caps(lengths))
+        assert spent.mean() <= budget and spent.max() <= costs[1024]
+        long_users = lengths >= policy.threshold
+        assert np.all(policy.caps(lengths)[long_users] == 1024) and np.all(policy.caps(lengths)[~long_users] == 16)
+        # The lowest such threshold: from the next shorter user on, the budget is exceeded.
+        lower = type(policy)(16, 1024, int(lengths[lengths < policy.threshold].max()))
+        assert request_costs(costs, lengths, lower.caps(lengths)).mean() > budget
+        thresholds.append(policy.threshold)
+    assert thresholds[0] > thresholds[1] > thresholds[2]  # more budget, more users on the long cap
+    with pytest.raises(ValueError, match="mean_budget .* below the mean cost of the short cap"):
+        fit_policy(lengths, costs, request_costs(costs, lengths, 8).mean(), short_cap=16, long_cap=1024)
