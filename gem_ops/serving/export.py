@@ -25,9 +25,10 @@ FORMATS = ("exported_program", "aot_inductor")
 MAX_CANDIDATES = 1 << 16
 MAX_HISTORY = 1 << 20
 CANDIDATE_INPUTS = client.CANDIDATE_INPUTS
-# History lengths the dynamic program leaves out: its shape rules exclude one event (checked when it runs),
-# and AOTInductor's compiled code divides by the length (an empty history would crash the process).
-SHORT_HISTORIES = (0, 1)
+# History lengths the dynamic program leaves out, each traced on its own: its shape rules exclude one event
+# (checked when it runs), and AOTInductor's compiled code divides by the length (an empty history would
+# crash the process).
+SHORT_HISTORIES = {"exported_program": (1,), "aot_inductor": (0, 1)}
 HISTORY_INPUTS = tuple(name for name in REQUEST_INPUTS if name.startswith("history_"))
 
 
@@ -50,9 +51,9 @@ def export_serving(model: GEMModel, destination: str | os.PathLike, format: str 
                          f"{model.config.architecture} (use_sequence={model.config.use_sequence})")
     started = time.perf_counter()
     graph = ServingGraph(model.cpu().eval())
-    # The default program takes any history length but those of SHORT_HISTORIES, each traced on its own.
     programs = {"default": _program(graph, history=3, dynamic_history=True),
-                **{client.program_name(n): _program(graph, history=n, dynamic_history=False) for n in SHORT_HISTORIES}}
+                **{client.program_name(n): _program(graph, history=n, dynamic_history=False)
+                   for n in SHORT_HISTORIES[format]}}
     suffix = ".aoti.pt2" if format == "aot_inductor" else ".pt2"
     with atomic_path(destination) as folder:
         folder.mkdir(parents=True)
