@@ -4,11 +4,14 @@ One GEM config (histories up to 1024 events, a pyramid that keeps 32 tokens afte
 once per seed on the STRONG_SIGNAL synthetic log, whose long-range retargeting pattern only a long history can
 see. Every trained model then scores the same eval examples with each request's history cut to a fixed cap
 (16, 64, 256, 1024) and to the caps the adaptive policy (gem_ops.serving.adaptive) picks, its mean budget
-set to each fixed cap's mean cost (FLOPs per candidate, fitted on the training examples' lengths). Saves
+set to each fixed cap's mean cost (FLOPs per candidate, fitted on the training examples' lengths): the next
+smaller fixed cap for most requests, the longest cap the budget allows for the longest histories. Saves
 AUC / NE per objective, mean ± standard deviation over seeds, the paired adaptive-minus-fixed differences,
 and the mean cost of each, to benchmarks/results/adaptive_compute.json.
 
-    python benchmarks/adaptive_compute.py [--seeds 0 1 2] [--epochs 1] [--max-steps N]
+    python benchmarks/adaptive_compute.py [--seeds 0 1 2] [--epochs 1] [--max-steps N] [--models-dir DIR]
+
+--models-dir keeps each seed's trained model there and reuses it when run again (same settings).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--width", type=float, default=0.5)
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
+    parser.add_argument("--models-dir", type=Path, default=None)
     args = parser.parse_args()
 
     from datetime import date
@@ -51,6 +55,7 @@ def main() -> None:
     from gem_ops.serving.adaptive import fit_policy, history_costs, request_costs
     from gem_ops.train.config import TrainConfig
     from gem_ops.train.engine import train
+    from gem_ops.train.model_state import load_model_state, model_from_state, model_state, save_model_state
 
     long_cap = max(FIXED_CAPS)
     config = model_config("gem", width=args.width, blocks=args.blocks,
@@ -68,19 +73,27 @@ def main() -> None:
         eval_lengths = logs.history_lengths(long_cap)[eval_indices]
         # Every policy's caps on the eval examples: the fixed ones, and the adaptive one at each fixed cap's cost.
         caps = {f"fixed_{c}": np.full(eval_lengths.shape, c) for c in FIXED_CAPS}
-        for c in FIXED_CAPS[1:-1]:
+        for i, c in enumerate(FIXED_CAPS[1:-1], start=1):
             budget = request_costs(costs, train_lengths, c).mean()
-            policy = fit_policy(train_lengths, costs, budget, min(FIXED_CAPS), long_cap)
+            policy = fit_policy(train_lengths, costs, budget, FIXED_CAPS[i - 1], FIXED_CAPS[i + 1:])
             policies[f"adaptive_at_{c}"] = {**policy.to_dict(), "mean_budget_flops": float(budget)}
             caps[f"adaptive_at_{c}"] = policy.caps(eval_lengths)
         cost = {name: float(request_costs(costs, eval_lengths, c).mean()) for name, c in caps.items()}
         for seed in args.seeds:
             train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
                                        eval_max_examples=1000, seed=seed)
-            torch.manual_seed(seed)
-            model, result = train(logs, data.plans[1], config, train_config)
+            cached = args.models_dir / f"seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}.pt" \
+                if args.models_dir else None
+            if cached is not None and cached.exists():
+                model, seconds = model_from_state(load_model_state(cached)), None
+            else:
+                torch.manual_seed(seed)
+                model, result = train(logs, data.plans[1], config, train_config)
+                seconds = round(result.seconds, 1)
+                if cached is not None:
+                    save_model_state(model_state(model), cached)
             runs[seed] = {name: _quality(model, logs, eval_indices, c) for name, c in caps.items()}
-            runs[seed]["train_seconds"] = round(result.seconds, 1)
+            runs[seed]["train_seconds"] = seconds
             print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()
                                                 if isinstance(q, dict)), flush=True)
     summary = _summary(runs, cost, args.seeds)

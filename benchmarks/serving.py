@@ -38,7 +38,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-load", type=float, default=1.3)
     parser.add_argument("--load-wait", type=float, default=900.0)
-    parser.add_argument("--fixed-cap", type=int, default=256, help="the fixed cap the adaptive policy matches in cost")
+    parser.add_argument("--fixed-cap", type=int, default=256, help="the fixed cap the adaptive policy matches in cost "
+                        "(its short cap: a quarter of it)")
     args = parser.parse_args()
 
     import torch
@@ -94,7 +95,7 @@ def main() -> None:
         costs = history_costs(long.config, SPEC)
         lengths = np.minimum(np.random.default_rng(0).lognormal(3.5, 1.5, 20_000).astype(int), 4096)
         budget = request_costs(costs, lengths, args.fixed_cap).mean()
-        policy = fit_policy(lengths, costs, budget, 16, 1024)
+        policy = fit_policy(lengths, costs, budget, args.fixed_cap // 4, (1024, 256))  # as adaptive_compute.py
         draw = np.random.default_rng(1).choice(lengths, 10_000)
         for label, cap_of in {f"fixed_{args.fixed_cap}": lambda n: args.fixed_cap,
                               f"adaptive_at_{args.fixed_cap}": lambda n: int(policy.caps(np.array([n]))[0])}.items():

@@ -124,7 +124,7 @@ def test_the_adaptive_policy_spends_the_long_cap_on_long_histories_within_its_me
     thresholds = []
     for fixed in (16, 64, 256):
         budget = request_costs(costs, lengths, fixed).mean()  # what the fixed cap spends on average
-        policy = fit_policy(lengths, costs, budget, short_cap=16, long_cap=1024)
+        policy = fit_policy(lengths, costs, budget, short_cap=16, long_caps=1024)
         spent = request_costs(costs, lengths, policy.caps(lengths))
         assert spent.mean() <= budget and spent.max() <= costs[1024]
         long_users = lengths >= policy.threshold
@@ -134,5 +134,11 @@ def test_the_adaptive_policy_spends_the_long_cap_on_long_histories_within_its_me
         assert request_costs(costs, lengths, lower.caps(lengths)).mean() > budget
         thresholds.append(policy.threshold)
     assert thresholds[0] > thresholds[1] > thresholds[2]  # more budget, more users on the long cap
+    # Histories that all reach the model's maximum tie: a budget too small to give 1024 to all of them gives 256.
+    tied = np.concatenate([np.full(100, 1024), np.full(900, 8)])
+    budget = request_costs(costs, tied, 300).mean()
+    policy = fit_policy(tied, costs, budget, short_cap=16, long_caps=(1024, 256))
+    assert policy.long_cap == 256 and np.all(policy.caps(tied)[:100] == 256)
+    assert request_costs(costs, tied, policy.caps(tied)).mean() <= budget
     with pytest.raises(ValueError, match="mean_budget .* below the mean cost of the short cap"):
-        fit_policy(lengths, costs, request_costs(costs, lengths, 8).mean(), short_cap=16, long_cap=1024)
+        fit_policy(lengths, costs, request_costs(costs, lengths, 8).mean(), short_cap=16, long_caps=1024)

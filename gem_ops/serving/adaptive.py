@@ -47,17 +47,27 @@ class AdaptiveHistoryPolicy:
 
 
 def fit_policy(lengths: np.ndarray, costs: np.ndarray, mean_budget: float, short_cap: int,
-               long_cap: int) -> AdaptiveHistoryPolicy:
-    """The policy with the lowest threshold (the most users on the long cap) whose mean cost per candidate
-    over `lengths` (a sample of requests' history lengths) is within `mean_budget` FLOPs."""
-    if not 0 < short_cap <= long_cap < len(costs):
-        raise ValueError(f"caps must satisfy 0 < short_cap <= long_cap <= {len(costs) - 1} (the costed lengths), "
-                         f"got short_cap={short_cap}, long_cap={long_cap}")
+               long_caps: int | tuple[int, ...]) -> AdaptiveHistoryPolicy:
+    """The policy with the largest of `long_caps` that some requests can get, at the lowest threshold (the most
+    requests on it) whose mean cost per candidate over `lengths` (a sample of requests' history lengths) is
+    within `mean_budget` FLOPs."""
+    long_caps = sorted((long_caps,) if isinstance(long_caps, int) else long_caps, reverse=True)
+    if not long_caps or not 0 < short_cap <= min(long_caps) <= max(long_caps) < len(costs):
+        raise ValueError(f"caps must satisfy 0 < short_cap <= long caps <= {len(costs) - 1} (the costed lengths), "
+                         f"got short_cap={short_cap}, long_caps={long_caps}")
     lengths = np.asarray(lengths)
     floor = request_costs(costs, lengths, short_cap).mean()
     if floor > mean_budget:
         raise ValueError(f"mean_budget {mean_budget:.4g} FLOPs is below the mean cost of the short cap alone "
                          f"({floor:.4g} at short_cap={short_cap})")
+    for long_cap in long_caps:
+        threshold = _lowest_threshold(lengths, costs, mean_budget, short_cap, long_cap)
+        if threshold <= lengths.max():
+            break
+    return AdaptiveHistoryPolicy(short_cap, long_cap, threshold)
+
+
+def _lowest_threshold(lengths: np.ndarray, costs: np.ndarray, mean_budget: float, short_cap: int, long_cap: int) -> int:
     short, long = request_costs(costs, lengths, short_cap), request_costs(costs, lengths, long_cap)
     # Raising the threshold past a length moves that length's requests from the long to the short cap.
     order = np.argsort(lengths, kind="stable")
@@ -69,5 +79,4 @@ def fit_policy(lengths: np.ndarray, costs: np.ndarray, mean_budget: float, short
     shorter = np.searchsorted(sorted_lengths, candidates, side="left")  # requests below each threshold
     means = (total_long - np.where(shorter > 0, saving[np.maximum(shorter - 1, 0)], 0.0)) / lengths.size
     within = np.flatnonzero(means <= mean_budget)
-    threshold = int(candidates[within[0]]) if within.size else int(sorted_lengths[-1]) + 1
-    return AdaptiveHistoryPolicy(short_cap, long_cap, threshold)
+    return int(candidates[within[0]]) if within.size else int(sorted_lengths[-1]) + 1
