@@ -4,7 +4,8 @@ One GEM config (histories up to 1024 events, a pyramid that keeps 32 tokens afte
 once per seed on the STRONG_SIGNAL synthetic log, whose long-range retargeting pattern only a long history can
 see. Every trained model then scores the same eval examples with each request's history cut to a fixed cap
 (16, 64, 256, 1024) and to the caps the adaptive policy (gem_ops.serving.adaptive) picks, its mean budget
-set to each fixed cap's mean cost (FLOPs per candidate, fitted on the training examples' lengths): the next
+set to each fixed cap's mean cost (FLOPs per candidate, fitted on the eval requests' history lengths, which a
+server knows before it scores: the users' histories grow, so the training days' lengths would undershoot): the next
 smaller fixed cap for most requests, the longest cap the budget allows for the longest histories. Saves
 AUC / NE per objective, mean ± standard deviation over seeds, the paired adaptive-minus-fixed differences,
 and the mean cost of each, to benchmarks/results/adaptive_compute.json.
@@ -68,14 +69,16 @@ def main() -> None:
         logs = data.open()
         spec = FeatureSpec.from_logs(logs)
         costs = history_costs(config, spec)
-        train_lengths = logs.history_lengths(long_cap)[logs.split_indices("train")]
+        # The policy reads each user's whole history length (events before the request), as a serving system
+        # knows it: past the model's maximum, longer histories still tell power users apart.
+        user_lengths = logs.column("history_end").astype(np.int64)
         eval_indices = logs.split_indices("eval")
-        eval_lengths = logs.history_lengths(long_cap)[eval_indices]
+        eval_lengths = user_lengths[eval_indices]
         # Every policy's caps on the eval examples: the fixed ones, and the adaptive one at each fixed cap's cost.
         caps = {f"fixed_{c}": np.full(eval_lengths.shape, c) for c in FIXED_CAPS}
         for i, c in enumerate(FIXED_CAPS[1:-1], start=1):
-            budget = request_costs(costs, train_lengths, c).mean()
-            policy = fit_policy(train_lengths, costs, budget, FIXED_CAPS[i - 1], FIXED_CAPS[i + 1:])
+            budget = request_costs(costs, eval_lengths, c).mean()
+            policy = fit_policy(eval_lengths, costs, budget, FIXED_CAPS[i - 1], FIXED_CAPS[i + 1:])
             policies[f"adaptive_at_{c}"] = {**policy.to_dict(), "mean_budget_flops": float(budget)}
             caps[f"adaptive_at_{c}"] = policy.caps(eval_lengths)
         cost = {name: float(request_costs(costs, eval_lengths, c).mean()) for name, c in caps.items()}
@@ -101,7 +104,8 @@ def main() -> None:
         print(line)
     settings = {**vars(args), "synthetic": "STRONG_SIGNAL", "days": 14, "eval_days": 2, "fixed_caps": FIXED_CAPS,
                 "eval_examples": int(eval_indices.size), "model": config.to_dict(),
-                "eval_history_length_quantiles": {q: float(np.quantile(eval_lengths, q)) for q in (0.5, 0.9, 0.99)}}
+                "eval_history_length_quantiles": {q: float(np.quantile(eval_lengths, q)) for q in (0.5, 0.9, 0.99)},
+                "eval_share_beyond_1024": float((eval_lengths > long_cap).mean())}
     save("adaptive_compute", settings, {"policies": policies, "mean_cost_flops": cost, "runs": runs, **summary})
 
 
