@@ -7,6 +7,8 @@ import os
 import platform
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -81,3 +83,17 @@ def _set_threads(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Quiet:
+    """Timed runs start once the 1-minute load average is below max_load, or after timeout seconds."""
+
+    max_load: float = float("inf")
+    timeout: float = 0.0
+
+    def wait(self) -> float:
+        deadline = time.monotonic() + self.timeout
+        while os.getloadavg()[0] >= self.max_load and time.monotonic() < deadline:
+            time.sleep(5)
+        return os.getloadavg()[0]

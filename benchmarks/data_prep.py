@@ -24,14 +24,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
 from queue import Empty
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import save  # noqa: E402
+from benchmarks.common import Quiet, save  # noqa: E402
 
 DAYS = 14
 START = date(2026, 11, 1)
@@ -98,20 +97,6 @@ def _prepare_naive(paths, out, queue):
     seconds = time.perf_counter() - start
     n = pl.scan_parquet([str(p) for p in paths]).select(pl.len()).collect().item()
     queue.put({"seconds": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "events": n})
-
-
-@dataclass(frozen=True)
-class Quiet:
-    """Timed runs start once the 1-minute load average is below max_load, or after timeout seconds."""
-
-    max_load: float = float("inf")
-    timeout: float = 0.0
-
-    def wait(self) -> float:
-        deadline = time.monotonic() + self.timeout
-        while os.getloadavg()[0] >= self.max_load and time.monotonic() < deadline:
-            time.sleep(5)
-        return os.getloadavg()[0]
 
 
 def in_fresh_process(target, *args, quiet: Quiet = Quiet()) -> dict:

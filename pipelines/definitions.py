@@ -8,6 +8,7 @@ from assets.mfu_report import mfu_report
 from assets.raw_event_logs import raw_event_logs
 from assets.resources import LakeResource, MLflowResource
 from assets.sequence_logs import sequence_logs
+from assets.serving_models import serving_models
 from assets.shuffled_batches import shuffled_batches
 from assets.teacher_predictions import teacher_predictions
 from assets.vertical_models import vertical_models
@@ -16,7 +17,7 @@ from pipelines.sensors import new_event_days_sensor
 
 defs = dg.Definitions(
     assets=[raw_event_logs, sequence_logs, shuffled_batches, gem_foundation_model, teacher_predictions,
-            domain_foundation_models, vertical_models, mfu_report],
+            domain_foundation_models, vertical_models, serving_models, mfu_report],
     jobs=[prepare_data_job, gem_pipeline_job, measure_mfu_job],
     schedules=[gem_pipeline_schedule],
     sensors=[new_event_days_sensor],

@@ -13,11 +13,12 @@ prepare_data_job = dg.define_asset_job(
 
 gem_pipeline_job = dg.define_asset_job(
     "gem_pipeline",
-    selection=dg.AssetSelection.groups("data", "training", "transfer"),
+    selection=dg.AssetSelection.groups("data", "training", "transfer", "serving"),
     partitions_def=daily_partitions,
     description="The day's data, GEM retrained on it (warm-started from the previous day's checkpoint), then its "
     "knowledge transferred to the domain foundation models and the vertical models, whose challengers are "
-    "promoted only when not measurably worse than their champions.",
+    "promoted only when not measurably worse than their champions; each champion is then exported for serving and "
+    "serves only within the latency budget.",
 )
 
 measure_mfu_job = dg.define_asset_job(

@@ -225,3 +225,27 @@ def test_a_vertical_with_representation_transfer_serves_without_its_teachers(tra
     np.testing.assert_allclose(served, 1 / (1 + np.exp(-scored.logits[order, 0])), rtol=1e-4, atol=1e-6)
     assert np.all((served > 0) & (served < 1))
 
+
+
+def test_serving_models_measures_each_champion_and_refuses_one_slower_than_the_budget(transferred):
+    """serving_models after vertical_models, on one vertical: its champion gets a serving artifact and measured
+    latency figures (metadata); under a budget below what it measures it is refused, the blocking check fails
+    naming it, and nothing takes the serving alias (the served path: tests/test_serving.py)."""
+    from mlflow.exceptions import MlflowException
+
+    from assets.serving_models import serving_models
+    from gem_ops.serving.registry import SERVING
+
+    client, name = transferred["client"], "vertical_feed_click"
+    config = {"latency_budget_ms": 1e-3, "latency_requests": 3, "models": [name]}
+    result = dg.materialize([serving_models], run_config={"ops": {"serving_models": {"config": config}}},
+                            resources=transferred["resources"], instance=transferred["instance"],
+                            partition_key=transferred["day"], selection=[serving_models], raise_on_error=False)
+    figures = _materialization(result, "serving_models").metadata["models"].value[name]
+    assert not figures["served"] and figures["version"] == str(current_version(client, name, CHAMPION))
+    assert 1e-3 < figures["p50_ms.1"] and figures["p50_ms.100"] <= figures["p99_ms.100"]
+    assert figures["requests_per_s.1000"] > 0 and figures["artifact"].startswith("runs:/")
+    check = _check(result)[0]
+    assert not check.passed and check.metadata["refused"].value == [name]
+    with pytest.raises(MlflowException):
+        client.get_model_version_by_alias(name, SERVING)

@@ -1,0 +1,162 @@
+"""Quality against compute on the eval days: fixed history caps against the adaptive policy at the same mean cost.
+
+One GEM config (histories up to 1024 events, a pyramid that keeps 32 tokens after its first level) is trained
+once per seed on the STRONG_SIGNAL synthetic log, whose long-range retargeting pattern only a long history can
+see. Every trained model then scores the same eval examples with each request's history cut to a fixed cap
+(16, 64, 256, 1024) and to the caps the adaptive policy (gem_ops.serving.adaptive) picks, its mean budget
+set to each fixed cap's mean cost (FLOPs per candidate, fitted on the eval requests' history lengths, which a
+server knows before it scores: the users' histories grow, so the training days' lengths would undershoot): the next
+smaller fixed cap for most requests, the longest cap the budget allows for the longest histories. Saves
+AUC / NE per objective, mean ± standard deviation over seeds, the paired adaptive-minus-fixed differences,
+and the mean cost of each, to benchmarks/results/adaptive_compute.json.
+
+    python benchmarks/adaptive_compute.py [--seeds 0 1 2] [--epochs 1] [--max-steps N] [--models-dir DIR]
+
+--models-dir keeps each seed's trained model there and reuses it when run again (same settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import save  # noqa: E402
+
+FIXED_CAPS = (16, 64, 256, 1024)
+METRICS = ("auc", "ne")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--width", type=float, default=0.5)
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--lr-dense", type=float, default=3e-3)
+    parser.add_argument("--models-dir", type=Path, default=None)
+    args = parser.parse_args()
+
+    from datetime import date
+
+    import torch
+
+    from gem_ops.data.batch_shuffling import ShufflingConfig
+    from gem_ops.data.prepare import prepare_training_data
+    from gem_ops.data.raw_event_logs import EventSource
+    from gem_ops.data.sequence_logs import SequenceLogsConfig
+    from gem_ops.data.synthetic import STRONG_SIGNAL
+    from gem_ops.model.config import FeatureSpec, model_config
+    from gem_ops.serving.adaptive import fit_policy, history_costs, request_costs
+    from gem_ops.train.config import TrainConfig
+    from gem_ops.train.engine import train
+    from gem_ops.train.model_state import load_model_state, model_from_state, model_state, save_model_state
+
+    long_cap = max(FIXED_CAPS)
+    config = model_config("gem", width=args.width, blocks=args.blocks,
+                          **{"sequence.max_history_len": long_cap, "sequence.first_level_tokens": 32})
+    runs, policies = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = prepare_training_data(EventSource("synthetic", STRONG_SIGNAL), date(2026, 11, 14), 14, tmp,
+                                     SequenceLogsConfig(max_history_len=long_cap, eval_days=2),
+                                     ShufflingConfig(sub_batch_size=64, sub_batches_per_rank=4))
+        logs = data.open()
+        spec = FeatureSpec.from_logs(logs)
+        costs = history_costs(config, spec)
+        # The policy reads each user's whole history length (events before the request), as a serving system
+        # knows it: past the model's maximum, longer histories still tell power users apart.
+        user_lengths = logs.column("history_end").astype(np.int64)
+        eval_indices = logs.split_indices("eval")
+        eval_lengths = user_lengths[eval_indices]
+        # Every policy's caps on the eval examples: the fixed ones, and the adaptive one at each fixed cap's cost.
+        caps = {f"fixed_{c}": np.full(eval_lengths.shape, c) for c in FIXED_CAPS}
+        for i, c in enumerate(FIXED_CAPS[1:-1], start=1):
+            budget = request_costs(costs, eval_lengths, c).mean()
+            policy = fit_policy(eval_lengths, costs, budget, FIXED_CAPS[i - 1], FIXED_CAPS[i + 1:])
+            policies[f"adaptive_at_{c}"] = {**policy.to_dict(), "mean_budget_flops": float(budget)}
+            caps[f"adaptive_at_{c}"] = policy.caps(eval_lengths)
+        cost = {name: float(request_costs(costs, eval_lengths, c).mean()) for name, c in caps.items()}
+        for seed in args.seeds:
+            train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
+                                       eval_max_examples=1000, seed=seed)
+            cached = args.models_dir / f"seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}.pt" \
+                if args.models_dir else None
+            if cached is not None and cached.exists():
+                model, seconds = model_from_state(load_model_state(cached)), None
+            else:
+                torch.manual_seed(seed)
+                model, result = train(logs, data.plans[1], config, train_config)
+                seconds = round(result.seconds, 1)
+                if cached is not None:
+                    save_model_state(model_state(model), cached)
+            runs[seed] = {name: _quality(model, logs, eval_indices, c) for name, c in caps.items()}
+            runs[seed]["train_seconds"] = seconds
+            print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()
+                                                if isinstance(q, dict)), flush=True)
+    summary = _summary(runs, cost, args.seeds)
+    for line in summary["table"]:
+        print(line)
+    settings = {**vars(args), "synthetic": "STRONG_SIGNAL", "days": 14, "eval_days": 2, "fixed_caps": FIXED_CAPS,
+                "eval_examples": int(eval_indices.size), "model": config.to_dict(),
+                "eval_history_length_quantiles": {q: float(np.quantile(eval_lengths, q)) for q in (0.5, 0.9, 0.99)},
+                "eval_share_beyond_1024": float((eval_lengths > long_cap).mean())}
+    save("adaptive_compute", settings, {"policies": policies, "mean_cost_flops": cost, "runs": runs, **summary})
+
+
+def _quality(model, logs, indices, caps) -> dict:
+    """AUC / NE per objective with each example's history cut to its cap (the same examples for every policy)."""
+    import torch
+
+    from gem_ops.metrics.quality import quality_report
+    from gem_ops.model.features import model_input
+
+    model.eval()
+    parts = {"logits": [], "labels": [], "label_mask": [], "surface": []}
+    with torch.no_grad():
+        for cap in np.unique(caps):
+            chosen = indices[caps == cap]
+            for start in range(0, chosen.size, 512):
+                batch = logs.batch(chosen[start : start + 512], int(cap))
+                x = model_input(batch, model.spec, model.config)
+                parts["logits"].append(model(x).float())
+                parts["labels"].append(x.labels)
+                parts["label_mask"].append(x.label_mask)
+                parts["surface"].append(batch.surface)
+    report = quality_report(*(torch.cat(parts[k]) for k in ("logits", "labels", "label_mask", "surface")),
+                            model.spec.surfaces, model.objectives)
+    return {g: {m: float(v[m]) for m in METRICS} for g, v in report.items() if g.startswith("all/")}
+
+
+def _summary(runs: dict, cost: dict, seeds: list[int]) -> dict:
+    """Mean ± standard deviation over seeds per policy, and adaptive minus the fixed cap of equal cost, paired by
+    seed: adaptive beats the fixed cap when the mean difference exceeds both policies' seed spreads."""
+    policies = [name for name in cost]
+    groups = [g for g in runs[seeds[0]][policies[0]]]
+    stats = {p: {g: {m: {"mean": float(np.mean([runs[s][p][g][m] for s in seeds])),
+                         "std": float(np.std([runs[s][p][g][m] for s in seeds], ddof=1)) if len(seeds) > 1 else 0.0}
+                     for m in METRICS} for g in groups} for p in policies}
+    versus, table = {}, [f"{'policy':<18} {'mean GFLOP':>10} " + " ".join(f"{g + ' ' + m:>22}" for g in groups for m in METRICS)]
+    for p in policies:
+        table.append(f"{p:<18} {cost[p] / 1e9:>10.4f} " + " ".join(
+            f"{stats[p][g][m]['mean']:>13.4f} ± {stats[p][g][m]['std']:.4f}" for g in groups for m in METRICS))
+    for p in (p for p in policies if p.startswith("adaptive_at_")):
+        fixed = "fixed_" + p.removeprefix("adaptive_at_")
+        versus[p] = {}
+        for g in groups:
+            for m in METRICS:
+                diffs = [runs[s][p][g][m] - runs[s][fixed][g][m] for s in seeds]
+                better = np.mean(diffs) if m == "auc" else -np.mean(diffs)  # NE: lower is better
+                spread = max(stats[p][g][m]["std"], stats[fixed][g][m]["std"])
+                versus[p][f"{g}.{m}"] = {"mean_difference": float(np.mean(diffs)), "per_seed": diffs,
+                                         "seed_spread": spread, "beats_by_more_than_spread": bool(better > spread)}
+    return {"stats": stats, "adaptive_minus_fixed": versus, "table": table}
+
+
+if __name__ == "__main__":
+    main()

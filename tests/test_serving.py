@@ -1,0 +1,144 @@
+"""Serving: the exported artifact scores requests as the registered pyfunc does, loads with torch alone, and
+the latency gate keeps a champion slower than the budget from serving."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlflow.pyfunc
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from gem_ops.model.config import model_config
+from gem_ops.serving.export import example_request, export_serving
+from gem_ops.serving.latency import LatencySettings
+from gem_ops.serving.registry import SERVING, download_serving_artifact, serve_champion
+from gem_ops.serving.request import request_batch
+from gem_ops.tracking import RunTracker
+from gem_ops.train.mlflow_model import batch_to_frame, log_model
+from gem_ops.train.model_state import seeded_model
+from gem_ops.transfer.registry import CHAMPION, set_alias
+from tests.model_inputs import SPEC
+
+NAME = "vertical_feed_click"
+REPRESENTATION = 8
+MAX_HISTORY = 16
+# (candidates, history length): one candidate, no history, one event, longer than the model reads, ...
+SHAPES = [(1, 0), (3, 1), (5, 7), (40, MAX_HISTORY), (2, 3 * MAX_HISTORY)]
+
+
+def _model(seed: int):
+    config = model_config("vertical", width=0.5, teacher_representation_dim=REPRESENTATION,
+                          **{"sequence.max_history_len": MAX_HISTORY, "sequence.first_level_tokens": 8})
+    model = seeded_model(SPEC, config, seed=seed)
+    with torch.no_grad():  # every weight away from its start (the representation's projection starts at zero)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def _request(model, candidates: int, history: int, seed: int) -> dict[str, torch.Tensor]:
+    request = example_request(model, candidates, history, seed)
+    if history:  # some candidates are items of the history: the match features count
+        request["item_id"][::2] = request["history_item_id"][-1]
+    return request
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("serving", artifact_location=str(root / "artifacts"))
+    models = [_model(seed) for seed in (0, 1)]
+    for model in models:
+        run = client.create_run(experiment).info.run_id
+        example = batch_to_frame(request_batch(_request(model, 2, 3, 0), SPEC), SPEC)
+        log_model(client, run, model, example, NAME)
+    return {"root": root, "uri": uri, "client": client, "experiment": experiment, "models": models}
+
+
+def test_the_exported_artifact_scores_as_the_registered_pyfunc_without_the_project_code(registry, tmp_path):
+    model = registry["models"][0]
+    folder = export_serving(model, tmp_path / "serving").folder
+    requests = [_request(model, n, length, seed) for seed, (n, length) in enumerate(SHAPES)]
+    mlflow.set_tracking_uri(registry["uri"])
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{NAME}/1")
+    expected = [pyfunc.predict(batch_to_frame(request_batch(r, SPEC), SPEC))["p_click"].to_numpy() for r in requests]
+    # The client in a fresh interpreter, from the artifact folder alone: torch only, no project module.
+    torch.save(requests, tmp_path / "requests.pt")
+    script = ("import sys, torch; from serving_client import ServingClient; c = ServingClient('.'); "
+              "out = [c.score(r)['p_click'] for r in torch.load(sys.argv[1])]; "
+              "assert not [m for m in sys.modules if m.split('.')[0] in ('gem_ops', 'kernels', 'mlflow')], sys.modules; "
+              "torch.save(out, sys.argv[2])")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "requests.pt"), str(tmp_path / "scores.pt")],
+                   cwd=folder, env=env, check=True)
+    served = torch.load(tmp_path / "scores.pt")
+    manifest = json.loads((tmp_path / "serving" / "serving.json").read_text())
+    assert manifest["outputs"] == ["p_click", "p_conversion"] and manifest["representation_dim"] == REPRESENTATION
+    for (n, _), got, want in zip(SHAPES, served, expected):
+        assert got.shape == (n,)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_latency_gate_refuses_a_champion_slower_than_the_budget(registry, tmp_path):
+    client = registry["client"]
+    latency = LatencySettings(candidate_counts=(1, 100), requests=5, warmup=1)
+
+    def serve(budget):
+        run = client.create_run(registry["experiment"]).info.run_id
+        decision = serve_champion(client, NAME, RunTracker(client, run), budget, latency=latency)
+        client.set_terminated(run)
+        return decision
+
+    set_alias(client, NAME, SERVING, "1")  # version 1 serves
+    set_alias(client, NAME, CHAMPION, "2")
+    decision = serve(budget=1e-3)  # a millisecond's thousandth: below any real p99
+    measured = decision.latency["100"]["p99_ms"]
+    assert 0 < decision.latency["1"]["p50_ms"] <= measured  # real timings: one candidate is no slower than 100
+    assert not decision.served
+    assert f"p99 {measured:.2f} ms at 100 candidates exceeds the budget latency_budget_ms=0.001" in decision.reason
+    assert "version 1 keeps serving" in decision.reason
+    assert str(client.get_model_version_by_alias(NAME, SERVING).version) == "1"  # the previous one still serves
+    tags = client.get_model_version(NAME, "2").tags
+    assert tags["serving.decision"] == "refused" and float(tags["serving.p99_ms_100"]) == pytest.approx(measured, abs=1e-3)
+    # Within the budget it serves, and its artifact can be fetched and called.
+    assert serve(budget=60_000.0).served
+    assert str(client.get_model_version_by_alias(NAME, SERVING).version) == "2"
+    folder = download_serving_artifact(client, NAME, str(tmp_path))
+    assert json.loads(open(os.path.join(folder, "serving.json")).read())["format"] == "exported_program"
+
+
+def test_the_adaptive_policy_spends_the_long_cap_on_long_histories_within_its_mean_budget():
+    from gem_ops.serving.adaptive import fit_policy, history_costs, request_costs
+
+    config = model_config("gem", width=0.5, blocks=2,
+                          **{"sequence.max_history_len": 1024, "sequence.first_level_tokens": 32})
+    costs = history_costs(config, SPEC)
+    assert np.all(np.diff(costs) > 0)  # every further event costs something
+    lengths = np.minimum(np.random.default_rng(0).lognormal(3.5, 1.5, 5000).astype(int), 3000)
+    thresholds = []
+    for fixed in (16, 64, 256):
+        budget = request_costs(costs, lengths, fixed).mean()  # what the fixed cap spends on average
+        policy = fit_policy(lengths, costs, budget, short_cap=16, long_caps=1024)
+        spent = request_costs(costs, lengths, policy.caps(lengths))
+        assert spent.mean() <= budget and spent.max() <= costs[1024]
+        long_users = lengths >= policy.threshold
+        assert np.all(policy.caps(lengths)[long_users] == 1024) and np.all(policy.caps(lengths)[~long_users] == 16)
+        # The lowest such threshold: from the next shorter user on, the budget is exceeded.
+        lower = type(policy)(16, 1024, int(lengths[lengths < policy.threshold].max()))
+        assert request_costs(costs, lengths, lower.caps(lengths)).mean() > budget
+        thresholds.append(policy.threshold)
+    assert thresholds[0] > thresholds[1] > thresholds[2]  # more budget, more users on the long cap
+    # Histories that all reach the model's maximum tie: a budget too small to give 1024 to all of them gives 256.
+    tied = np.concatenate([np.full(100, 1024), np.full(900, 8)])
+    budget = request_costs(costs, tied, 300).mean()
+    policy = fit_policy(tied, costs, budget, short_cap=16, long_caps=(1024, 256))
+    assert policy.long_cap == 256 and np.all(policy.caps(tied)[:100] == 256)
+    assert request_costs(costs, tied, policy.caps(tied)).mean() <= budget
+    with pytest.raises(ValueError, match="mean_budget .* below the mean cost of the short cap"):
+        fit_policy(lengths, costs, request_costs(costs, lengths, 8).mean(), short_cap=16, long_caps=1024)
