@@ -39,7 +39,7 @@ RUN_CONFIG = {"ops": {
     "vertical_models": {"config": {**_STUDENT, "compare_alone": False, "promotion_max_examples": 256, "min_positives": 1}},
 }}
 JOB_ASSETS = {"raw_event_logs", "sequence_logs", "shuffled_batches", "gem_foundation_model", "teacher_predictions",
-              "domain_foundation_models", "vertical_models"}
+              "domain_foundation_models", "vertical_models", "serving_models"}
 REGISTERED = {"gem_foundation_model", "domain_fm_feed", "vertical_feed_click"}
 
 
