@@ -1,4 +1,4 @@
-"""The README as written: each YAML block parses and is a valid run config of the job it is for (Dagster's
+"""The README and docs/*.md as written: each YAML block parses and is a valid run config of the job it is for (Dagster's
 own validation against the code location's jobs), and each shell command is accepted by what runs it (make's
 dry run of the target with its variables, the entry point's own argument parser, files it names exist).
 Running them is left to the tests that run those entry points: `make test` is CI itself, `make pipeline`'s
@@ -19,8 +19,9 @@ from pipelines.definitions import defs
 
 PROJECT = Path(__file__).resolve().parents[1]
 README = PROJECT / "README.md"
-BLOCKS = re.findall(r"```yaml\n(.*?)```", README.read_text(), flags=re.S)
-SHELL = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+GUIDES = "\n".join(path.read_text() for path in (README, *sorted((PROJECT / "docs").glob("*.md"))))
+BLOCKS = re.findall(r"```yaml\n(.*?)```", GUIDES, flags=re.S)
+SHELL = re.findall(r"```bash\n(.*?)```", GUIDES, flags=re.S)
 ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 
 
