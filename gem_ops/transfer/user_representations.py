@@ -80,7 +80,9 @@ def compute_user_representations(model, logs: SequenceLogs, indices: np.ndarray,
     summary of the user's recent events ("summary", GEMModel.user_summary)."""
     if source not in REPRESENTATION_SOURCES:
         raise ValueError(f"representation source {source!r}: use one of {list(REPRESENTATION_SOURCES)}")
-    represent = model.user_summary if source == "summary" and hasattr(model, "user_summary") else model.encode
+    if source == "summary" and not hasattr(model, "user_summary"):
+        raise ValueError(f"representation source 'summary': {type(model).__name__} has no sequence arm to summarize")
+    represent = model.user_summary if source == "summary" else model.encode
     device = torch.device(device)
     indices = np.asarray(indices, dtype=np.int64)
     domain = logs.column("surface")[indices].astype(np.int64)
