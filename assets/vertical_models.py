@@ -44,7 +44,9 @@ def summary_table(outcomes, mode: str) -> str:
     """Markdown: each vertical's eval AUC / NE / calibration beside GEM's and the alone model's."""
     def cell(figures, who):
         v = figures.get(who)
-        return "–" if v is None else f"{v['auc']:.3f} / {v['ne']:.3f} / {v['calibration']:.2f} ± {v.get('calibration_stderr', math.nan):.2f}"
+        if v is None:
+            return "–"
+        return f"{v['auc']:.3f} / {v['ne']:.3f} / {v['calibration']:.2f} ± {v.get('calibration_stderr', math.nan):.2f}"
 
     lines = [f"| vertical ({mode}) | positives | GEM | vertical | alone | promoted |", "|---|---|---|---|---|---|"]
     for o in outcomes:

@@ -154,9 +154,10 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
         scored = students_examples(logs, window)
         teachers = []
         for source in sources:
-            table = compute_user_representations(model, logs, scored, {"name": label}, device=args.device, source=source)
-            predictions = score_examples(model, logs, scored, {"name": label}, representations=table, device=args.device)
-            teachers.append(Teacher(model, predictions, {"name": label}, table))
+            identity = {"name": label}
+            table = compute_user_representations(model, logs, scored, identity, device=args.device, source=source)
+            predictions = score_examples(model, logs, scored, identity, representations=table, device=args.device)
+            teachers.append(Teacher(model, predictions, identity, table))
         model.cpu()  # students share its tables on the CPU
         print(f"{name} seed {seed}: {label} {run.steps} steps (kept {run.best_step}) in "
               f"{time.perf_counter() - began:.0f} s", flush=True)
@@ -221,7 +222,9 @@ def kept_validation_ne(run) -> float:
 def calibration_if_rate_held(logs, part, task: str) -> float:
     """The newest training day's label rate (where calibration is fitted) over the eval days': what a model
     exactly calibrated on that day gets on the eval days when the rate it saw there holds."""
-    day = logs.column("timestamp")[part.train] // 86_400_000
+    from gem_ops.train.batches import MS_PER_DAY
+
+    day = logs.column("timestamp")[part.train] // MS_PER_DAY
     (n_new, p_new), (n_eval, p_eval) = (logs.label_counts(idx)[task] for idx in (part.train[day == day.max()], part.eval))
     return (p_new / n_new) / (p_eval / n_eval) if n_new and p_eval else math.nan
 
@@ -251,7 +254,8 @@ def summarize(seeds: list[dict]) -> dict:
                                   "hierarchical_serving_guarded") if v in per},
                     "full_over_plain_distillation": {
                         full: gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
-                        for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"))
+                        for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"),
+                                            ("direct_serving_summary", "distillation_serving"))
                         if full in per and plain in per},
                     # Each mechanism's own worth: the full transfer against it without that mechanism.
                     "mechanisms": {f"{with_} over {without}": _gain(per, with_, without) for with_, without in (
@@ -268,9 +272,6 @@ def summarize(seeds: list[dict]) -> dict:
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
                         ("hierarchical", "alone"), ("hierarchical_serving", "alone")) if with_ in per and without in per},
                     "calibration_if_rate_held": seeds[0]["verticals"][key].get("calibration_if_rate_held", math.nan)}
-        if "direct_serving_summary" in per and "distillation_serving" in per and real_gap and gap["distillation_serving"] > 0:
-            out[key]["full_over_plain_distillation"]["direct_serving_summary"] = (
-                gap["direct_serving_summary"] / gap["distillation_serving"])
     return out
 
 

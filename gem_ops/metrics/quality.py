@@ -21,7 +21,8 @@ from torchmetrics.functional.classification import binary_auroc
 # Fewer examples of either class than this: no standard error (DeLong's rests on the spread of each class's
 # placements, which a handful of examples cannot estimate); the count of positives tells the story there.
 MIN_CLASS_FOR_STDERR = 10
-METRICS = ("auc", "auc_stderr", "ne", "calibration", "calibration_stderr", "log_loss", "count", "positives", "positive_rate")
+METRICS = ("auc", "auc_stderr", "ne", "calibration", "calibration_stderr", "log_loss", "count", "positives",
+           "positive_rate")
 
 
 def binary_quality(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
