@@ -32,7 +32,7 @@ def fm_predictions_path(lake: LakeResource, day: str, domain: str):
 @dg.asset(partitions_def=daily_partitions, deps=[teacher_predictions], group_name="transfer", kinds={"pytorch", "mlflow"})
 def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFoundationModelsConfig,
                              lake: LakeResource, mlflow: MLflowResource):
-    """Per domain: a domain FM trained on the domain's fresh data with GEM's knowledge (distillation through
+    """Per domain: a domain FM trained on the domain's days (teacher_predictions' domain_fm_days) with GEM's knowledge (distillation through
     a Student Adapter, representation transfer, shared tables), registered in MLflow; it then scores its
     domain's examples for the vertical models below it."""
     day = context.partition_key
@@ -42,7 +42,7 @@ def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFo
     identity = gem_predictions.teacher
     gem = Teacher(load_model_version(client, identity["name"], identity["version"]), gem_predictions, identity,
                   read_user_representations(identity["representations"]))
-    window = TransferWindows(student_days=identity["student_days"])
+    window = TransferWindows.of_teacher(identity)
     settings = DomainModelSettings(**config.student_settings(), prefix=config.registered_model_prefix)
     summary, skipped, reports = {}, {}, {}
     with lake.partition_lock(context), mlflow.asset_run(context) as run:

@@ -14,8 +14,8 @@ class StudentTrainingConfig(ModelTrainingConfig):
     sub_batches_per_rank: int = Field(4, description="A step's batch is sub_batches_per_rank x sub_batch_size examples.")
     distillation_weight: float = Field(1.0, description="Weight of the loss on teacher targets; 0: none.")
     distillation_head: str = Field(
-        "auxiliary", description="auxiliary: a head of its own learns the teacher's targets; serving: the serving "
-        "head learns them beside the true labels (soft targets).")
+        "serving", description="serving: the serving head learns the teacher's targets beside the true labels (soft "
+        "targets); auxiliary: a head of its own learns them.")
     student_adapter: bool = Field(True, description="Map teacher logits to fresh-label-calibrated targets first.")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")

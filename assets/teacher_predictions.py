@@ -24,7 +24,9 @@ from gem_ops.transfer.windows import eval_examples
 class TeacherPredictionsConfig(dg.Config):
     registered_model_name: str = "gem_foundation_model"
     staleness_days: int = Field(0, description="Score with the GEM of the partition this many days earlier (a stale teacher).")
-    student_days: int = Field(3, description="Newest training days the students learn from; they and the eval split are scored.")
+    student_days: int = Field(3, description="Newest training days the vertical models learn from.")
+    domain_fm_days: int | None = Field(None, description="Newest training days the domain FMs learn from (None: every "
+                                       "training day; at least student_days). Every student's days and the eval split are scored.")
     batch_size: int = 1024
     log_artifact: bool = Field(True, description="Also store the predictions file in the MLflow run.")
 
@@ -44,10 +46,11 @@ def teacher_predictions(context: dg.AssetExecutionContext, config: TeacherPredic
     version, trained_on = version_for_partition(client, config.registered_model_name, latest)
     representations = representations_path(predictions_path(lake, day))
     teacher = {**model_identity(config.registered_model_name, version, "gem"), "partition": trained_on,
-               "student_days": config.student_days, "representations": str(representations)}
+               "student_days": config.student_days, "domain_fm_days": config.domain_fm_days,
+               "representations": str(representations)}
     logs = SequenceLogs(sequence_logs_path(lake, day))
     model = load_model_version(client, config.registered_model_name, version)
-    indices = students_examples(logs, TransferWindows(student_days=config.student_days))
+    indices = students_examples(logs, TransferWindows.of_teacher(teacher))
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
         table = compute_user_representations(model, logs, indices, teacher, config.batch_size)
         write_user_representations(table, representations)

@@ -82,8 +82,7 @@ def vertical_models(context: dg.AssetExecutionContext, config: VerticalModelsCon
     day = context.partition_key
     logs = SequenceLogs(sequence_logs_path(lake, day))
     client = mlflow.get_client()
-    student_days = read_predictions(predictions_path(lake, day)).teacher["student_days"]
-    window = TransferWindows(student_days=student_days)
+    window = TransferWindows.of_teacher(read_predictions(predictions_path(lake, day)).teacher)
     settings = VerticalSettings(**config.student_settings(), mode=config.mode, prefix=config.registered_model_prefix,
                                 ne_tolerance=config.ne_tolerance, ne_standard_errors=config.ne_standard_errors,
                                 promotion_max_examples=config.promotion_max_examples,

@@ -8,9 +8,10 @@ The teacher (GEM) learns from every training day; a second GEM (`stale_gem`) fro
 `staleness_days` earlier, and judges the Student Adapter (stale_direct against stale_direct_no_adapter),
 since an adapter exists to correct a teacher that retrains less often than its students. Each transfer runs
 twice: the teacher's targets learned by an auxiliary head, and (`*_serving`) by the serving head as soft
-targets beside the labels. The students learn from the newest `student_days` training days of their
-domain, the newest of them held out for early stopping and calibration; all are judged on the same eval days. Everything trains
-through gem_ops.train.engine. Per vertical, over the seeds: each variant's AUC / NE / calibration (mean and
+targets beside the labels. The vertical models learn from the newest `student_days` training days of their
+domain, the domain FMs from `--domain-fm-days` (default: every training day), the newest day held out for early
+stopping and calibration; all are judged on the same eval days. Everything trains through gem_ops.train.engine;
+each (dataset, seed, domain) is one job, training that seed's GEMs for itself. Per vertical, over the seeds: each variant's AUC / NE / calibration (mean and
 spread), the teachers' on the same examples, and the share of the teacher-alone AUC gap a variant closes,
 computed only where the teacher beats the alone model by more than the seeds' spread. Beside them, each
 student's parameter count and its single-request latency on the CPU (one user, `--candidates` candidates,
@@ -41,16 +42,18 @@ END = date(2026, 11, 14)
 DAYS = 14
 FIGURES = ("auc", "ne", "calibration", "calibration_stderr")
 # variant -> (teacher: none / gem (fresh) / stale_gem / fm (the domain FM, from the fresh GEM), TransferConfig settings)
-# Each transfer with the teacher's targets learned by an auxiliary head, and (`_serving`) by the serving head.
+# Each transfer with the teacher's targets learned by an auxiliary head, and (`_serving`, the product's default)
+# by the serving head. The domain FMs train with the default TransferConfig.
 PLAIN = {"student_adapter": False, "representation": False, "shared_tables": ()}
+AUXILIARY = {"distillation_head": "auxiliary"}
 SERVING = {"distillation_head": "serving"}
 VARIANTS = {
     "alone": (None, {}),
-    "distillation": ("gem", PLAIN),
-    "direct": ("gem", {}),
-    "hierarchical": ("fm", {}),
-    "stale_direct": ("stale_gem", {}),
-    "stale_direct_no_adapter": ("stale_gem", {"student_adapter": False}),
+    "distillation": ("gem", {**PLAIN, **AUXILIARY}),
+    "direct": ("gem", AUXILIARY),
+    "hierarchical": ("fm", AUXILIARY),
+    "stale_direct": ("stale_gem", AUXILIARY),
+    "stale_direct_no_adapter": ("stale_gem", {**AUXILIARY, "student_adapter": False}),
     "distillation_serving": ("gem", {**PLAIN, **SERVING}),
     "direct_serving": ("gem", SERVING),
     "stale_direct_serving": ("stale_gem", SERVING),
@@ -114,8 +117,8 @@ def cpu_latency(model, logs, row: int, candidates: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
-    """GEM, the domain FMs and every vertical variant of one seed."""
+def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list[str]) -> dict:
+    """GEM, the FMs of `domains` and every vertical variant of one seed."""
     from gem_ops.data.batch_shuffling import ShufflingConfig, read_plan
     from gem_ops.model.config import model_config
     from gem_ops.train.config import TrainConfig
@@ -143,15 +146,14 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
                            eval_every=eval_every, early_stopping_patience=args.patience,
                            early_stopping_min_steps=min_steps, eval_max_examples=1_000_000, seed=seed)
 
-    def train_gem(label: str, gem_window, sources: tuple[str, ...] = ("trunk",)) -> tuple[list[Teacher], object]:
-        """The GEM of `gem_window`, as one teacher per representation source."""
+    def train_gem(label: str, gem_window, scored, sources: tuple[str, ...] = ("trunk",)) -> tuple[list[Teacher], object]:
+        """The GEM of `gem_window`, as one teacher per representation source, scoring `scored`."""
         began = time.perf_counter()
         examples = windows.teacher_examples(logs, gem_window)
         plan = write_student_plan(logs, examples, work / f"{label}_plan.parquet", shuffling, args.max_history_len)
         first_epoch = int(args.gem_min_epochs * read_plan(plan).shape[0])
         model, run = train(logs, plan, gem_config, settings(args.gem_epochs, args.gem_eval_every, first_epoch),
                            device=args.device)
-        scored = students_examples(logs, window)
         teachers = []
         for source in sources:
             identity = {"name": label}
@@ -165,12 +167,13 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path) -> dict:
 
     began = time.perf_counter()
     with_summary = any(ALL_VARIANTS[v][0] == "gem_summary" for v in args.variants)
-    # Trained up to the students' newest day.
-    (gem, *gem_summary), gem_run = train_gem("gem", replace(window, staleness_days=0),
+    # Trained up to the students' newest day; scores the FMs' days too.
+    (gem, *gem_summary), gem_run = train_gem("gem", replace(window, staleness_days=0), students_examples(logs, window),
                                             ("trunk", "summary") if with_summary else ("trunk",))
-    (stale_gem,), _ = train_gem("stale_gem", window)  # `staleness_days` older: where the Student Adapter matters
+    # `staleness_days` older: where the Student Adapter matters. Only vertical models learn from it.
+    (stale_gem,), _ = train_gem("stale_gem", window, students_examples(logs, replace(window, domain_fm_days=window.student_days)))
     rows = {}
-    for domain in args.domains or largest_domains(logs, window, args.top_domains):
+    for domain in domains:
         part = DomainData.of(logs, domain, window)
         fm_run = train_domain_foundation_model(logs, part, fm_base, settings(args.student_epochs, args.student_eval_every),
                                                work / f"{domain}_fm_{seed}", TransferConfig(), gem, shuffling,
@@ -314,6 +317,7 @@ def main() -> None:
                         help="vertical variants to train (alone is always among them: the gaps are measured from it)")
     parser.add_argument("--student-days", type=int, default=4, help="the newest is held out for validation")
     parser.add_argument("--staleness-days", type=int, default=3)
+    parser.add_argument("--domain-fm-days", type=int, default=None, help="days the domain FMs learn from (default: all)")
     parser.add_argument("--eval-days", type=int, default=2)
     parser.add_argument("--max-history-len", type=int, default=128)
     parser.add_argument("--gem-width", type=float, default=0.5)
@@ -339,20 +343,29 @@ def main() -> None:
         for name in args.datasets:
             prepare(name, args.prepare_to / name, args)
         return
+    from gem_ops.data.loader import TrainingData
+
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         roots = {name: args.data / name if args.data is not None else prepare(name, Path(tmp) / name, args)
                  for name in args.datasets}
-        jobs = [(name, seed) for name in args.datasets for seed in args.seeds]
+        domains = {name: args.domains or largest_domains(TrainingData.at(roots[name]).open(), windows_of(args),
+                                                         args.top_domains) for name in args.datasets}
         done: dict = {name: [] for name in args.datasets}
         if args.resume:  # a run cut short (the GPU machine's time limit) goes on where it stopped
             for name, saved in saved_results(args.output_name).items():
                 if name in done:
                     done[name] = saved["seeds"]
-            jobs = [(n, s) for n, s in jobs if s not in {f["seed"] for f in done[n]}]
-        calls = {(n, s): (n, str(roots[n]), s, args, tmp) for n, s in jobs}
-        for (name, seed), figures in in_processes(_run_one, calls, args.jobs):
-            done[name].append({"seed": seed, **figures})
+        # One job per (dataset, seed, domain), each training the seed's GEMs: the domains run side by side.
+        jobs = [(n, s, d) for n in args.datasets for s in args.seeds if s not in {f["seed"] for f in done[n]}
+                for d in domains[n]]
+        calls = {(n, s, d): (n, str(roots[n]), s, args, tmp, d) for n, s, d in jobs}
+        parts: dict = {}
+        for (name, seed, domain), figures in in_processes(_run_one, calls, args.jobs):
+            parts.setdefault((name, seed), {})[domain] = figures
+            if len(parts[(name, seed)]) < len(domains[name]):
+                continue  # a seed counts once all its domains are done
+            done[name].append(merged_seed(seed, [parts[(name, seed)][d] for d in domains[name]]))
             for d in (d for d in args.datasets if done[d]):
                 seeds = sorted(done[d], key=lambda f: f["seed"])
                 results[d] = {"seeds": seeds, "summary": summarize(seeds)}
@@ -369,14 +382,26 @@ def prepare(name: str, root: Path, args) -> Path:
     return root
 
 
-def _run_one(name: str, root: str, seed: int, args, work: str) -> dict:
-    from gem_ops.data.loader import TrainingData
+def windows_of(args):
     from gem_ops.transfer.config import TransferWindows
 
-    window = TransferWindows(student_days=args.student_days, staleness_days=args.staleness_days)
-    folder = Path(work) / f"{name}_{seed}"
+    return TransferWindows(student_days=args.student_days, staleness_days=args.staleness_days,
+                           domain_fm_days=args.domain_fm_days)
+
+
+def merged_seed(seed: int, parts: list[dict]) -> dict:
+    """One seed's figures from its per-domain jobs (each with GEMs of its own, trained alike)."""
+    return {"seed": seed, "verticals": {k: v for p in parts for k, v in p["verticals"].items()},
+            "gem_eval": parts[0]["gem_eval"], "gem_steps": [p["gem_steps"] for p in parts],
+            "seconds": max(p["seconds"] for p in parts)}
+
+
+def _run_one(name: str, root: str, seed: int, args, work: str, domain: str) -> dict:
+    from gem_ops.data.loader import TrainingData
+
+    folder = Path(work) / f"{name}_{seed}_{domain}"
     folder.mkdir(parents=True, exist_ok=True)
-    return run_seed(name, seed, args, TrainingData.at(root).open(), window, folder)
+    return run_seed(name, seed, args, TrainingData.at(root).open(), windows_of(args), folder, [domain])
 
 
 if __name__ == "__main__":

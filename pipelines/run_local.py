@@ -48,7 +48,10 @@ LOCAL_STUDENTS = {"max_steps": 60, "eval_every": 20, "eval_max_examples": 5_000,
 LOCAL_DATA = {"synthetic_preset": "strong_signal"}
 # The verticals learn from GEM directly, the teacher's targets on their serving heads: domain FMs trained for
 # LOCAL_STUDENTS' few steps are too weak to teach (hierarchical stays the asset's default).
-LOCAL_VERTICALS = {**LOCAL_STUDENTS, "mode": "direct", "distillation_head": "serving"}
+LOCAL_VERTICALS = {**LOCAL_STUDENTS, "mode": "direct"}
+# GEM scores the students' days only: the FMs' 60 steps see fewer examples than those days hold (a domain FM
+# learns from every training day by default).
+LOCAL_TEACHER = {"domain_fm_days": 3}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +136,7 @@ def local_run_config(user: dict) -> dict:
     defaults = {"loggers": {"console": {"config": {"log_level": "INFO"}}},  # every event still lands in the instance
                 "ops": {"raw_event_logs": {"config": LOCAL_DATA},
                         "gem_foundation_model": {"config": LOCAL_TRAINING},
+                        "teacher_predictions": {"config": LOCAL_TEACHER},
                         "domain_foundation_models": {"config": {**LOCAL_STUDENTS, "width": 0.5}},
                         "vertical_models": {"config": LOCAL_VERTICALS}}}
     return _merged(defaults, user or {})

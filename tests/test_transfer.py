@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from gem_ops.data.batch_shuffling import ShufflingConfig
+from gem_ops.data.batch_shuffling import ShufflingConfig, read_plan
 from gem_ops.data.synthetic import STRONG_SIGNAL, SurfaceSpec
 from gem_ops.model.config import FeatureSpec, model_config
 from gem_ops.model.features import model_input
@@ -20,7 +20,7 @@ from gem_ops.train.optimizer import build_optimizer, split_parameters
 from gem_ops.transfer import windows
 from gem_ops.transfer.adapter import adapt, fit_adapter
 from gem_ops.transfer.config import TransferConfig, TransferWindows
-from gem_ops.transfer.hierarchy import DomainData
+from gem_ops.transfer.hierarchy import DomainData, students_examples, train_domain_foundation_model
 from gem_ops.transfer.knowledge import (TeacherJoinedLogs, predictions_quality, read_predictions, score_examples,
                                        write_predictions)
 from gem_ops.transfer.registry import (CHALLENGER, CHAMPION, TEACHER_NAME, TEACHER_VERSION, current_version,
@@ -116,6 +116,38 @@ def test_windows_split_old_and_fresh_days(logs):
         windows.student_examples(logs, WINDOWS, "nowhere")
 
 
+def test_a_domain_fm_learns_from_its_longer_window_and_its_adapter_from_the_fresh_days(logs, stale_teacher, tmp_path,
+                                                                                      monkeypatch):
+    ts, day = logs.column("timestamp"), 86_400_000
+    train_days = np.unique(ts[logs.split_indices("train")] // day)
+    every = DomainData.of(logs, "feed", TransferWindows(student_days=3))
+    feed_train = windows._in_domain(logs, logs.split_indices("train"), "feed")
+    assert np.array_equal(np.sort(every.foundation), np.sort(feed_train))  # None: every training day
+    five = DomainData.of(logs, "feed", TransferWindows(student_days=3, domain_fm_days=5))
+    assert set(five.train) < set(five.foundation) < set(every.foundation)
+    assert np.array_equal(np.unique(ts[five.foundation] // day), train_days[-5:])
+    with pytest.raises(ValueError, match=r"domain_fm_days \(2\) must be None \(every training day\) or at least student_days \(3\)"):
+        TransferWindows(student_days=3, domain_fm_days=2)
+    window = TransferWindows(student_days=3, domain_fm_days=5)
+    scored = students_examples(logs, window)  # GEM scores each FM and student example once, and the eval days
+    assert len(np.unique(scored)) == len(scored)
+    assert set(scored) == set(windows.domain_fm_examples(logs, window)) | set(windows.eval_examples(logs))
+
+    identity = model_identity("teacher_test", "1", "gem")
+    table = compute_user_representations(stale_teacher.model, logs, scored, identity)
+    gem = Teacher(stale_teacher.model, score_examples(stale_teacher.model, logs, scored, identity, representations=table),
+                  identity, table)
+    fitted_on = []
+    monkeypatch.setattr("gem_ops.transfer.student.fit_adapter",
+                        lambda logs_, predictions, indices, *a: fitted_on.append(indices) or fit_adapter(logs_, predictions, indices, *a))
+    run = train_domain_foundation_model(logs, five, model_config("domain_fm", width=0.5, **{"sequence.max_history_len": 32}),
+                                        replace(QUICK, max_steps=2), tmp_path, TransferConfig(), gem, SHUFFLING)
+    planned = read_plan(tmp_path / "plan.parquet").ravel()
+    assert set(planned) <= set(five.foundation) and np.setdiff1d(planned, five.train).size > 0  # older days too
+    assert len(fitted_on) == 1 and np.array_equal(fitted_on[0], five.train)  # the adapter: today's labels only
+    assert set(run.result.final_report) >= {"all/click", "feed/click"}
+
+
 def test_an_objective_with_too_few_positives_gets_no_vertical_and_the_counts_say_why(logs):
     data = DomainData.of(logs, "feed", WINDOWS)
     counts = {task: min(logs.label_counts(data.train)[task][1], logs.label_counts(data.eval)[task][1])
@@ -190,7 +222,7 @@ def test_student_adapter_recalibrates_a_stale_teacher(logs, stale_teacher):
 
 
 def test_distillation_head_and_teacher_token(logs, stale_teacher):
-    config = student_config(SMALL, ("click",), TransferConfig(shared_tables=()), stale_teacher)
+    config = student_config(SMALL, ("click",), TransferConfig(shared_tables=(), distillation_head="auxiliary"), stale_teacher)
     assert config.distillation_weight == 1.0 and config.teacher_representation_dim == SMALL.trunk_hidden
     spec = FeatureSpec.from_logs(logs)
     model = seeded_model(spec, config)
@@ -309,7 +341,9 @@ def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_pat
     run = train_student(logs, fresh, held_out, SMALL, ("click",), replace(QUICK, max_steps=10), tmp_path,
                         TransferConfig(freeze_shared=True), stale_teacher, SHUFFLING)
     assert torch.equal(embedding_tables(run.model)["item"], embedding_tables(stale_teacher.model)["item"])
-    assert run.model.teacher_proj is not None and run.model.distillation_towers is not None
+    # The teacher's targets on the serving head by default: no auxiliary towers.
+    assert run.model.teacher_proj is not None and run.model.distillation_towers is None
+    assert run.model.config.distillation_head == "serving" and run.model.config.distillation_weight == 1.0
     assert set(run.adapter_report) == {"teacher", "adapted"}
     assert set(run.result.final_report) == {"all/click", "feed/click"}
     assert (logs.column("surface")[held_out] == feed).all()

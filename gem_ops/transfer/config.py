@@ -17,8 +17,9 @@ MODES: tuple[str, ...] = ("alone", "direct", "hierarchical")
 @dataclass(frozen=True)
 class TransferConfig:
     distillation_weight: float = 1.0  # weight of the loss on teacher targets; 0: no distillation
-    # auxiliary: a head of its own learns the teacher's targets; serving: the serving head does (soft targets)
-    distillation_head: str = "auxiliary"
+    # serving: the serving head learns the teacher's targets beside the labels (soft targets); auxiliary: a
+    # head of its own learns them. Serving is ahead on every synthetic vertical (benchmarks/README.md).
+    distillation_head: str = "serving"
     student_adapter: bool = True  # map teacher logits to fresh-label-calibrated targets first
     adapter_hidden: int = 16
     adapter_steps: int = 300  # full-batch Adam steps on the student's training window
@@ -47,15 +48,26 @@ class TransferWindows:
 
     The students train on the newest `student_days` days of the training split; the teacher's data ends
     `staleness_days` before the students' does (a foundation model retrains less often than the models
-    that serve, so its supervision is stale)."""
+    that serve, so its supervision is stale). A domain FM learns from its domain's newest `domain_fm_days`
+    days (None: every training day; never fewer than the students'): trained on the students' few days
+    only, an FM larger than they are is no better teacher than their own labels."""
 
     student_days: int = 3
     staleness_days: int = 0
+    domain_fm_days: int | None = None
 
     def __post_init__(self):
         if self.student_days < 1 or self.staleness_days < 0:
             raise ValueError(f"TransferWindows: student_days must be >= 1 and staleness_days >= 0, "
                              f"got {self.student_days} and {self.staleness_days}")
+        if self.domain_fm_days is not None and self.domain_fm_days < self.student_days:
+            raise ValueError(f"TransferWindows: domain_fm_days ({self.domain_fm_days}) must be None (every training "
+                             f"day) or at least student_days ({self.student_days})")
+
+    @classmethod
+    def of_teacher(cls, identity: dict[str, Any]) -> TransferWindows:
+        """The windows a teacher's stored predictions were scored for (their identity records them)."""
+        return cls(student_days=identity["student_days"], domain_fm_days=identity.get("domain_fm_days"))
 
 
 @dataclass(frozen=True)

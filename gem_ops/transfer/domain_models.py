@@ -1,5 +1,6 @@
-"""One domain's foundation model: trained from GEM on the domain's fresh data, registered in MLflow
-with GEM's lineage, then scoring the domain's examples as the teacher of its vertical models."""
+"""One domain's foundation model: trained from GEM on the domain's days (TransferWindows.domain_fm_days),
+registered in MLflow with GEM's lineage, then scoring the domain's examples as the teacher of its vertical
+models."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def domain_foundation_model(client: MlflowClient, tracker: RunTracker, logs: Seq
         version = register_student(client, child.run_id, fm.model, fm.data, data.eval, name, tags)
         representations = representations_path(predictions_path)
         identity = {**model_identity(name, version, "domain_fm"), "teacher": gem.identity,
-                    "student_days": gem.identity["student_days"], "domain": data.domain,
+                    "student_days": gem.identity["student_days"],
+                    "domain_fm_days": gem.identity.get("domain_fm_days"), "domain": data.domain,
                     "representations": str(representations)}
         teacher = as_teacher(fm, data, identity)
         write_user_representations(teacher.representations, representations)
@@ -59,4 +61,4 @@ def domain_foundation_model(client: MlflowClient, tracker: RunTracker, logs: Seq
         if fm.adapter_report:
             child.log_metrics(flat_metrics(fm.adapter_report["teacher"], "adapter.before")
                               | flat_metrics(fm.adapter_report["adapted"], "adapter.after"))
-    return DomainModel(name, version, int(data.train.size), fm.result.final_report)
+    return DomainModel(name, version, int(data.foundation_train.size), fm.result.final_report)

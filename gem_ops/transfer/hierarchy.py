@@ -25,15 +25,22 @@ from gem_ops.transfer.user_representations import compute_user_representations
 
 @dataclass
 class DomainData:
-    """A domain's fresh training examples and its eval examples."""
+    """A domain's fresh training examples (the vertical models'), its eval examples, and the longer window
+    its foundation model learns from (None: the fresh examples)."""
 
     domain: str
     train: np.ndarray
     eval: np.ndarray
+    foundation: np.ndarray | None = None
 
     @classmethod
     def of(cls, logs: SequenceLogs, domain: str, window: TransferWindows) -> DomainData:
-        return cls(domain, windows.student_examples(logs, window, domain), windows.eval_examples(logs, domain))
+        return cls(domain, windows.student_examples(logs, window, domain), windows.eval_examples(logs, domain),
+                   windows.domain_fm_examples(logs, window, domain))
+
+    @property
+    def foundation_train(self) -> np.ndarray:
+        return self.train if self.foundation is None else self.foundation
 
     @property
     def all(self) -> np.ndarray:
@@ -56,17 +63,19 @@ class DomainData:
 
 
 def students_examples(logs: SequenceLogs, window: TransferWindows) -> np.ndarray:
-    """Every example a student trains or is evaluated on: what a teacher has to score."""
-    return np.concatenate([windows.student_examples(logs, window), windows.eval_examples(logs)])
+    """Every example a student (domain FM or vertical model) trains or is evaluated on: what GEM has to score."""
+    fresh = windows.student_examples(logs, window)
+    older = np.setdiff1d(windows.domain_fm_examples(logs, window), fresh, assume_unique=True)
+    return np.concatenate([older, fresh, windows.eval_examples(logs)])
 
 
 def train_domain_foundation_model(logs: SequenceLogs, data: DomainData, base: ModelConfig, train_config: TrainConfig,
                                   work_dir: str | os.PathLike, transfer: TransferConfig, gem: Teacher | None,
                                   shuffling: ShufflingConfig = ShufflingConfig(),
                                   tracker: RunTracker | None = None, device: str = "cpu") -> StudentRun:
-    """A domain FM: every objective of one domain, on the domain's fresh data, from GEM (or alone)."""
-    return train_student(logs, data.train, data.eval, base, (), train_config, work_dir, transfer, gem, shuffling, tracker,
-                         device)
+    """A domain FM: every objective of one domain, on the domain's FM window, from GEM (or alone)."""
+    return train_student(logs, data.foundation_train, data.eval, base, (), train_config, work_dir, transfer, gem, shuffling, tracker,
+                         device, adapter_indices=data.train)  # the adapter corrects GEM for today's labels
 
 
 def as_teacher(run: StudentRun, data: DomainData, identity: dict[str, Any], device: str = "cpu") -> Teacher:

@@ -83,9 +83,11 @@ def train_student(
     shuffling: ShufflingConfig = ShufflingConfig(),
     tracker: RunTracker | None = None,
     device: str = "cpu",
+    adapter_indices: np.ndarray | None = None,
 ) -> StudentRun:
     """Trains a student on `train_indices` and evaluates it on `eval_indices`, alone (teacher None) or with
-    the transfer mechanisms `transfer` turns on. The model comes back on `device`."""
+    the transfer mechanisms `transfer` turns on; its Student Adapter fits the fresh labels of `adapter_indices`
+    (default: `train_indices`). The model comes back on `device`."""
     config = student_config(base, tasks, transfer, teacher)
     plan = write_student_plan(logs, train_indices, Path(work_dir) / "plan.parquet", shuffling,
                               config.sequence.max_history_len)
@@ -94,7 +96,8 @@ def train_student(
     if teacher is not None and (config.distillation_weight > 0 or config.teacher_representation_dim):
         predictions = teacher.predictions
         if config.distillation_weight > 0 and transfer.student_adapter:
-            adapter = fit_adapter(logs, predictions, train_indices, transfer.adapter_hidden, transfer.adapter_steps,
+            fresh = train_indices if adapter_indices is None else adapter_indices
+            adapter = fit_adapter(logs, predictions, fresh, transfer.adapter_hidden, transfer.adapter_steps,
                                   transfer.adapter_lr, train_config.seed)
             adapted = adapt(adapter, logs, predictions)
             adapter_report = {"teacher": prediction_report(logs, predictions, eval_indices, config),

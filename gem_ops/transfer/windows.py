@@ -41,11 +41,21 @@ def teacher_examples(logs: SequenceLogs, windows: TransferWindows) -> np.ndarray
     return picked
 
 
+def _newest_days(logs: SequenceLogs, days: int | None, domain: str | None) -> np.ndarray:
+    train = logs.split_indices("train")
+    if days is not None:
+        train = train[logs.column("timestamp")[train] >= _train_end_day_ms(logs) - days * MS_PER_DAY]
+    return _in_domain(logs, train, domain)
+
+
 def student_examples(logs: SequenceLogs, windows: TransferWindows, domain: str | None = None) -> np.ndarray:
     """Training examples of the newest student_days days (of one domain, if given)."""
-    train = logs.split_indices("train")
-    start = _train_end_day_ms(logs) - windows.student_days * MS_PER_DAY
-    return _in_domain(logs, train[logs.column("timestamp")[train] >= start], domain)
+    return _newest_days(logs, windows.student_days, domain)
+
+
+def domain_fm_examples(logs: SequenceLogs, windows: TransferWindows, domain: str | None = None) -> np.ndarray:
+    """Training examples a domain FM learns from: the newest domain_fm_days days (all when None)."""
+    return _newest_days(logs, windows.domain_fm_days, domain)
 
 
 def eval_examples(logs: SequenceLogs, domain: str | None = None) -> np.ndarray:
