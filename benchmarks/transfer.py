@@ -65,13 +65,15 @@ ABLATIONS = {
     "direct_serving_no_sharing": ("gem", {**SERVING, "shared_tables": ()}),
     "direct_serving_no_adapter": ("gem", {**SERVING, "student_adapter": False}),
     "hierarchical_serving": ("fm", SERVING),
+    # From an FM trained on its domain's days before the verticals' (its targets there out of sample).
+    "hierarchical_serving_fm_before": ("fm_before", SERVING),
     # The looked-up representation with the sequence arm's summary of the user beside the trunk's output.
     "direct_serving_summary": ("gem_summary", SERVING),
     "distillation_serving_summary": ("gem_summary", {**SERVING, "student_adapter": False, "shared_tables": ()}),
 }
 ALL_VARIANTS = {**VARIANTS, **ABLATIONS}
 GUARDED = ("direct", "direct_serving", "direct_serving_summary", "hierarchical", "hierarchical_serving")
-TEACHERS = ("gem", "stale_gem", "fm")
+TEACHERS = ("gem", "stale_gem", "fm", "fm_before")
 
 
 def synthetic_source():
@@ -119,6 +121,8 @@ def cpu_latency(model, logs, row: int, candidates: int, reps: int) -> float:
 
 def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list[str]) -> dict:
     """GEM, the FMs of `domains` and every vertical variant of one seed."""
+    import numpy as np
+
     from gem_ops.data.batch_shuffling import ShufflingConfig, read_plan
     from gem_ops.model.config import model_config
     from gem_ops.train.config import TrainConfig
@@ -165,26 +169,34 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
               f"{time.perf_counter() - began:.0f} s", flush=True)
         return teachers, run
 
+    def train_fm(part, label: str):
+        run = train_domain_foundation_model(logs, part, fm_base, settings(args.student_epochs, args.student_eval_every),
+                                            work / f"{part.domain}_{label}_{seed}", TransferConfig(), gem, shuffling,
+                                            device=args.device)
+        return as_teacher(run, part, {"name": f"{label}_{part.domain}"}, args.device)
+
     began = time.perf_counter()
-    with_summary = any(ALL_VARIANTS[v][0] == "gem_summary" for v in args.variants)
+    needed = {ALL_VARIANTS[v][0] for v in args.variants}
     # Trained up to the students' newest day; scores the FMs' days too.
     (gem, *gem_summary), gem_run = train_gem("gem", replace(window, staleness_days=0), students_examples(logs, window),
-                                            ("trunk", "summary") if with_summary else ("trunk",))
-    # `staleness_days` older: where the Student Adapter matters. Only vertical models learn from it.
-    (stale_gem,), _ = train_gem("stale_gem", window, students_examples(logs, replace(window, domain_fm_days=window.student_days)))
+                                            ("trunk", "summary") if "gem_summary" in needed else ("trunk",))
+    teachers = {None: None, "gem": gem, "gem_summary": gem_summary[0] if gem_summary else None}
+    if "stale_gem" in needed:  # `staleness_days` older: where the Student Adapter matters (vertical models only)
+        (teachers["stale_gem"],), _ = train_gem("stale_gem", window,
+                                                students_examples(logs, replace(window, domain_fm_days=window.student_days)))
     rows = {}
     for domain in domains:
         part = DomainData.of(logs, domain, window)
-        fm_run = train_domain_foundation_model(logs, part, fm_base, settings(args.student_epochs, args.student_eval_every),
-                                               work / f"{domain}_fm_{seed}", TransferConfig(), gem, shuffling,
-                                               device=args.device)
-        teachers = {"gem": gem, "stale_gem": stale_gem, None: None, "gem_summary": gem_summary[0] if gem_summary else None,
-                    "fm": as_teacher(fm_run, part, {"name": f"fm_{domain}"}, args.device)}
+        if "fm" in needed:
+            teachers["fm"] = train_fm(part, "fm")
+        if "fm_before" in needed:  # the FM's knowledge of the verticals' days is out of sample
+            teachers["fm_before"] = train_fm(replace(part, foundation=np.setdiff1d(part.foundation_train, part.train)),
+                                             "fm_before")
         tasks = [t for t in windows.labelled_tasks(logs, part.train) if t in windows.labelled_tasks(logs, part.eval)]
         for task in (t for t in tasks if t in args.tasks):
             config = replace(vm_base, tasks=(task,))
             row = {who: _figures(prediction_report(logs, teachers[who].predictions, part.eval, config), task)
-                   for who in ("gem", "stale_gem", "fm")}
+                   for who in TEACHERS if who in teachers}
             row["calibration_if_rate_held"] = calibration_if_rate_held(logs, part, task)
             for variant in args.variants:
                 teacher, transfer = ALL_VARIANTS[variant]
@@ -198,7 +210,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                                                             args.latency_reps)
             rows[f"{domain}/{task}"] = row
             print(f"{name} seed {seed} {domain}/{task}: " + ", ".join(
-                f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}" for v in (*TEACHERS, *args.variants)), flush=True)
+                f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}" for v in (*TEACHERS, *args.variants) if v in row), flush=True)
     return {"verticals": rows, "gem_eval": gem_run.final_report, "gem_steps": gem_run.steps,
             "seconds": round(time.perf_counter() - began, 1)}
 
@@ -254,7 +266,7 @@ def summarize(seeds: list[dict]) -> dict:
                     "hierarchical_not_worse_than_alone": {
                         v: per[v]["auc"]["mean"] >= alone["mean"] - max(per[v]["auc"]["spread"], alone["spread"])
                         for v in ("hierarchical", "hierarchical_serving", "hierarchical_guarded",
-                                  "hierarchical_serving_guarded") if v in per},
+                                  "hierarchical_serving_guarded", "hierarchical_serving_fm_before") if v in per},
                     "full_over_plain_distillation": {
                         full: gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
                         for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"),
@@ -273,7 +285,9 @@ def summarize(seeds: list[dict]) -> dict:
                         ("direct", "distillation"), ("direct_serving", "distillation_serving"),
                         ("direct_serving_summary", "distillation_serving"),
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
-                        ("hierarchical", "alone"), ("hierarchical_serving", "alone")) if with_ in per and without in per},
+                        ("hierarchical", "alone"), ("hierarchical_serving", "alone"),
+                        ("hierarchical_serving_fm_before", "alone"),
+                        ("hierarchical_serving_fm_before", "hierarchical_serving")) if with_ in per and without in per},
                     "calibration_if_rate_held": seeds[0]["verticals"][key].get("calibration_if_rate_held", math.nan)}
     return out
 
