@@ -6,7 +6,10 @@ see. Every trained model then scores the same eval examples with each request's 
 (16, 64, 256, 1024) and to the caps the adaptive policy (gem_ops.serving.adaptive) picks, its mean budget
 set to each fixed cap's mean cost (FLOPs per candidate, fitted on the eval requests' history lengths, which a
 server knows before it scores: the users' histories grow, so the training days' lengths would undershoot): the next
-smaller fixed cap for most requests, the longest cap the budget allows for the longest histories. Saves
+smaller fixed cap for most requests, the longest cap the budget allows for the longest histories; and to the
+caps of the bucketed policy, one cap per band of history length, chosen at the same budget on the log loss of
+the held-out newest training day scored at every cap of MENU_CAPS (a band whose users gain from more history
+gets it). Saves
 AUC / NE per objective, mean ± standard deviation over seeds, the paired adaptive-minus-fixed differences,
 and the mean cost of each, to benchmarks/results/adaptive_compute.json.
 
@@ -29,6 +32,8 @@ import numpy as np  # noqa: E402
 from benchmarks.common import save  # noqa: E402
 
 FIXED_CAPS = (16, 64, 256, 1024)
+MENU_CAPS = (16, 32, 64, 128, 256, 512, 1024)
+BUCKET_EDGES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # bands of the user's whole history length
 METRICS = ("auc", "ne")
 
 
@@ -53,7 +58,8 @@ def main() -> None:
     from gem_ops.data.sequence_logs import SequenceLogsConfig
     from gem_ops.data.synthetic import STRONG_SIGNAL
     from gem_ops.model.config import FeatureSpec, model_config
-    from gem_ops.serving.adaptive import fit_policy, history_costs, request_costs
+    from gem_ops.serving.adaptive import fit_bucketed_policy, fit_policy, history_costs, request_costs
+    from gem_ops.train.batches import newest_days
     from gem_ops.train.config import TrainConfig
     from gem_ops.train.engine import train
     from gem_ops.train.model_state import load_model_state, model_from_state, model_state, save_model_state
@@ -74,6 +80,7 @@ def main() -> None:
         user_lengths = logs.column("history_end").astype(np.int64)
         eval_indices = logs.split_indices("eval")
         eval_lengths = user_lengths[eval_indices]
+        held = newest_days(logs, data.plans[1], 1)  # held out of training: what the bucketed policy is fitted on
         # Every policy's caps on the eval examples: the fixed ones, and the adaptive one at each fixed cap's cost.
         caps = {f"fixed_{c}": np.full(eval_lengths.shape, c) for c in FIXED_CAPS}
         for i, c in enumerate(FIXED_CAPS[1:-1], start=1):
@@ -84,8 +91,8 @@ def main() -> None:
         cost = {name: float(request_costs(costs, eval_lengths, c).mean()) for name, c in caps.items()}
         for seed in args.seeds:
             train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
-                                       eval_max_examples=1000, seed=seed)
-            cached = args.models_dir / f"seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}.pt" \
+                                       eval_max_examples=1000, validation_days=1, seed=seed)
+            cached = args.models_dir / f"seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_v1.pt" \
                 if args.models_dir else None
             if cached is not None and cached.exists():
                 model, seconds = model_from_state(load_model_state(cached)), None
@@ -95,10 +102,20 @@ def main() -> None:
                 seconds = round(result.seconds, 1)
                 if cached is not None:
                     save_model_state(model_state(model), cached)
-            runs[seed] = {name: _quality(model, logs, eval_indices, c) for name, c in caps.items()}
+            held_losses = {cap: _request_losses(model, logs, held, cap) for cap in MENU_CAPS}
+            seed_caps = dict(caps)
+            for c in FIXED_CAPS[1:-1]:
+                policy = fit_bucketed_policy(user_lengths[held], held_losses, eval_lengths, costs,
+                                             request_costs(costs, eval_lengths, c).mean(), BUCKET_EDGES)
+                seed_caps[f"bucketed_at_{c}"] = policy.caps(eval_lengths)
+                policies.setdefault(f"bucketed_at_{c}", {})[seed] = {
+                    **policy.to_dict(), "mean_cost_flops": float(request_costs(costs, eval_lengths, seed_caps[f"bucketed_at_{c}"]).mean())}
+            runs[seed] = {name: _quality(model, logs, eval_indices, c) for name, c in seed_caps.items()}
             runs[seed]["train_seconds"] = seconds
             print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()
                                                 if isinstance(q, dict)), flush=True)
+    for c in FIXED_CAPS[1:-1]:  # each seed fits its own bucketed caps: their mean cost over the seeds
+        cost[f"bucketed_at_{c}"] = float(np.mean([p["mean_cost_flops"] for p in policies[f"bucketed_at_{c}"].values()]))
     summary = _summary(runs, cost, args.seeds)
     for line in summary["table"]:
         print(line)
@@ -107,6 +124,23 @@ def main() -> None:
                 "eval_history_length_quantiles": {q: float(np.quantile(eval_lengths, q)) for q in (0.5, 0.9, 0.99)},
                 "eval_share_beyond_1024": float((eval_lengths > long_cap).mean())}
     save("adaptive_compute", settings, {"policies": policies, "mean_cost_flops": cost, "runs": runs, **summary})
+
+
+def _request_losses(model, logs, indices, cap: int) -> np.ndarray:
+    """Each example's log loss summed over its labelled objectives, its history cut to `cap`."""
+    import torch
+    import torch.nn.functional as F
+
+    from gem_ops.model.features import model_input
+
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for start in range(0, indices.size, 512):
+            x = model_input(logs.batch(indices[start : start + 512], cap), model.spec, model.config)
+            loss = F.binary_cross_entropy_with_logits(model(x).float(), x.labels.float(), reduction="none")
+            out.append((loss * x.label_mask).sum(1).numpy())
+    return np.concatenate(out)
 
 
 def _quality(model, logs, indices, caps) -> dict:
@@ -134,8 +168,8 @@ def _quality(model, logs, indices, caps) -> dict:
 
 
 def _summary(runs: dict, cost: dict, seeds: list[int]) -> dict:
-    """Mean ± standard deviation over seeds per policy, and adaptive minus the fixed cap of equal cost, paired by
-    seed: adaptive beats the fixed cap when the mean difference exceeds both policies' seed spreads."""
+    """Mean ± standard deviation over seeds per policy, and each adaptive or bucketed policy minus the fixed cap of
+    equal cost, paired by seed: it beats the fixed cap when the mean difference exceeds both policies' seed spreads."""
     policies = [name for name in cost]
     groups = [g for g in runs[seeds[0]][policies[0]]]
     stats = {p: {g: {m: {"mean": float(np.mean([runs[s][p][g][m] for s in seeds])),
@@ -145,8 +179,8 @@ def _summary(runs: dict, cost: dict, seeds: list[int]) -> dict:
     for p in policies:
         table.append(f"{p:<18} {cost[p] / 1e9:>10.4f} " + " ".join(
             f"{stats[p][g][m]['mean']:>13.4f} ± {stats[p][g][m]['std']:.4f}" for g in groups for m in METRICS))
-    for p in (p for p in policies if p.startswith("adaptive_at_")):
-        fixed = "fixed_" + p.removeprefix("adaptive_at_")
+    for p in (p for p in policies if p.startswith(("adaptive_at_", "bucketed_at_"))):
+        fixed = "fixed_" + p.split("_at_")[1]
         versus[p] = {}
         for g in groups:
             for m in METRICS:

@@ -113,6 +113,41 @@ def test_the_latency_gate_refuses_a_champion_slower_than_the_budget(registry, tm
     assert json.loads(open(os.path.join(folder, "serving.json")).read())["format"] == "exported_program"
 
 
+def test_the_bucketed_policy_spends_history_where_held_out_loss_falls_and_never_loses_to_a_fixed_cap():
+    from gem_ops.serving.adaptive import BucketedHistoryPolicy, fit_bucketed_policy, history_costs, request_costs
+
+    config = model_config("gem", width=0.5, blocks=2,
+                          **{"sequence.max_history_len": 1024, "sequence.first_level_tokens": 32})
+    costs = history_costs(config, SPEC)
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.lognormal(4.0, 1.5, 4000).astype(int), 5000)
+    held_lengths = np.minimum(rng.lognormal(4.0, 1.5, 3000).astype(int), 5000)
+    edges = (32, 128, 512, 2048)
+    menu = (16, 64, 256, 1024)
+    # Users with 128-512 events gain from every further event they show; the others stop gaining at 16.
+    middle = (held_lengths >= 128) & (held_lengths < 512)
+    losses = {cap: 0.5 - np.where(middle, 0.02 * np.log2(cap / 16), 0.0) for cap in menu}
+    for fixed in (64, 256):
+        budget = request_costs(costs, lengths, fixed).mean()
+        policy = fit_bucketed_policy(held_lengths, losses, lengths, costs, budget, edges)
+        spent = request_costs(costs, lengths, policy.caps(lengths))
+        assert spent.mean() <= budget and spent.max() <= costs[max(menu)]
+        # The band that gains keeps at least the fixed cap; the others get the shortest cap, which loses nothing.
+        assert policy.bucket_caps[2] >= fixed and set(policy.bucket_caps) - {policy.bucket_caps[2]} == {16}, policy
+        expected = lambda p: np.mean([losses[p.caps(held_lengths)[i]][i] for i in range(held_lengths.size)])  # noqa: E731
+        for cap in menu:  # on the held-out requests, no fixed cap within the budget does better
+            if request_costs(costs, lengths, cap).mean() <= budget:
+                assert expected(policy) <= expected(BucketedHistoryPolicy(edges, (cap,) * 5)) + 1e-3
+    # Half of what 1024 for everyone costs: the budget goes to the band that gains, in full.
+    generous = fit_bucketed_policy(held_lengths, losses, lengths, costs, request_costs(costs, lengths, 1024).mean() / 2,
+                                   edges)
+    assert generous.bucket_caps == (16, 16, 1024, 16, 16)
+    with pytest.raises(ValueError, match="below the mean cost of the shortest cap"):
+        fit_bucketed_policy(held_lengths, losses, lengths, costs, request_costs(costs, lengths, 8).mean(), edges)
+    with pytest.raises(ValueError, match="one cap per bucket"):
+        BucketedHistoryPolicy((32, 16), (16, 64, 256))
+
+
 def test_the_adaptive_policy_spends_the_long_cap_on_long_histories_within_its_mean_budget():
     from gem_ops.serving.adaptive import fit_policy, history_costs, request_costs
 

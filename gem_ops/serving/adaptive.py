@@ -1,8 +1,14 @@
 """Adaptive compute: each request's history cap chosen from its user's history length, under a mean compute
 budget per request. A long history costs more (the first pyramid level's attention grows with its square),
-and only a long history can show the patterns that span months; so the policy spends the long cap on the
-users who have that much history and a short cap on the rest, with the threshold set so that the mean cost
-over a sample of requests stays within the budget. No request ever costs more than the long cap's cost.
+and only a long history can show the patterns that span months. Two policies:
+
+- AdaptiveHistoryPolicy spends a long cap on the users who have that much history and a short cap on the
+  rest, the threshold set so that the mean cost over a sample of requests stays within the budget.
+- BucketedHistoryPolicy gives each band of history lengths its own cap, chosen on held-out requests: the
+  caps that minimise the held-out log loss at the budget (a multiple-choice knapsack, solved by dynamic
+  programming over the budget), so a band whose users gain from more history gets it.
+
+No request ever costs more than its policy's longest cap.
 
 Cost: the model's forward FLOPs per candidate at a given history length (gem_ops.metrics.flops), every
 branch reading the whole capped history (an upper bound for the branches that select events)."""
@@ -80,3 +86,87 @@ def _lowest_threshold(lengths: np.ndarray, costs: np.ndarray, mean_budget: float
     means = (total_long - np.where(shorter > 0, saving[np.maximum(shorter - 1, 0)], 0.0)) / lengths.size
     within = np.flatnonzero(means <= mean_budget)
     return int(candidates[within[0]]) if within.size else int(sorted_lengths[-1]) + 1
+
+
+@dataclass(frozen=True)
+class BucketedHistoryPolicy:
+    """Requests of users with edges[i - 1] <= history length < edges[i] read bucket_caps[i] events (bucket 0:
+    below edges[0]; the last: from edges[-1] on)."""
+
+    edges: tuple[int, ...]
+    bucket_caps: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.bucket_caps) != len(self.edges) + 1 or list(self.edges) != sorted(set(self.edges)):
+            raise ValueError(f"BucketedHistoryPolicy needs increasing edges and one cap per bucket (len(edges) + 1), "
+                             f"got edges={self.edges}, bucket_caps={self.bucket_caps}")
+
+    def buckets(self, lengths: np.ndarray) -> np.ndarray:
+        return np.searchsorted(np.asarray(self.edges), np.asarray(lengths), side="right")
+
+    def caps(self, lengths: np.ndarray) -> np.ndarray:
+        return np.asarray(self.bucket_caps)[self.buckets(lengths)]
+
+    def to_dict(self) -> dict:
+        return {"edges": list(self.edges), "bucket_caps": list(self.bucket_caps)}
+
+
+BUDGET_UNITS = 2000  # the knapsack's resolution: costs are rounded up to 1/2000 of the budget, so it is never exceeded
+
+
+def fit_bucketed_policy(held_out_lengths: np.ndarray, held_out_losses: dict[int, np.ndarray], lengths: np.ndarray,
+                        costs: np.ndarray, mean_budget: float, edges: tuple[int, ...]) -> BucketedHistoryPolicy:
+    """The cap per bucket of history length, from the caps of `held_out_losses` (cap -> each held-out request's
+    log loss when its history is cut to that cap), that minimises the expected log loss over `lengths` (the
+    requests to serve: each bucket weighted by its share of them) while their mean cost per candidate stays
+    within `mean_budget`. A bucket without held-out requests is judged by all held-out requests' mean loss."""
+    menu = sorted(held_out_losses)
+    if not menu or menu[0] < 1 or menu[-1] >= len(costs):
+        raise ValueError(f"caps must lie in 1..{len(costs) - 1} (the costed lengths), got {menu}")
+    lengths, held_out_lengths = np.asarray(lengths), np.asarray(held_out_lengths)
+    probe = BucketedHistoryPolicy(tuple(edges), (menu[0],) * (len(edges) + 1))
+    served, held = probe.buckets(lengths), probe.buckets(held_out_lengths)
+    n_buckets = len(edges) + 1
+    loss = np.empty((n_buckets, len(menu)))
+    spend = np.empty((n_buckets, len(menu)))
+    for j, cap in enumerate(menu):
+        losses = np.asarray(held_out_losses[cap], dtype=np.float64)
+        for b in range(n_buckets):
+            mine = losses[held == b]
+            loss[b, j] = (mine.mean() if mine.size else losses.mean()) * np.count_nonzero(served == b)
+            spend[b, j] = request_costs(costs, lengths[served == b], cap).sum()
+    floor = spend[:, 0].sum() / lengths.size
+    if floor > mean_budget:
+        raise ValueError(f"mean_budget {mean_budget:.4g} FLOPs is below the mean cost of the shortest cap alone "
+                         f"({floor:.4g} at cap {menu[0]})")
+    units = np.ceil(spend / (mean_budget * lengths.size) * BUDGET_UNITS).astype(np.int64)
+    choice = _knapsack(loss, units, BUDGET_UNITS)
+    return BucketedHistoryPolicy(tuple(edges), tuple(menu[j] for j in choice))
+
+
+def _knapsack(loss: np.ndarray, units: np.ndarray, capacity: int) -> list[int]:
+    """One option per row minimising the summed loss with summed units <= capacity (dynamic programming)."""
+    best = np.full(capacity + 1, np.inf)
+    best[0] = 0.0
+    picks = []
+    for b in range(loss.shape[0]):
+        nxt, pick = np.full(capacity + 1, np.inf), np.full(capacity + 1, -1)
+        for j in range(loss.shape[1]):
+            u = units[b, j]
+            if u > capacity:
+                continue
+            candidate = np.full(capacity + 1, np.inf)
+            candidate[u:] = best[: capacity + 1 - u] + loss[b, j]
+            better = candidate < nxt
+            nxt[better], pick[better] = candidate[better], j
+        best = nxt
+        picks.append(pick)
+    if not np.isfinite(best).any():  # the rounding up left no room: the cheapest option everywhere
+        return [int(np.argmin(units[b])) for b in range(loss.shape[0])]
+    spent = int(np.argmin(best))
+    choice = []
+    for b in reversed(range(loss.shape[0])):
+        j = int(picks[b][spent])
+        choice.append(j)
+        spent -= units[b, j]
+    return choice[::-1]
