@@ -107,9 +107,9 @@ def main() -> None:
             for c in FIXED_CAPS[1:-1]:
                 policy = fit_bucketed_policy(user_lengths[held], held_losses, eval_lengths, costs,
                                              request_costs(costs, eval_lengths, c).mean(), BUCKET_EDGES)
-                seed_caps[f"bucketed_at_{c}"] = policy.caps(eval_lengths)
+                seed_caps[f"bucketed_at_{c}"] = chosen = policy.caps(eval_lengths)
                 policies.setdefault(f"bucketed_at_{c}", {})[seed] = {
-                    **policy.to_dict(), "mean_cost_flops": float(request_costs(costs, eval_lengths, seed_caps[f"bucketed_at_{c}"]).mean())}
+                    **policy.to_dict(), "mean_cost_flops": float(request_costs(costs, eval_lengths, chosen).mean())}
             runs[seed] = {name: _quality(model, logs, eval_indices, c) for name, c in seed_caps.items()}
             runs[seed]["train_seconds"] = seconds
             print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()

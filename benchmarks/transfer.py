@@ -8,14 +8,15 @@ The teacher (GEM) learns from every training day; a second GEM (`stale_gem`) fro
 `staleness_days` earlier, and judges the Student Adapter (stale_direct against stale_direct_no_adapter),
 since an adapter exists to correct a teacher that retrains less often than its students. Each transfer runs
 twice: the teacher's targets learned by an auxiliary head, and (`*_serving`) by the serving head as soft
-targets beside the labels. The vertical models learn from the newest `student_days` training days of their
-domain, the domain FMs from `--domain-fm-days` (default: every training day), the newest day held out for early
-stopping and calibration; all are judged on the same eval days. Everything trains through gem_ops.train.engine;
-each (dataset, seed, domain) is one job, training that seed's GEMs for itself. Per vertical, over the seeds: each variant's AUC / NE / calibration (mean and
-spread), the teachers' on the same examples, and the share of the teacher-alone AUC gap a variant closes,
-computed only where the teacher beats the alone model by more than the seeds' spread. Beside them, each
-student's parameter count and its single-request latency on the CPU (one user, `--candidates` candidates,
-the median of `--latency-reps` forward passes, one thread). Saved to benchmarks/results/transfer.json.
+targets beside the labels. The vertical models learn from the newest `student_days` training days of their domain,
+the domain FMs from `--domain-fm-days` (default: every training day), the newest day held out for early stopping
+and calibration; all are judged on the same eval days. Everything trains through gem_ops.train.engine; each
+(dataset, seed, domain) is one job, training that seed's GEMs for itself. Per vertical, over the seeds: each
+variant's AUC / NE / calibration (mean and spread), the teachers' on the same examples, and the share of the
+teacher-alone AUC gap a variant closes, computed only where the teacher beats the alone model by more than the
+seeds' spread. Beside them, each student's parameter count and its single-request latency on the CPU (one user,
+`--candidates` candidates, the median of `--latency-reps` forward passes, one thread). Saved to
+benchmarks/results/<--output-name>.json.
 
     python benchmarks/transfer.py --seeds 0 1 2 [--datasets synthetic movielens] [--gem-epochs 2]
     python benchmarks/transfer.py --prepare-to .gpu_data/transfer             # on a machine with polars
@@ -182,8 +183,8 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                                             ("trunk", "summary") if "gem_summary" in needed else ("trunk",))
     teachers = {None: None, "gem": gem, "gem_summary": gem_summary[0] if gem_summary else None}
     if "stale_gem" in needed:  # `staleness_days` older: where the Student Adapter matters (vertical models only)
-        (teachers["stale_gem"],), _ = train_gem("stale_gem", window,
-                                                students_examples(logs, replace(window, domain_fm_days=window.student_days)))
+        verticals_only = students_examples(logs, replace(window, domain_fm_days=window.student_days))
+        (teachers["stale_gem"],), _ = train_gem("stale_gem", window, verticals_only)
     rows = {}
     for domain in domains:
         part = DomainData.of(logs, domain, window)
@@ -383,7 +384,8 @@ def main() -> None:
             for d in (d for d in args.datasets if done[d]):
                 seeds = sorted(done[d], key=lambda f: f["seed"])
                 results[d] = {"seeds": seeds, "summary": summarize(seeds)}
-            save(args.output_name, {**vars(args), "end": END.isoformat(), "days": DAYS, "variants": {v: ALL_VARIANTS[v] for v in args.variants}}, results)
+            save(args.output_name, {**vars(args), "end": END.isoformat(), "days": DAYS,
+                                    "variants": {v: ALL_VARIANTS[v] for v in args.variants}}, results)
 
 
 def prepare(name: str, root: Path, args) -> Path:

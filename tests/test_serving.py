@@ -134,7 +134,8 @@ def test_the_bucketed_policy_spends_history_where_held_out_loss_falls_and_never_
         assert spent.mean() <= budget and spent.max() <= costs[max(menu)]
         # The band that gains keeps at least the fixed cap; the others get the shortest cap, which loses nothing.
         assert policy.bucket_caps[2] >= fixed and set(policy.bucket_caps) - {policy.bucket_caps[2]} == {16}, policy
-        expected = lambda p: np.mean([losses[p.caps(held_lengths)[i]][i] for i in range(held_lengths.size)])  # noqa: E731
+        def expected(chosen):
+            return np.mean([losses[cap][i] for i, cap in enumerate(chosen.caps(held_lengths))])
         for cap in menu:  # on the held-out requests, no fixed cap within the budget does better
             if request_costs(costs, lengths, cap).mean() <= budget:
                 assert expected(policy) <= expected(BucketedHistoryPolicy(edges, (cap,) * 5)) + 1e-3

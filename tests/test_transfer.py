@@ -126,7 +126,8 @@ def test_a_domain_fm_learns_from_its_longer_window_and_its_adapter_from_the_fres
     five = DomainData.of(logs, "feed", TransferWindows(student_days=3, domain_fm_days=5))
     assert set(five.train) < set(five.foundation) < set(every.foundation)
     assert np.array_equal(np.unique(ts[five.foundation] // day), train_days[-5:])
-    with pytest.raises(ValueError, match=r"domain_fm_days \(2\) must be None \(every training day\) or at least student_days \(3\)"):
+    with pytest.raises(ValueError, match=r"domain_fm_days \(2\) must be None \(every training day\) or at least "
+                                         r"student_days \(3\)"):
         TransferWindows(student_days=3, domain_fm_days=2)
     window = TransferWindows(student_days=3, domain_fm_days=5)
     scored = students_examples(logs, window)  # GEM scores each FM and student example once, and the eval days
@@ -135,13 +136,18 @@ def test_a_domain_fm_learns_from_its_longer_window_and_its_adapter_from_the_fres
 
     identity = model_identity("teacher_test", "1", "gem")
     table = compute_user_representations(stale_teacher.model, logs, scored, identity)
-    gem = Teacher(stale_teacher.model, score_examples(stale_teacher.model, logs, scored, identity, representations=table),
-                  identity, table)
+    scores = score_examples(stale_teacher.model, logs, scored, identity, representations=table)
+    gem = Teacher(stale_teacher.model, scores, identity, table)
     fitted_on = []
-    monkeypatch.setattr("gem_ops.transfer.student.fit_adapter",
-                        lambda logs_, predictions, indices, *a: fitted_on.append(indices) or fit_adapter(logs_, predictions, indices, *a))
-    run = train_domain_foundation_model(logs, five, model_config("domain_fm", width=0.5, **{"sequence.max_history_len": 32}),
-                                        replace(QUICK, max_steps=2), tmp_path, TransferConfig(), gem, SHUFFLING)
+
+    def recording_fit(logs_, predictions, indices, *args):
+        fitted_on.append(indices)
+        return fit_adapter(logs_, predictions, indices, *args)
+
+    monkeypatch.setattr("gem_ops.transfer.student.fit_adapter", recording_fit)
+    fm_config = model_config("domain_fm", width=0.5, **{"sequence.max_history_len": 32})
+    run = train_domain_foundation_model(logs, five, fm_config, replace(QUICK, max_steps=2), tmp_path, TransferConfig(),
+                                        gem, SHUFFLING)
     planned = read_plan(tmp_path / "plan.parquet").ravel()
     assert set(planned) <= set(five.foundation) and np.setdiff1d(planned, five.train).size > 0  # older days too
     assert len(fitted_on) == 1 and np.array_equal(fitted_on[0], five.train)  # the adapter: today's labels only

@@ -74,8 +74,9 @@ def train_domain_foundation_model(logs: SequenceLogs, data: DomainData, base: Mo
                                   shuffling: ShufflingConfig = ShufflingConfig(),
                                   tracker: RunTracker | None = None, device: str = "cpu") -> StudentRun:
     """A domain FM: every objective of one domain, on the domain's FM window, from GEM (or alone)."""
-    return train_student(logs, data.foundation_train, data.eval, base, (), train_config, work_dir, transfer, gem, shuffling, tracker,
-                         device, adapter_indices=data.train)  # the adapter corrects GEM for today's labels
+    # The adapter corrects GEM for the verticals' (today's) labels.
+    return train_student(logs, data.foundation_train, data.eval, base, (), train_config, work_dir, transfer, gem,
+                         shuffling, tracker, device, adapter_indices=data.train)
 
 
 def as_teacher(run: StudentRun, data: DomainData, identity: dict[str, Any], device: str = "cpu") -> Teacher:
