@@ -129,7 +129,7 @@ def test_the_bucketed_policy_spends_history_where_held_out_loss_falls_and_never_
     losses = {cap: 0.5 - np.where(middle, 0.02 * np.log2(cap / 16), 0.0) for cap in menu}
     for fixed in (64, 256):
         budget = request_costs(costs, lengths, fixed).mean()
-        policy = fit_bucketed_policy(held_lengths, losses, lengths, costs, budget, edges)
+        policy = fit_bucketed_policy(held_lengths, losses, lengths, costs, budget, edges, monotone=False)
         spent = request_costs(costs, lengths, policy.caps(lengths))
         assert spent.mean() <= budget and spent.max() <= costs[max(menu)]
         # The band that gains keeps at least the fixed cap; the others get the shortest cap, which loses nothing.
@@ -140,9 +140,13 @@ def test_the_bucketed_policy_spends_history_where_held_out_loss_falls_and_never_
             if request_costs(costs, lengths, cap).mean() <= budget:
                 assert expected(policy) <= expected(BucketedHistoryPolicy(edges, (cap,) * 5)) + 1e-3
     # Half of what 1024 for everyone costs: the budget goes to the band that gains, in full.
-    generous = fit_bucketed_policy(held_lengths, losses, lengths, costs, request_costs(costs, lengths, 1024).mean() / 2,
-                                   edges)
-    assert generous.bucket_caps == (16, 16, 1024, 16, 16)
+    half = request_costs(costs, lengths, 1024).mean() / 2
+    assert fit_bucketed_policy(held_lengths, losses, lengths, costs, half, edges, monotone=False).bucket_caps == (
+        16, 16, 1024, 16, 16)
+    # Monotone (the default): no longer history gets a shorter cap, and the budget still holds.
+    monotone = fit_bucketed_policy(held_lengths, losses, lengths, costs, half, edges)
+    assert list(monotone.bucket_caps) == sorted(monotone.bucket_caps) and monotone.bucket_caps[:2] == (16, 16)
+    assert request_costs(costs, lengths, monotone.caps(lengths)).mean() <= half
     with pytest.raises(ValueError, match="below the mean cost of the shortest cap"):
         fit_bucketed_policy(held_lengths, losses, lengths, costs, request_costs(costs, lengths, 8).mean(), edges)
     with pytest.raises(ValueError, match="one cap per bucket"):

@@ -115,11 +115,14 @@ BUDGET_UNITS = 2000  # the knapsack's resolution: costs are rounded up to 1/2000
 
 
 def fit_bucketed_policy(held_out_lengths: np.ndarray, held_out_losses: dict[int, np.ndarray], lengths: np.ndarray,
-                        costs: np.ndarray, mean_budget: float, edges: tuple[int, ...]) -> BucketedHistoryPolicy:
+                        costs: np.ndarray, mean_budget: float, edges: tuple[int, ...], prior_requests: float = 200.0,
+                        monotone: bool = True) -> BucketedHistoryPolicy:
     """The cap per bucket of history length, from the caps of `held_out_losses` (cap -> each held-out request's
     log loss when its history is cut to that cap), that minimises the expected log loss over `lengths` (the
     requests to serve: each bucket weighted by its share of them) while their mean cost per candidate stays
-    within `mean_budget`. A bucket without held-out requests is judged by all held-out requests' mean loss."""
+    within `mean_budget`. A bucket's loss curve is its held-out requests' mean pulled toward a flat curve (its
+    loss at the shortest cap) as if `prior_requests` such requests were among them: a thin bucket's noise buys
+    no history. With `monotone` a longer history never gets a shorter cap."""
     menu = sorted(held_out_losses)
     if not menu or menu[0] < 1 or menu[-1] >= len(costs):
         raise ValueError(f"caps must lie in 1..{len(costs) - 1} (the costed lengths), got {menu}")
@@ -129,44 +132,53 @@ def fit_bucketed_policy(held_out_lengths: np.ndarray, held_out_losses: dict[int,
     n_buckets = len(edges) + 1
     loss = np.empty((n_buckets, len(menu)))
     spend = np.empty((n_buckets, len(menu)))
+    shortest = np.asarray(held_out_losses[menu[0]], dtype=np.float64)
     for j, cap in enumerate(menu):
         losses = np.asarray(held_out_losses[cap], dtype=np.float64)
         for b in range(n_buckets):
-            mine = losses[held == b]
-            loss[b, j] = (mine.mean() if mine.size else losses.mean()) * np.count_nonzero(served == b)
+            mine = held == b
+            flat = shortest[mine].mean() if mine.any() else shortest.mean()
+            pooled = (losses[mine].sum() + prior_requests * flat) / (np.count_nonzero(mine) + prior_requests)
+            loss[b, j] = pooled * np.count_nonzero(served == b)
             spend[b, j] = request_costs(costs, lengths[served == b], cap).sum()
     floor = spend[:, 0].sum() / lengths.size
     if floor > mean_budget:
         raise ValueError(f"mean_budget {mean_budget:.4g} FLOPs is below the mean cost of the shortest cap alone "
                          f"({floor:.4g} at cap {menu[0]})")
     units = np.ceil(spend / (mean_budget * lengths.size) * BUDGET_UNITS).astype(np.int64)
-    choice = _knapsack(loss, units, BUDGET_UNITS)
+    choice = _knapsack(loss, units, BUDGET_UNITS, monotone)
     return BucketedHistoryPolicy(tuple(edges), tuple(menu[j] for j in choice))
 
 
-def _knapsack(loss: np.ndarray, units: np.ndarray, capacity: int) -> list[int]:
-    """One option per row minimising the summed loss with summed units <= capacity (dynamic programming)."""
-    best = np.full(capacity + 1, np.inf)
-    best[0] = 0.0
-    picks = []
-    for b in range(loss.shape[0]):
-        nxt, pick = np.full(capacity + 1, np.inf), np.full(capacity + 1, -1)
-        for j in range(loss.shape[1]):
+def _knapsack(loss: np.ndarray, units: np.ndarray, capacity: int, monotone: bool) -> list[int]:
+    """One option per row minimising the summed loss with summed units <= capacity (dynamic programming over
+    (units spent, the previous row's option)); with `monotone`, each row's option at least the previous row's."""
+    rows, options = loss.shape
+    best = np.full((capacity + 1, options), np.inf)
+    best[0, 0] = 0.0
+    back = []
+    for b in range(rows):
+        reach, came = np.empty_like(best), np.zeros(best.shape, dtype=np.int64)
+        low, low_at = np.full(capacity + 1, np.inf), np.zeros(capacity + 1, dtype=np.int64)
+        for j in range(options):  # the best way in to option j: from any option (or, monotone, any <= j)
+            better = best[:, j] < low
+            low[better], low_at[better] = best[better, j], j
+            reach[:, j], came[:, j] = low, low_at
+        if not monotone:
+            reach[:], came[:] = low[:, None], low_at[:, None]
+        nxt, source = np.full_like(best, np.inf), np.full(best.shape, -1, dtype=np.int64)
+        for j in range(options):
             u = units[b, j]
-            if u > capacity:
-                continue
-            candidate = np.full(capacity + 1, np.inf)
-            candidate[u:] = best[: capacity + 1 - u] + loss[b, j]
-            better = candidate < nxt
-            nxt[better], pick[better] = candidate[better], j
+            if u <= capacity:
+                nxt[u:, j] = reach[: capacity + 1 - u, j] + loss[b, j]
+                source[u:, j] = came[: capacity + 1 - u, j]
         best = nxt
-        picks.append(pick)
+        back.append(source)
     if not np.isfinite(best).any():  # the rounding up left no room: the cheapest option everywhere
-        return [int(np.argmin(units[b])) for b in range(loss.shape[0])]
-    spent = int(np.argmin(best))
+        return [int(np.argmin(units[b])) for b in range(rows)]
+    spent, j = (int(k) for k in np.unravel_index(np.argmin(best), best.shape))
     choice = []
-    for b in reversed(range(loss.shape[0])):
-        j = int(picks[b][spent])
+    for b in reversed(range(rows)):
         choice.append(j)
-        spent -= units[b, j]
+        spent, j = spent - int(units[b, j]), int(back[b][spent, j])
     return choice[::-1]
