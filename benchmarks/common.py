@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -30,7 +31,10 @@ def machine() -> dict:
     return out
 
 
+@functools.cache
 def commit() -> dict:
+    """The checkout's commit and whether tracked files differ from it, as when the benchmark started: taken on
+    first use, and this module takes it when imported (a long run's tree may change before it saves)."""
     if os.environ.get("GEM_SOURCE_COMMIT"):  # a copied tree whose .git may be stale (the GPU machine)
         return {"commit": os.environ["GEM_SOURCE_COMMIT"], "dirty": os.environ.get("GEM_SOURCE_DIRTY") == "1"}
     root = Path(__file__).resolve().parents[1]
@@ -97,3 +101,6 @@ class Quiet:
         while os.getloadavg()[0] >= self.max_load and time.monotonic() < deadline:
             time.sleep(5)
         return os.getloadavg()[0]
+
+
+commit()  # the tree the benchmark starts from
