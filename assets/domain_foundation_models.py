@@ -32,9 +32,9 @@ def fm_predictions_path(lake: LakeResource, day: str, domain: str):
 @dg.asset(partitions_def=daily_partitions, deps=[teacher_predictions], group_name="transfer", kinds={"pytorch", "mlflow"})
 def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFoundationModelsConfig,
                              lake: LakeResource, mlflow: MLflowResource):
-    """Per domain: a domain FM trained on the domain's days (teacher_predictions' domain_fm_days) with GEM's knowledge (distillation through
-    a Student Adapter, representation transfer, shared tables), registered in MLflow; it then scores its
-    domain's examples for the vertical models below it."""
+    """Per domain: a domain FM trained on the domain's days (teacher_predictions' domain_fm_days) with GEM's
+    knowledge (distillation through a Student Adapter, representation transfer, shared tables), registered in
+    MLflow; it then scores its domain's examples for the vertical models below it."""
     day = context.partition_key
     logs = SequenceLogs(sequence_logs_path(lake, day))
     gem_predictions = read_predictions(predictions_path(lake, day))

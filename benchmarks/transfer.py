@@ -191,7 +191,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
         if "fm" in needed:
             teachers["fm"] = train_fm(part, "fm")
         if "fm_before" in needed:  # the FM's knowledge of the verticals' days is out of sample
-            teachers["fm_before"] = train_fm(replace(part, foundation=np.setdiff1d(part.foundation_train, part.train)),
+            teachers["fm_before"] = train_fm(replace(part, foundation=np.setdiff1d(part.foundation, part.train)),
                                              "fm_before")
         tasks = [t for t in windows.labelled_tasks(logs, part.train) if t in windows.labelled_tasks(logs, part.eval)]
         for task in (t for t in tasks if t in args.tasks):

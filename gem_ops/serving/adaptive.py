@@ -133,14 +133,14 @@ def fit_bucketed_policy(held_out_lengths: np.ndarray, held_out_losses: dict[int,
     loss = np.empty((n_buckets, len(menu)))
     spend = np.empty((n_buckets, len(menu)))
     shortest = np.asarray(held_out_losses[menu[0]], dtype=np.float64)
-    for j, cap in enumerate(menu):
-        losses = np.asarray(held_out_losses[cap], dtype=np.float64)
-        for b in range(n_buckets):
-            mine = held == b
-            flat = shortest[mine].mean() if mine.any() else shortest.mean()
-            pooled = (losses[mine].sum() + prior_requests * flat) / (np.count_nonzero(mine) + prior_requests)
-            loss[b, j] = pooled * np.count_nonzero(served == b)
-            spend[b, j] = request_costs(costs, lengths[served == b], cap).sum()
+    for b in range(n_buckets):
+        mine, theirs = held == b, served == b
+        flat = shortest[mine].mean() if mine.any() else shortest.mean()
+        for j, cap in enumerate(menu):
+            pooled = (np.asarray(held_out_losses[cap], dtype=np.float64)[mine].sum() + prior_requests * flat) \
+                / (np.count_nonzero(mine) + prior_requests)
+            loss[b, j] = pooled * np.count_nonzero(theirs)
+            spend[b, j] = request_costs(costs, lengths[theirs], cap).sum()
     floor = spend[:, 0].sum() / lengths.size
     if floor > mean_budget:
         raise ValueError(f"mean_budget {mean_budget:.4g} FLOPs is below the mean cost of the shortest cap alone "

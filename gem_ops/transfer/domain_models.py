@@ -61,4 +61,4 @@ def domain_foundation_model(client: MlflowClient, tracker: RunTracker, logs: Seq
         if fm.adapter_report:
             child.log_metrics(flat_metrics(fm.adapter_report["teacher"], "adapter.before")
                               | flat_metrics(fm.adapter_report["adapted"], "adapter.after"))
-    return DomainModel(name, version, int(data.foundation_train.size), fm.result.final_report)
+    return DomainModel(name, version, int(data.foundation.size), fm.result.final_report)

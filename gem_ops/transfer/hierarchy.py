@@ -26,21 +26,17 @@ from gem_ops.transfer.user_representations import compute_user_representations
 @dataclass
 class DomainData:
     """A domain's fresh training examples (the vertical models'), its eval examples, and the longer window
-    its foundation model learns from (None: the fresh examples)."""
+    its foundation model learns from (which holds the fresh examples)."""
 
     domain: str
     train: np.ndarray
     eval: np.ndarray
-    foundation: np.ndarray | None = None
+    foundation: np.ndarray
 
     @classmethod
     def of(cls, logs: SequenceLogs, domain: str, window: TransferWindows) -> DomainData:
         return cls(domain, windows.student_examples(logs, window, domain), windows.eval_examples(logs, domain),
                    windows.domain_fm_examples(logs, window, domain))
-
-    @property
-    def foundation_train(self) -> np.ndarray:
-        return self.train if self.foundation is None else self.foundation
 
     @property
     def all(self) -> np.ndarray:
@@ -64,9 +60,8 @@ class DomainData:
 
 def students_examples(logs: SequenceLogs, window: TransferWindows) -> np.ndarray:
     """Every example a student (domain FM or vertical model) trains or is evaluated on: what GEM has to score."""
-    fresh = windows.student_examples(logs, window)
-    older = np.setdiff1d(windows.domain_fm_examples(logs, window), fresh, assume_unique=True)
-    return np.concatenate([older, fresh, windows.eval_examples(logs)])
+    # The FMs' window holds the vertical models' days (domain_fm_days >= student_days).
+    return np.concatenate([windows.domain_fm_examples(logs, window), windows.eval_examples(logs)])
 
 
 def train_domain_foundation_model(logs: SequenceLogs, data: DomainData, base: ModelConfig, train_config: TrainConfig,
@@ -75,7 +70,7 @@ def train_domain_foundation_model(logs: SequenceLogs, data: DomainData, base: Mo
                                   tracker: RunTracker | None = None, device: str = "cpu") -> StudentRun:
     """A domain FM: every objective of one domain, on the domain's FM window, from GEM (or alone)."""
     # The adapter corrects GEM for the verticals' (today's) labels.
-    return train_student(logs, data.foundation_train, data.eval, base, (), train_config, work_dir, transfer, gem,
+    return train_student(logs, data.foundation, data.eval, base, (), train_config, work_dir, transfer, gem,
                          shuffling, tracker, device, adapter_indices=data.train)
 
 
