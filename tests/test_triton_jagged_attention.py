@@ -99,6 +99,22 @@ CPU_CASES = _cases(
                                                                                       (True, "silu"))
 ]
 
+# The interpreter's default run: one case of each kind (self and cross, both masks and activations, small,
+# padded and large head dims, rows outside the sequences). The rest run under `slow` (test_every_interpreter_case).
+DEFAULT_INTERPRETER_CASES = {
+    "self-mixed-causal-softmax", "self-long_tail-full-silu", "cross-causal-softmax", "cross-full-silu",
+    "self-all-empty", "self-single-token", "self-mixed-d16-causal-silu", "self-mixed-d16-causal-softmax",
+    "cross-d16-causal-silu", "self-outside-full-silu", "cross-outside-d16", "self-d96-full-silu",
+    "self-d256-causal-softmax", "cross-d192-dv64-causal-silu", "cross-d256-dv256-full-softmax",
+}
+CPU_CASES = [p if p.id in DEFAULT_INTERPRETER_CASES else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+             for p in CPU_CASES]
+
+
+def _default_count(params) -> int:
+    return sum(not any(m.name == "slow" for m in getattr(p, "marks", ())) for p in params)
+
+
 GPU_CASES = _cases(
     {"mixed": (0, 1, 5, 17, 130, 2, 700, 0, 93, 257), "long_tail": _long_tail(1, 64, 60, 3000)},
     cross=((1, 4, 2, 3) * 8, _long_tail(2, 32, 300, 2000)),
@@ -367,10 +383,12 @@ def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, monk
 
 
 NAN_CASES = [(causal, activation) for causal in (False, True) for activation in ("softmax", "silu")]
+NAN_INTERPRETER_CASES = [pytest.param(*case, marks=() if case in ((True, "softmax"), (False, "silu")) else pytest.mark.slow)
+                         for case in NAN_CASES]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("causal,activation", NAN_CASES)
+@pytest.mark.parametrize("causal,activation", NAN_INTERPRETER_CASES)
 def test_a_nan_stays_in_its_sequence_on_cpu_interpreter(causal, activation):
     from tests.test_jagged_attention import nan_stays_in_its_sequence
 
@@ -388,8 +406,15 @@ def test_a_nan_stays_in_its_sequence_on_gpu(causal, activation):
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
+    run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
+                          + len(FP8_CASES) + len(TILE_TABLE_CASES) + 1 + _default_count(NAN_INTERPRETER_CASES))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
+def test_every_interpreter_case():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
-                          + len(TILE_TABLE_CASES) + 1 + len(NAN_CASES))
+                          + len(TILE_TABLE_CASES) + 1 + len(NAN_CASES), markers="")
 
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory on Hopper
