@@ -359,25 +359,31 @@ def main() -> None:
     runs = results.setdefault("end_to_end", {})
     summary = results.setdefault("summary", {})
     for shape_name, shape in map(parse_shape, args.shapes):
-        for variant in args.precisions:
-            key = f"{shape_name}/{variant}"
-            runs[key] = [end_to_end(args, shape_name, shape, variant, left()) for _ in range(args.repeats)]
-            summary[key] = {m: spread(runs[key], m) for m in ("mfu_window_mean", "mfu_median_step", "samples_per_second")}
-            checkpoint_results()
+        for _ in range(args.repeats):  # precisions alternate: a run cut short by the budget leaves pairs
+            for variant in args.precisions:
+                key = f"{shape_name}/{variant}"
+                runs.setdefault(key, []).append(end_to_end(args, shape_name, shape, variant, left()))
+                summary[key] = {m: spread(runs[key], m) for m in ("mfu_window_mean", "mfu_median_step",
+                                                                   "samples_per_second")}
+                checkpoint_results()
     if not args.skip_dense:
         results["dense_layers"] = run_stage("dense", left())
         checkpoint_results()
 
     comparisons = {}
     for shape_name, _ in map(parse_shape, args.shapes):
-        done = {v: runs[f"{shape_name}/{v}"][0] for v in args.precisions if "losses" in runs[f"{shape_name}/{v}"][0]}
-        for variant in (v for v in done if "bf16" in done and precision_variant(v)[0] == "fp8"):
-            n = min(len(done["bf16"]["losses"]), len(done[variant]["losses"]))
+        done = {v: [r for r in runs[f"{shape_name}/{v}"] if "losses" in r] for v in args.precisions}
+        for variant in (v for v in done if done["bf16"] and done[v] and precision_variant(v)[0] == "fp8"):
+            first = {"bf16": done["bf16"][0], variant: done[variant][0]}  # same seed: the same batches
+            n = min(len(first["bf16"]["losses"]), len(first[variant]["losses"]))
             last = slice(n - LOSS_STEPS, n)
-            bf16, fp8 = (statistics.mean(done[p]["losses"][last]) for p in ("bf16", variant))
+            bf16, fp8 = (statistics.mean(first[p]["losses"][last]) for p in ("bf16", variant))
+            speed = {p: [r["samples_per_second"] for r in done[p]] for p in ("bf16", variant)}
             comparisons[f"{shape_name}/{variant}"] = {
                 "steps": n, "bf16_loss": bf16, "fp8_loss": fp8, "relative_difference": (fp8 - bf16) / bf16,
-                "samples_per_second_ratio": done[variant]["samples_per_second"] / done["bf16"]["samples_per_second"]}
+                # the ratio of the mean samples/s over the repeats, and each repeat's (bf16 and FP8 ran in turn)
+                "samples_per_second_ratio": statistics.mean(speed[variant]) / statistics.mean(speed["bf16"]),
+                "paired_ratios": [f / b for b, f in zip(speed["bf16"], speed[variant])]}
     results["loss_comparisons"] = comparisons
     results["wall_seconds"] = time.perf_counter() - began
     checkpoint_results()
