@@ -114,7 +114,8 @@ def summarize(runs: dict[str, list[dict]], min_positives: int) -> dict:
             for other in (n for n in table if n != "gem" and "@" not in n and group in table[n]):
                 theirs = table[other][group]["auc"]
                 margins[other] = {"auc_gain": gem["mean"] - theirs["mean"],
-                                  "beyond_spread": gem["mean"] - theirs["mean"] > max(gem["spread"], theirs["spread"])}
+                                  "beyond_spread": gem["mean"] - theirs["mean"] > max(gem["spread"], theirs["spread"]),
+                                  "worst_seed_above_their_best": gem["min"] > theirs["max"]}
             verdicts[group] = {"positives": figures["positives"], "vs": margins,
                                "gem_best": all(m["beyond_spread"] for m in margins.values())}
     return {"models": table, "gem_against_each": verdicts,
@@ -142,8 +143,9 @@ def compute_efficiency(table: dict, group: str) -> dict | None:
 def _spread(values: list[float]) -> dict:
     values = [v for v in values if not math.isnan(v)]
     if not values:
-        return {"mean": math.nan, "spread": math.nan, "seeds": 0}
-    return {"mean": statistics.mean(values), "spread": max(values) - min(values), "seeds": len(values)}
+        return {"mean": math.nan, "spread": math.nan, "min": math.nan, "max": math.nan, "seeds": 0}
+    return {"mean": statistics.mean(values), "spread": max(values) - min(values), "min": min(values),
+            "max": max(values), "seeds": len(values)}
 
 
 def main() -> None:
