@@ -404,6 +404,68 @@ def test_a_nan_stays_in_its_sequence_on_gpu(causal, activation):
     nan_stays_in_its_sequence("triton", "cuda", causal, activation)
 
 
+def _capture_batch(lengths, kv_lengths, capacity: int, heads: int, dim: int, seed: int) -> dict:
+    """One batch of a fixed-capacity buffer: `capacity` rows, the sequences' tokens first, the rest outside."""
+    g = torch.Generator().manual_seed(seed)
+    q_offsets = _offsets(lengths, "cuda")
+    kv_offsets = q_offsets if kv_lengths is None else _offsets(kv_lengths, "cuda")
+    rows = {"q": capacity, "k": capacity if kv_lengths is None else 4 * capacity}
+    return {"q_offsets": q_offsets, "kv_offsets": kv_offsets,
+            **{name: torch.randn(rows["q" if name in ("q", "d_out") else "k"], heads, dim, generator=g).cuda()
+               .to(torch.bfloat16) for name in ("q", "k", "v", "d_out")}}
+
+
+def _attention_and_grads(batch: dict, causal: bool, activation: str) -> list[torch.Tensor]:
+    q, k, v = batch["q"], batch["k"], batch["v"]
+    out = jagged_attention(q, k, v, batch["q_offsets"], batch["kv_offsets"], causal=causal, activation=activation,
+                           backend="triton")
+    return [out, *torch.autograd.grad(out, (q, k, v), batch["d_out"])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cross,causal,activation", [(False, True, "softmax"), (False, False, "silu"),
+                                                     (True, False, "softmax")])
+def test_forward_and_backward_replay_from_a_cuda_graph_on_new_batches(cross, causal, activation):
+    """Captured once on one batch, replayed on others copied into the same buffers (other lengths, other token
+    counts within the buffers' capacity): the same outputs and gradients as eager calls on those batches. The tile
+    tables are built on the device from the offsets, so a replay needs no host work."""
+    capacity, heads, dim = 4096, 4, 64
+    batches = [
+        (_long_tail(7, 32, 60, 1500), None if not cross else _long_tail(8, 32, 400, 3000)),
+        (_long_tail(9, 32, 90, 2000), None if not cross else _long_tail(10, 32, 300, 4000)),
+        ((0, 5, 1) + (0,) * 29, None if not cross else (40, 0, 3) + (0,) * 29),  # nearly every row outside
+    ]
+    if cross:  # one query per sample over its history
+        batches = [((1,) * len(kv), kv) for _, kv in batches]
+    static = _capture_batch(*batches[0], capacity, heads, dim, seed=0)
+    for name in ("q", "k", "v"):
+        static[name].requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # autotuning, tile table shapes and the allocator's warm-up, before capture
+        for _ in range(2):
+            _attention_and_grads(static, causal, activation)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _attention_and_grads(static, causal, activation)
+    for seed, (lengths, kv_lengths) in enumerate(batches[1:], start=1):
+        batch = _capture_batch(lengths, kv_lengths, capacity, heads, dim, seed)
+        assert int(batch["q_offsets"][-1]) <= capacity and int(batch["kv_offsets"][-1]) <= batch["k"].shape[0]
+        with torch.no_grad():
+            for name, value in batch.items():
+                static[name].copy_(value)
+        graph.replay()
+        for name in ("q", "k", "v"):
+            batch[name].requires_grad_()
+        want = _attention_and_grads(batch, causal, activation)
+        for name, got, expected in zip(("out", "dq", "dk", "dv"), captured, want):
+            # equal up to the order of the backward's atomic additions
+            error = (got.float() - expected.float()).norm() / (expected.float().norm() + 1e-6)
+            assert error < 2e-3, f"{name}: relative error {error:.1e} after replay on batch {seed}"
+
+
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
