@@ -11,6 +11,7 @@ drawn lognormal (median ~33 events, a long tail past 1024, like the synthetic lo
 once the 1-minute load average is below --max-load (the machine is shared).
 
     python benchmarks/serving.py [--requests 30] [--formats exported_program aot_inductor] [--threads 2]
+    python benchmarks/serving.py --device cuda      # eager on the GPU (scores copied back: the server's latency)
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-load", type=float, default=1.3)
     parser.add_argument("--load-wait", type=float, default=900.0)
+    parser.add_argument("--device", default="cpu", help="cuda: the eager path on the GPU (the exported "
+                        "artifacts are CPU programs), saved as serving_cuda.json")
     parser.add_argument("--fixed-cap", type=int, default=256, help="the fixed cap the adaptive policy matches in cost "
                         "(its short cap: a quarter of it)")
     args = parser.parse_args()
@@ -55,15 +58,19 @@ def main() -> None:
     from tests.model_inputs import SPEC
 
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    formats = args.formats if device.type == "cpu" else []
     quiet = Quiet(args.max_load, args.load_wait)
     models = {"vertical": seeded_model(SPEC, model_config("vertical", teacher_representation_dim=64)).eval(),
               "long_history": seeded_model(SPEC, model_config("gem", width=0.5, blocks=2, **{
                   "sequence.max_history_len": 1024, "sequence.first_level_tokens": 32})).eval()}
+    models = {name: model.to(device) for name, model in models.items()}
 
     def eager(model):
         def score(request):
             batch = request_batch(request, SPEC)
-            return torch.sigmoid(model(model_input(batch, SPEC, model.config)))
+            # the scores back on the host, as a server returns them (on a GPU: the wait for the device)
+            return torch.sigmoid(model(model_input(batch, SPEC, model.config).to(device))).cpu()
         return score
 
     results = {"latency": {}, "fixed_vs_adaptive": {}, "history_sweep": {}, "export_seconds": {}, "loads": []}
@@ -76,7 +83,7 @@ def main() -> None:
         scorers = {}
         for name, model in models.items():
             scorers[name] = {"eager": eager(model)}
-            for fmt in args.formats:
+            for fmt in formats:
                 try:
                     exported = export_serving(model, Path(tmp) / f"{name}_{fmt}", fmt)
                 except Exception as error:  # noqa: BLE001 - recorded: AOTInductor needs a working compiler
@@ -115,10 +122,13 @@ def main() -> None:
                 results["history_sweep"][mode][str(length)] = figures[str(SWEEP_CANDIDATES)]
             print(f"history sweep {mode}: " + ", ".join(f"{L}: {f['p50_ms']:.1f} ms"
                                                          for L, f in results["history_sweep"][mode].items()), flush=True)
-    _plot(results["history_sweep"], RESULTS / "serving_latency_vs_history.png")
-    save("serving", {**vars(args), "candidates": CANDIDATES, "history_sweep": HISTORY_SWEEP,
-                     "models": {n: m.config.to_dict() for n, m in models.items()},
-                     "torch_threads": torch.get_num_threads(), "device": "cpu"}, results)
+    name = "serving" if device.type == "cpu" else f"serving_{device.type}"
+    _plot(results["history_sweep"], RESULTS / f"{name}_latency_vs_history.png")
+    if device.type == "cuda":
+        results["device_name"] = torch.cuda.get_device_name(device)
+    save(name, {**vars(args), "candidates": CANDIDATES, "history_sweep": HISTORY_SWEEP,
+                "models": {n: m.config.to_dict() for n, m in models.items()},
+                "torch_threads": torch.get_num_threads(), "device": device.type}, results)
 
 
 def _line(figures: dict) -> str:
