@@ -82,6 +82,11 @@ def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
     local = client.download_artifacts(run.info.run_id, "mfu_report.json", str(materialized["root"]))
     report = json.loads(open(local).read())
     assert len(report["step_seconds"]) == STEPS and all(s > 0 for s in report["step_seconds"])
+    # what the batch planner's cost model is fitted to: each timed step's compute, tokens and attention cost
+    measures = report["step_measures"]
+    assert set(measures) == {"compute_seconds", "tokens", "attention_cost"}
+    assert all(len(v) == STEPS and all(x > 0 for x in v) for v in measures.values())
+    assert all(c >= t for c, t in zip(measures["attention_cost"], measures["tokens"]))  # (L + 1)^2 >= L + 1
     assert report["model_flops"] == pytest.approx(sum(report["step_flops"]))
     # MFU over the window's wall time (the mean step), which holds every step's own time and what runs
     # between steps; the median step's figure beside it.
