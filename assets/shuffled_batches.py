@@ -18,7 +18,10 @@ class ShuffledBatchesConfig(dg.Config):
     world_sizes: list[int] = Field([1, 2, 8], description="A plan is written for each training world size.")
     sub_batch_size: int = 128
     sub_batches_per_rank: int = 4
-    cost: str = Field("attention", description="tokens (L+1) or attention ((L+1)^2) per sample")
+    cost: str = Field("attention", description="tokens (L+1), attention ((L+1)^2) or measured ((L+1)^2 + "
+                      "tokens_per_pair x (L+1)) per sample")
+    tokens_per_pair: float = Field(0.0, description="cost measured: the fitted weight of a token against an attention "
+                                   "pair (an MFU report's step_cost.tokens_per_pair)")
     max_history_len: int | None = Field(
         None, description="Histories as the trainer will cut them; default: as stored. A model trained on other "
         "lengths re-balances the plan's examples for its own (gem_ops.train.batches).")
@@ -38,7 +41,8 @@ def shuffled_batches(
     train = logs.split_indices("train")
     history_cap = min(config.max_history_len or logs.max_history_len, logs.max_history_len)
     lengths = logs.history_lengths(history_cap)[train]
-    shuffling = ShufflingConfig(config.sub_batch_size, config.sub_batches_per_rank, config.cost, config.seed)
+    shuffling = ShufflingConfig(config.sub_batch_size, config.sub_batches_per_rank, config.cost, config.seed,
+                                config.tokens_per_pair)
     if train.size < shuffling.rank_batch_size:
         raise dg.Failure(description=(
             f"{logs.path}: {train.size} training examples ({describe_labels(logs, train)}) are fewer than one rank's "

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from gem_ops.data.atomic import atomic_path
 
-CostModel = Literal["tokens", "attention"]
+CostModel = Literal["tokens", "attention", "measured"]
 
 
 @dataclass(frozen=True)
@@ -32,15 +32,25 @@ class ShufflingConfig:
     sub_batches_per_rank: int = 4
     """A rank's batch per step is sub_batches_per_rank x sub_batch_size samples."""
     cost: CostModel = "attention"
-    """tokens: L + 1 per sample; attention: (L + 1)^2, what self attention over the history costs."""
+    """tokens: L + 1 per sample; attention: (L + 1)^2, what self attention over the history costs; measured:
+    (L + 1)^2 + tokens_per_pair x (L + 1), the two terms weighted as measured steps cost (step_cost.fit_step_cost).
+    Samples are dealt by length order, so every cost gives the same plan: the cost is what the plan's per-rank costs
+    and planned imbalance are counted in."""
     seed: int = 0
+    tokens_per_pair: float = 0.0
+    """cost "measured": how many attention pairs one token costs as much as (StepCostModel.tokens_per_pair)."""
 
     def __post_init__(self):
         for name in ("sub_batch_size", "sub_batches_per_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.cost not in ("tokens", "attention"):
-            raise ValueError(f"cost must be 'tokens' or 'attention', got {self.cost!r}")
+        if self.cost not in ("tokens", "attention", "measured"):
+            raise ValueError(f"cost must be 'tokens', 'attention' or 'measured', got {self.cost!r}")
+        if not (self.tokens_per_pair >= 0 and np.isfinite(self.tokens_per_pair)):
+            raise ValueError(f"tokens_per_pair must be finite and >= 0, got {self.tokens_per_pair}")
+        if self.tokens_per_pair and self.cost != "measured":
+            raise ValueError(f"tokens_per_pair={self.tokens_per_pair} weighs the tokens of cost 'measured' only; "
+                             f"cost is {self.cost!r}")
 
     @property
     def rank_batch_size(self) -> int:
@@ -75,9 +85,11 @@ class BatchPlan:
         })
 
 
-def sample_cost(history_lengths: np.ndarray, cost: CostModel) -> np.ndarray:
+def sample_cost(history_lengths: np.ndarray, cost: CostModel, tokens_per_pair: float = 0.0) -> np.ndarray:
     tokens = history_lengths.astype(np.float64) + 1.0  # the candidate is a token too
-    return tokens if cost == "tokens" else tokens * tokens
+    if cost == "tokens":
+        return tokens
+    return tokens * tokens + (tokens_per_pair * tokens if cost == "measured" else 0.0)
 
 
 def plan_base_batch_shuffling(
@@ -86,7 +98,7 @@ def plan_base_batch_shuffling(
     """Balanced plan: every rank's per-step cost is close to the step mean."""
     _check_world_size(world_size)
     rng = np.random.default_rng(config.seed)
-    ids, costs = _ids_and_costs(history_lengths, example_ids, config.cost)
+    ids, costs = _ids_and_costs(history_lengths, example_ids, config)
     n_sub, dropped_ids = _usable_sub_batches(ids.size, world_size, config)
     keep = np.sort(rng.permutation(ids.size)[: n_sub * config.sub_batch_size])  # random survivors
     ids, costs, lengths = ids[keep], costs[keep], history_lengths[keep]
@@ -118,7 +130,7 @@ def plan_random(
     """The baseline: a plain random shuffle cut into per-rank batches of the same size."""
     _check_world_size(world_size)
     rng = np.random.default_rng(config.seed)
-    ids, costs = _ids_and_costs(history_lengths, example_ids, config.cost)
+    ids, costs = _ids_and_costs(history_lengths, example_ids, config)
     n_sub, dropped = _usable_sub_batches(ids.size, world_size, config)
     order = rng.permutation(ids.size)[: n_sub * config.sub_batch_size]
     shape = (-1, world_size, config.rank_batch_size)
@@ -185,12 +197,12 @@ def read_rank_plan(path: str | os.PathLike, rank: int) -> np.ndarray:
     return examples.flatten().to_numpy().reshape(table.num_rows, -1)[order]
 
 
-def _ids_and_costs(history_lengths, example_ids, cost: CostModel):
+def _ids_and_costs(history_lengths, example_ids, config: ShufflingConfig):
     history_lengths = np.asarray(history_lengths)
     ids = np.arange(history_lengths.size, dtype=np.int64) if example_ids is None else np.asarray(example_ids)
     if ids.shape != history_lengths.shape:
         raise ValueError(f"example_ids {ids.shape} and history_lengths {history_lengths.shape} differ in shape")
-    return ids, sample_cost(history_lengths, cost)
+    return ids, sample_cost(history_lengths, config.cost, config.tokens_per_pair)
 
 
 def _usable_sub_batches(n: int, world_size: int, config: ShufflingConfig) -> tuple[int, int]:
