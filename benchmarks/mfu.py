@@ -212,7 +212,17 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "model_tflop_per_step", "peak_source", "peak_flops", "gemm_flops", "steps",
                                      "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
                                      "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds",
-                                     "forward_flops_by_module", "max_memory_gib", "allocator") if k in report}}
+                                     "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures")
+                  if k in report}}
+    measures = report.get("step_measures") or {}
+    if len(measures.get("compute_seconds", ())) >= 3:  # what each step's forward costs per token and per pair
+        from gem_ops.data.step_cost import fit_step_cost
+
+        try:
+            run["forward_step_cost"] = fit_step_cost(measures["compute_seconds"], measures["tokens"],
+                                                     measures["attention_cost"]).to_dict()
+        except ValueError as error:
+            run["forward_step_cost"] = f"not fitted: {error}"
     print(f"{shape_name}/{variant}: MFU {100 * run['mfu_window_mean']:.1f}% over the window (median step "
           f"{100 * run['mfu_median_step']:.1f}%), {run['model_tflops']:.0f} model TFLOP/s, "
           f"{run['samples_per_second']:.0f} samples/s, mean step {run['step_seconds_mean'] * 1e3:.0f} ms "
@@ -373,7 +383,7 @@ def main() -> None:
     comparisons = {}
     for shape_name, _ in map(parse_shape, args.shapes):
         done = {v: [r for r in runs[f"{shape_name}/{v}"] if "losses" in r] for v in args.precisions}
-        for variant in (v for v in done if done["bf16"] and done[v] and precision_variant(v)[0] == "fp8"):
+        for variant in (v for v in done if done.get("bf16") and done[v] and precision_variant(v)[0] == "fp8"):
             first = {"bf16": done["bf16"][0], variant: done[variant][0]}  # same seed: the same batches
             n = min(len(first["bf16"]["losses"]), len(first[variant]["losses"]))
             last = slice(n - LOSS_STEPS, n)
