@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.common import save
+from benchmarks.common import save, saved_results
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_STEPS = 5  # the loss compared between precisions: the mean over the last steps both ran
@@ -327,6 +327,8 @@ def main() -> None:
     parser.add_argument("--copy-to", type=Path, help="also copy the JSON here")
     parser.add_argument("--output-name", default=None, help="results/<name>.json (default mfu_<device>)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="keep the runs saved under --output-name, add the "
+                        "repeats they lack")
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # a child process runs the dense stage
     parser.add_argument("--stage-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -346,6 +348,10 @@ def main() -> None:
     import triton  # noqa: F401  (its version below; the GPU path needs it)
     import torchao
 
+    resumed = {}  # a run cut short by the GPU machine's time limit goes on with the repeats it lacks
+    if args.resume:
+        saved = saved_results(args.output_name or f"mfu_{device.type}").get("end_to_end", {})
+        resumed = {key: [r for r in kept if "mfu_window_mean" in r] for key, kept in saved.items()}
     peak, source = peak_flops(device)
     results: dict = {"path": "engine", "device_name": device_name(device), "peak_flops": peak, "peak_source": source,
                      "versions": {"torch": torch.__version__, "torchao": torchao.__version__,
@@ -368,13 +374,16 @@ def main() -> None:
 
     runs = results.setdefault("end_to_end", {})
     summary = results.setdefault("summary", {})
+    runs.update(resumed)
     for shape_name, shape in map(parse_shape, args.shapes):
-        for _ in range(args.repeats):  # precisions alternate: a run cut short by the budget leaves pairs
+        for repeat in range(args.repeats):  # precisions alternate: a run cut short by the budget leaves pairs
             for variant in args.precisions:
                 key = f"{shape_name}/{variant}"
-                runs.setdefault(key, []).append(end_to_end(args, shape_name, shape, variant, left()))
-                summary[key] = {m: spread(runs[key], m) for m in ("mfu_window_mean", "mfu_median_step",
-                                                                   "samples_per_second")}
+                if len(runs.setdefault(key, [])) > repeat:
+                    continue
+                runs[key].append(end_to_end(args, shape_name, shape, variant, left()))
+                summary.update({k: {m: spread(v, m) for m in ("mfu_window_mean", "mfu_median_step",
+                                                              "samples_per_second")} for k, v in runs.items()})
                 checkpoint_results()
     if not args.skip_dense:
         results["dense_layers"] = run_stage("dense", left())
