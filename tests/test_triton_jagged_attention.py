@@ -404,6 +404,26 @@ def test_a_nan_stays_in_its_sequence_on_gpu(causal, activation):
     nan_stays_in_its_sequence("triton", "cuda", causal, activation)
 
 
+@pytest.mark.skipif(INTERPRETING, reason="needs no interpreter")
+def test_tile_tables_are_built_afresh_and_left_uncached_while_a_cuda_graph_is_captured(monkeypatch):
+    """A table cached before a capture would be replayed stale on the next batch's offsets; one cached during it
+    would outlive its graph. So during a capture every call builds (and so records) its own."""
+    from kernels.triton import triton_jagged_attention as kernel
+
+    built = []
+    monkeypatch.setattr(kernel, "_Tiles", lambda *args: built.append(args) or object())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build of torch has none
+    cache, offsets = kernel.TileCache(), torch.tensor([0, 3, 7])
+    args = (offsets, offsets, "cuda", 7, 7, kernel._parts(), True)
+    eager = cache.get(*args)
+    assert cache.get(*args) is eager and len(built) == 1  # eager calls share one build
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    first, second = cache.get(*args), cache.get(*args)
+    assert len({id(eager), id(first), id(second)}) == 3 and len(built) == 3
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert cache.get(*args) is eager and len(built) == 3  # the capture left the cache as it was
+
+
 def _capture_batch(lengths, kv_lengths, capacity: int, heads: int, dim: int, seed: int) -> dict:
     """One batch of a fixed-capacity buffer: `capacity` rows, the sequences' tokens first, the rest outside."""
     g = torch.Generator().manual_seed(seed)

@@ -373,7 +373,7 @@ class TileCache:
     An entry holds its offsets tensors, so their memory cannot be reused by another tensor while it is
     cached; it is valid while the caller passes those same tensor objects, unmodified (same `_version`
     and storage). Inference tensors carry no version counter and are never cached. Least recently used
-    entries go first.
+    entries go first. Nothing is cached, or served from the cache, while a CUDA graph is being captured.
     """
 
     def __init__(self, size: int = 16):
@@ -381,7 +381,10 @@ class TileCache:
         self._entries: collections.OrderedDict = collections.OrderedDict()
 
     def get(self, q_offsets, kv_offsets, device, total_q, total_kv, parts, causal) -> _Tiles:
-        if q_offsets.is_inference() or kv_offsets.is_inference():
+        # Inside a CUDA graph capture the build must be recorded: a replay on other offsets copied into the same
+        # tensors builds their tiles on the device. A table built before the capture would be replayed stale.
+        capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing or q_offsets.is_inference() or kv_offsets.is_inference():
             return _Tiles(q_offsets, kv_offsets, device, total_q, total_kv, parts, causal)
         key = (id(q_offsets), id(kv_offsets), str(device), total_q, total_kv, parts, causal)
         stamp = tuple((x._version, x.data_ptr(), x.shape, x.device, x.dtype) for x in (q_offsets, kv_offsets))
