@@ -195,6 +195,27 @@ def test_examples_do_not_leak_into_each_other(model):
     model.train()
 
 
+def test_level_sizes_counted_on_the_host_spare_the_forward_its_device_read(model, monkeypatch):
+    """Inputs built with their pyramid's level sizes (as the engine's loader builds them, off the GPU's path) give
+    the same loss and gradients, and the forward no longer counts them itself (on a GPU: no wait for the device)."""
+    batch = random_batch(LENGTHS, seed=2)
+    plain, counted = (model_input(batch, SPEC, SMALL, with_level_sizes=flag) for flag in (False, True))
+    assert plain.level_sizes is None and len(counted.level_sizes) == len(SMALL.sequence.branches)
+    assert counted.to("cpu").level_sizes == counted.level_sizes
+    results = []
+    for x in (plain, counted):
+        model.zero_grad()
+        loss = model.loss(x)[0]
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        monkeypatch.setattr(jagged, "level_totals", lambda *a: pytest.fail("the forward counted the level sizes"))
+    (want, want_grads), (got, got_grads) = results
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+    # the counts are what the model's own branches select: three branches, blocks + 1 sizes each
+    assert [len(sizes) for sizes in counted.level_sizes] == [SMALL.blocks + 1] * 3
+    assert counted.level_sizes[0][0] == sum(LENGTHS)
+
+
 def test_candidate_and_history_items_share_one_table(model):
     tables = model.embeddings.sequence.embedding_configs()
     item = [t for t in tables if t.name == ITEM_TABLE]

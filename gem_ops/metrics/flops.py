@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from gem_ops.model.config import FeatureSpec, ModelConfig
+from gem_ops.model.features import branch_keep_mask
 
 CROSS_QUERIES = 2  # gem.CROSS_QUERIES: the candidate item and the mean interaction token
 # The sequence tables (embeddings.sequence_tables) besides the history item features' history_* ones.
@@ -107,16 +108,11 @@ def branch_lengths(config: ModelConfig, spec: FeatureSpec, history_offsets: torc
     out = {}
     branches = config.sequence.branches if config.use_sequence else ()
     for name in branches:
-        if name == "all":
+        keep = branch_keep_mask(name, spec, history_action, history_event_type)
+        if keep is None:
             out[name] = lengths
             continue
-        if name == "engaged":
-            keep = history_action.detach().cpu().numpy() != 0
-        elif name.startswith("event_type:"):
-            keep = history_event_type.detach().cpu().numpy() == spec.event_types.index(name.split(":", 1)[1])
-        else:
-            raise ValueError(f"unknown sequence branch {name!r}")
-        counts = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
+        counts = np.concatenate([[0], np.cumsum(keep.detach().cpu().numpy(), dtype=np.int64)])
         out[name] = counts[offsets[1:]] - counts[offsets[:-1]]
     return out
 

@@ -12,6 +12,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gem_ops.data.loader import SequenceBatch
+from gem_ops.model import jagged
 from gem_ops.model.config import FeatureSpec, ModelConfig
 
 USER_ID = "user_id"
@@ -67,6 +68,9 @@ class ModelInput:
     label_mask: torch.Tensor  # [B, T]
     teacher_representation: torch.Tensor | None = None  # [B, H] representation transfer
     teacher_logits: torch.Tensor | None = None  # [B, T] distillation targets (adapted teacher logits)
+    # Per sequence branch, its history tokens at every level of the pyramid (jagged.level_totals), counted on the
+    # host where the batch was built: a forward then never waits to read them back from the device.
+    level_sizes: list[list[int]] | None = None
 
     @property
     def size(self) -> int:
@@ -74,14 +78,47 @@ class ModelInput:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInput:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return ModelInput(**{k: v if v is None else v.to(device, non_blocking=non_blocking) for k, v in moved.items()})
+        return ModelInput(**{k: v.to(device, non_blocking=non_blocking) if _movable(v) else v for k, v in moved.items()})
 
     def pin_memory(self) -> ModelInput:
         """In page-locked host memory, so that a copy to the GPU with non_blocking=True is asynchronous."""
-        return ModelInput(**{f.name: None if (v := getattr(self, f.name)) is None else v.pin_memory() for f in fields(self)})
+        return ModelInput(**{f.name: v.pin_memory() if _movable(v := getattr(self, f.name)) else v for f in fields(self)})
 
 
-def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) -> ModelInput:
+def _movable(value) -> bool:
+    return isinstance(value, (torch.Tensor, KeyedJaggedTensor))
+
+
+def check_branch(name: str, spec: FeatureSpec) -> None:
+    event_type = name.split(":", 1)[1] if name.startswith("event_type:") else None
+    if name not in ("all", "engaged") and event_type not in spec.event_types:
+        raise ValueError(f"unknown sequence branch {name!r}: use 'all', 'engaged' or 'event_type:<name>' with one of "
+                         f"{list(spec.event_types)}")
+
+
+def branch_keep_mask(name: str, spec: FeatureSpec, history_action: torch.Tensor,
+                     history_event_type: torch.Tensor) -> torch.Tensor | None:
+    """[N] the history events sequence branch `name` reads (None: all of them)."""
+    check_branch(name, spec)
+    if name == "all":
+        return None
+    if name == "engaged":
+        return history_action != 0
+    return history_event_type == spec.event_types.index(name.split(":", 1)[1])
+
+
+def level_sizes(x: ModelInput, spec: FeatureSpec, config: ModelConfig) -> list[list[int]]:
+    """Each sequence branch's history tokens at every level of its pyramid (where x lives: on the host, free)."""
+    keeps = [branch_keep_mask(name, spec, x.history_action, x.history_event_type) for name in config.sequence.branches]
+    lengths = torch.stack([jagged.lengths_of(x.history_offsets) if keep is None
+                           else jagged.kept_lengths(x.history_offsets, keep) for keep in keeps])
+    return jagged.level_totals(lengths, [config.sequence.level_tokens(b) for b in range(config.blocks)])
+
+
+def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig, with_level_sizes: bool = False) -> ModelInput:
+    """The model's input from a loader batch; `with_level_sizes` also counts the pyramid's level sizes on the host
+    (for a training or eval loop that builds inputs on the CPU and moves them to a GPU; not for a traced export,
+    which would take the counts for constants)."""
     emb = config.embedding
     B = batch.size
     pooled_ids = [hash_ids(batch.user_id, emb.user_buckets)]
@@ -116,7 +153,7 @@ def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) ->
     )
     dense = batch.dense_features
     columns = config.task_columns(spec)
-    return ModelInput(
+    x = ModelInput(
         pooled=pooled,
         sequence=sequence,
         dense=torch.sign(dense) * torch.log1p(dense.abs()),
@@ -129,6 +166,9 @@ def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig) ->
         teacher_representation=_teacher_representation(batch, config),
         teacher_logits=None if batch.teacher_logits is None else batch.teacher_logits[:, columns],
     )
+    if with_level_sizes and config.architecture == "gem" and config.use_sequence and config.sequence.branches:
+        x.level_sizes = level_sizes(x, spec, config)
+    return x
 
 
 def _teacher_representation(batch: SequenceBatch, config: ModelConfig) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from gem_ops.model import jagged
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.embeddings import GEMEmbeddings
-from gem_ops.model.features import ModelInput
+from gem_ops.model.features import ModelInput, branch_keep_mask, check_branch
 from gem_ops.model.heads import DomainTaskTowers, LossSums, loss_from_sums, masked_bce_sums
 from gem_ops.model.sequence import JaggedCrossAttention, JaggedTransformerLayer
 from gem_ops.model.wukong import WukongLayer
@@ -34,11 +34,9 @@ class SequenceBranch(nn.Module):
     def __init__(self, name: str, spec: FeatureSpec, config: ModelConfig, n_tokens: list[int]):
         super().__init__()
         seq, d, ds = config.sequence, config.embedding.dim, config.embedding.sequence_dim
-        self.name, self.k = name, seq.summary_tokens
+        self.name, self.k, self.spec = name, seq.summary_tokens, spec
         self.levels = [seq.level_tokens(b) for b in range(config.blocks)]
-        self._event_type = spec.event_types.index(name.split(":", 1)[1]) if name.startswith("event_type:") else None
-        if name not in ("all", "engaged") and self._event_type is None:
-            raise ValueError(f"unknown sequence branch {name!r}: use 'all', 'engaged' or 'event_type:<name>'")
+        check_branch(name, spec)
         self.summarize = nn.ModuleList(nn.Linear(n * d, self.k * ds) for n in n_tokens)
         self.layers = nn.ModuleList(
             JaggedTransformerLayer(ds, seq.heads, seq.ffn_mult, seq.activation, config.dropout) for _ in n_tokens
@@ -48,9 +46,7 @@ class SequenceBranch(nn.Module):
 
     def keep_mask(self, x: ModelInput) -> torch.Tensor | None:
         """[N] the history events this branch reads (None: all of them)."""
-        if self.name == "all":
-            return None
-        return x.history_action != 0 if self.name == "engaged" else x.history_event_type == self._event_type
+        return branch_keep_mask(self.name, self.spec, x.history_action, x.history_event_type)
 
     def select(self, history: torch.Tensor, x: ModelInput, keep: torch.Tensor | None, total: int,
                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +162,8 @@ class GEMModel(nn.Module):
         keeps = [branch.keep_mask(x) for branch in self.branches]
         lengths = torch.stack([jagged.lengths_of(x.history_offsets) if keep is None
                                else jagged.kept_lengths(x.history_offsets, keep) for keep in keeps])
-        sizes = jagged.level_totals(lengths, self.branches[0].levels)
+        # Counted where the batch was built when it came with them; else read back here (one wait on the device).
+        sizes = x.level_sizes if x.level_sizes is not None else jagged.level_totals(lengths, self.branches[0].levels)
         states = [list(branch.select(history, x, keep, n[0], kept))
                   for branch, keep, n, kept in zip(self.branches, keeps, sizes, lengths)]
         return states, sizes

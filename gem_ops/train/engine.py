@@ -361,7 +361,7 @@ class Trainer:
         """A step's input, built (and pinned, for a GPU) in the prefetch thread, with what it costs."""
         with record_function("data.load"):
             batch = self.logs.batch(self.schedule.examples(step), self.model_config.sequence.max_history_len)
-            x = model_input(batch, self.spec, self.model_config)
+            x = model_input(batch, self.spec, self.model_config, with_level_sizes=True)
             if self.device.type == "cuda":
                 x = x.pin_memory()
             tokens = batch.history_lengths.double() + 1.0  # the candidate is a token too

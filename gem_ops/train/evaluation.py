@@ -26,7 +26,7 @@ def predict_logits(model: GEMModel, logs: SequenceLogs, indices: list[np.ndarray
     max_len = model.config.sequence.max_history_len
     for batch_indices in indices:
         batch = logs.batch(batch_indices, max_len)
-        x = model_input(batch, model.spec, model.config)
+        x = model_input(batch, model.spec, model.config, with_level_sizes=True)
         with autocast_context(device, precision):
             logits = model(x.to(device))
         parts["logits"].append(logits.float().cpu())
