@@ -96,7 +96,7 @@ def score_examples(model: GEMModel, logs: SequenceLogs, indices: np.ndarray, tea
     parts: dict[str, list[np.ndarray]] = {"index": [], "logits": []}
     for start in range(0, order.size, batch_size):
         chunk = order[start : start + batch_size]
-        x = model_input(logs.batch(chunk, max_len), model.spec, model.config).to(device)
+        x = model_input(logs.batch(chunk, max_len), model.spec, model.config, with_level_sizes=True).to(device)
         with autocast_context(device, precision):
             logits = model(x)
         parts["index"].append(chunk)

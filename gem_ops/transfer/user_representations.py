@@ -96,7 +96,7 @@ def compute_user_representations(model, logs: SequenceLogs, indices: np.ndarray,
     for start in range(0, len(keys), batch_size):
         part = keys[start : start + batch_size]
         batch = logs.neutral_requests(part[:, 1], part[:, 2] * MS_PER_DAY, part[:, 0], NO_ITEM, max_len)
-        x = model_input(batch, model.spec, model.config).to(device)
+        x = model_input(batch, model.spec, model.config, with_level_sizes=True).to(device)
         with autocast_context(device, precision):
             vectors.append(represent(x).float().cpu().numpy().astype(np.float16))
     model.train(was_training)
