@@ -125,8 +125,8 @@ class MFUReport:
     step_flops: list[float]
     losses: list[float]
     all_step_seconds: list[float] = field(default_factory=list)  # every step run, warm-up (compilation) included
-    # per timed step, the slowest rank's forward compute seconds, tokens and attention cost ((L + 1)^2 summed):
-    # what a cost model of the batch planner is fitted to
+    # per timed step, the ranks' mean forward compute seconds, tokens and attention cost ((L + 1)^2 summed): what
+    # the batch planner's cost model is fitted to (linear, so it holds for the means as for each rank)
     step_measures: dict[str, list[float]] = field(default_factory=dict)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # per profiled step (device time on a GPU)
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)  # host time per phase, on a GPU

@@ -107,11 +107,17 @@ def branch_keep_mask(name: str, spec: FeatureSpec, history_action: torch.Tensor,
     return history_event_type == spec.event_types.index(name.split(":", 1)[1])
 
 
-def level_sizes(x: ModelInput, spec: FeatureSpec, config: ModelConfig) -> list[list[int]]:
-    """Each sequence branch's history tokens at every level of its pyramid (where x lives: on the host, free)."""
-    keeps = [branch_keep_mask(name, spec, x.history_action, x.history_event_type) for name in config.sequence.branches]
+def branch_lengths(x: ModelInput, spec: FeatureSpec, names) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """Per sequence branch: its keep mask [N] (None: every event) and each example's kept length, stacked [S, B]."""
+    keeps = [branch_keep_mask(name, spec, x.history_action, x.history_event_type) for name in names]
     lengths = torch.stack([jagged.lengths_of(x.history_offsets) if keep is None
                            else jagged.kept_lengths(x.history_offsets, keep) for keep in keeps])
+    return keeps, lengths
+
+
+def level_sizes(x: ModelInput, spec: FeatureSpec, config: ModelConfig) -> list[list[int]]:
+    """Each sequence branch's history tokens at every level of its pyramid (where x lives: on the host, free)."""
+    _, lengths = branch_lengths(x, spec, config.sequence.branches)
     return jagged.level_totals(lengths, [config.sequence.level_tokens(b) for b in range(config.blocks)])
 
 

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from gem_ops.model import jagged
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.embeddings import GEMEmbeddings
-from gem_ops.model.features import ModelInput, branch_keep_mask, check_branch
+from gem_ops.model.features import ModelInput, branch_lengths, check_branch
 from gem_ops.model.heads import DomainTaskTowers, LossSums, loss_from_sums, masked_bce_sums
 from gem_ops.model.sequence import JaggedCrossAttention, JaggedTransformerLayer
 from gem_ops.model.wukong import WukongLayer
@@ -34,7 +34,7 @@ class SequenceBranch(nn.Module):
     def __init__(self, name: str, spec: FeatureSpec, config: ModelConfig, n_tokens: list[int]):
         super().__init__()
         seq, d, ds = config.sequence, config.embedding.dim, config.embedding.sequence_dim
-        self.name, self.k, self.spec = name, seq.summary_tokens, spec
+        self.name, self.k = name, seq.summary_tokens
         self.levels = [seq.level_tokens(b) for b in range(config.blocks)]
         check_branch(name, spec)
         self.summarize = nn.ModuleList(nn.Linear(n * d, self.k * ds) for n in n_tokens)
@@ -43,10 +43,6 @@ class SequenceBranch(nn.Module):
         )
         self.cls_out = nn.ModuleList(nn.Linear(ds, d) for _ in n_tokens)
         self.cross = nn.ModuleList(JaggedCrossAttention(d, ds, seq.heads, d, seq.activation) for _ in n_tokens)
-
-    def keep_mask(self, x: ModelInput) -> torch.Tensor | None:
-        """[N] the history events this branch reads (None: all of them)."""
-        return branch_keep_mask(self.name, self.spec, x.history_action, x.history_event_type)
 
     def select(self, history: torch.Tensor, x: ModelInput, keep: torch.Tensor | None, total: int,
                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,9 +155,7 @@ class GEMModel(nn.Module):
             # Under mixed precision the history tokens (the residual stream of every sequence layer)
             # are kept in the autocast dtype: half the bytes in every gather, add and norm over them.
             history = history.to(torch.get_autocast_dtype(history.device.type))
-        keeps = [branch.keep_mask(x) for branch in self.branches]
-        lengths = torch.stack([jagged.lengths_of(x.history_offsets) if keep is None
-                               else jagged.kept_lengths(x.history_offsets, keep) for keep in keeps])
+        keeps, lengths = branch_lengths(x, self.spec, [branch.name for branch in self.branches])
         # Counted where the batch was built when it came with them; else read back here (one wait on the device).
         sizes = x.level_sizes if x.level_sizes is not None else jagged.level_totals(lengths, self.branches[0].levels)
         states = [list(branch.select(history, x, keep, n[0], kept))
