@@ -198,11 +198,12 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
         began = time.perf_counter()
         try:
-            done = subprocess.run(command, env=env, cwd=ROOT, timeout=None if math.isinf(seconds_left) else seconds_left)
+            returncode, last_lines = _run_echoing(command, env, None if math.isinf(seconds_left) else seconds_left)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {seconds_left:.0f} s", "command": command}
         if not output.exists():
-            return {"error": f"the engine's job exited with code {done.returncode} and no result", "command": command}
+            return {"error": f"the engine's job exited with code {returncode} and no result", "command": command,
+                    "stderr_tail": last_lines}
         reported = json.loads(output.read_text())
     report = reported["mfu_report"]
     run = {"path": reported["path"], "launch": "torchrun", "command": command, "wall_seconds": time.perf_counter() - began,
@@ -228,6 +229,32 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
           f"{run['samples_per_second']:.0f} samples/s, mean step {run['step_seconds_mean'] * 1e3:.0f} ms "
           f"(median {run['step_seconds_median'] * 1e3:.0f} ms)", flush=True)
     return run
+
+
+def _run_echoing(command: list[str], env: dict, timeout: float | None, keep: int = 40) -> tuple[int, list[str]]:
+    """Runs command with its stderr echoed as it comes; (exit code, stderr's last `keep` lines)."""
+    import collections
+    import subprocess
+    import sys
+    import threading
+
+    last = collections.deque(maxlen=keep)
+    with subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True, errors="replace") as job:
+        def echo():
+            for line in job.stderr:
+                sys.stderr.write(line)
+                last.append(line.rstrip("\n"))
+
+        reader = threading.Thread(target=echo, daemon=True)
+        reader.start()
+        try:
+            job.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            raise
+        finally:
+            reader.join(timeout=10)
+    return job.returncode, list(last)
 
 
 def run_stage(stage: str, seconds_left: float) -> dict:

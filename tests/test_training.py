@@ -63,6 +63,19 @@ def test_diverging_loss_stops_with_a_clear_error(data, tmp_path):
         train(data.open(), data.plans[1], TINY, dataclasses.replace(CONFIG, lr_dense=1e30, warmup_steps=1, clip_grad_norm=0))
 
 
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_a_non_finite_gradient_stops_the_step_it_appears_in_and_is_named(data, clip):
+    from gem_ops.model.config import FeatureSpec
+    from gem_ops.train.model_state import seeded_model
+
+    logs = data.open()
+    model = seeded_model(FeatureSpec.from_logs(logs), TINY)
+    model.trunk[0].weight.register_hook(lambda grad: grad * float("inf"))  # the loss itself stays finite
+    with pytest.raises(FloatingPointError, match=r"at step 0: loss [0-9.]+, dense gradient norm (nan|inf); "
+                                                 r"non-finite gradients in .*trunk\.0\.weight"):
+        train(logs, data.plans[1], TINY, dataclasses.replace(CONFIG, clip_grad_norm=clip), model=model)
+
+
 def test_output_biases_start_at_the_plan_label_rates(data):
     from gem_ops.model.config import FeatureSpec
     from gem_ops.train.initialization import init_output_biases, plan_examples

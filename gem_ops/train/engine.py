@@ -45,6 +45,7 @@ from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_in
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
+from gem_ops.train.gradients import dense_gradient_norm, divergence_message, nonfinite_gradients
 from gem_ops.train.initialization import init_output_biases
 from gem_ops.train.loss import global_batch_loss
 from gem_ops.train.model_state import export_full_model_state, seeded_model
@@ -289,18 +290,18 @@ class Trainer:
                 with record_function("backward"):
                     loss.backward()
                 with record_function("optimizer"):
-                    if config.clip_grad_norm > 0:
-                        torch.nn.utils.clip_grad_norm_(sharded.dense_parameters, config.clip_grad_norm)
+                    grad_norm = dense_gradient_norm(sharded.dense_parameters, config.clip_grad_norm)
                     sharded.optimizer.step()
                 compute = timer.take()  # waits for the device: the step's time below is its real time
                 local = [compute, costs["tokens"], costs["attention_cost"], time.perf_counter() - stepped,
-                         costs["flops"], *share.tolist(), *labelled.tolist()]
+                         costs["flops"], *share.tolist(), *labelled.tolist(), float(grad_norm)]
                 rows = gather_rows(local, device)
                 n, tasks = len(MEASURES), len(objectives)
                 ratios = result.balance.add(step, rows[:, :n])
                 value = float(rows[:, n + 2 : n + 2 + tasks].sum())
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"training loss is {value} at step {step}; lower lr_dense/lr_sparse")
+                norm = float(rows[:, -1].max())
+                if not (math.isfinite(value) and math.isfinite(norm)):  # the gradients still hold what broke
+                    raise FloatingPointError(divergence_message(step, value, norm, nonfinite_gradients(self.module)))
                 result.losses.append(value)
                 result.samples += size * world
                 result.step_samples.append(size * world)
@@ -309,9 +310,10 @@ class Trainer:
                 result.step_flops.append(float(rows[:, n + 1].sum()))
                 result.step_module_flops.append(costs["forward_by_module"])
                 result.step_ends.append(time.perf_counter())
-                metrics = {"train.loss": value, "train.lr_dense": lr, "train.step_seconds": result.step_seconds[-1],
+                metrics = {"train.loss": value, "train.lr_dense": lr, "train.grad_norm": norm,
+                           "train.step_seconds": result.step_seconds[-1],
                            **step_mfu.metrics(result.step_flops[-1], result.step_seconds[-1]),
-                           **{f"train.loss.{t}": float(v) for t, v in zip(objectives, rows[:, n + 2 + tasks :].sum(0))},
+                           **{f"train.loss.{t}": float(v) for t, v in zip(objectives, rows[:, n + 2 + tasks : n + 2 + 2 * tasks].sum(0))},
                            **{f"train.imbalance.{m}": r for m, r in ratios.items()}}
                 pending[step] = metrics
                 if self.topology.rank == 0:
