@@ -9,7 +9,10 @@ server knows before it scores: the users' histories grow, so the training days' 
 smaller fixed cap for most requests, the longest cap the budget allows for the longest histories; and to the
 caps of the bucketed policy, one cap per band of history length, chosen at the same budget on the log loss of
 the held-out newest training day scored at every cap of MENU_CAPS (a band whose users gain from more history
-gets it). Saves
+gets it); and to the caps of the match-reach policy at the same budget: a candidate whose item the user last met
+deeper in the history than a base cap reads down to that event (a per-user lookup a server answers before
+scoring), every other candidate the base cap, chosen on the same held-out losses. The eval examples whose
+candidate the user met only beyond 64 events are also scored alone at every fixed cap (`far_match_slice`). Saves
 AUC / NE per objective, mean ± standard deviation over seeds, the paired adaptive-minus-fixed differences,
 and the mean cost of each, to benchmarks/results/adaptive_compute.json.
 
@@ -58,7 +61,7 @@ def main() -> None:
     from gem_ops.data.sequence_logs import SequenceLogsConfig
     from gem_ops.data.synthetic import STRONG_SIGNAL
     from gem_ops.model.config import FeatureSpec, model_config
-    from gem_ops.serving.adaptive import fit_bucketed_policy, fit_policy, history_costs, request_costs
+    from gem_ops.serving.adaptive import fit_bucketed_policy, fit_match_policy, fit_policy, history_costs, request_costs
     from gem_ops.train.batches import newest_days
     from gem_ops.train.config import TrainConfig
     from gem_ops.train.engine import train
@@ -81,6 +84,9 @@ def main() -> None:
         eval_indices = logs.split_indices("eval")
         eval_lengths = user_lengths[eval_indices]
         held = newest_days(logs, data.plans[1], 1)  # held out of training: what the bucketed policy is fitted on
+        # How far back each candidate was last met in its user's whole history (0: never): the match-reach policy's key.
+        eval_depths, held_depths = logs.candidate_depths(eval_indices), logs.candidate_depths(held)
+        far = (eval_depths > 64) & (eval_depths <= long_cap)
         # Every policy's caps on the eval examples: the fixed ones, and the adaptive one at each fixed cap's cost.
         caps = {f"fixed_{c}": np.full(eval_lengths.shape, c) for c in FIXED_CAPS}
         for i, c in enumerate(FIXED_CAPS[1:-1], start=1):
@@ -110,19 +116,35 @@ def main() -> None:
                 seed_caps[f"bucketed_at_{c}"] = chosen = policy.caps(eval_lengths)
                 policies.setdefault(f"bucketed_at_{c}", {})[seed] = {
                     **policy.to_dict(), "mean_cost_flops": float(request_costs(costs, eval_lengths, chosen).mean())}
+                match = fit_match_policy(held_depths, held_losses, eval_lengths, eval_depths, costs,
+                                         request_costs(costs, eval_lengths, c).mean())
+                seed_caps[f"matched_at_{c}"] = chosen = match.caps(eval_lengths, eval_depths)
+                policies.setdefault(f"matched_at_{c}", {})[seed] = {
+                    **match.to_dict(), "mean_cost_flops": float(request_costs(costs, eval_lengths, chosen).mean()),
+                    "share_reaching_past_base": float((chosen > match.base_cap).mean())}
             runs[seed] = {name: _quality(model, logs, eval_indices, c) for name, c in seed_caps.items()}
+            runs[seed]["far_match_slice"] = {f"fixed_{c}": _quality(model, logs, eval_indices[far], np.full(far.sum(), c))
+                                              for c in FIXED_CAPS}
             runs[seed]["train_seconds"] = seconds
             print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()
-                                                if isinstance(q, dict)), flush=True)
-    for c in FIXED_CAPS[1:-1]:  # each seed fits its own bucketed caps: their mean cost over the seeds
-        cost[f"bucketed_at_{c}"] = float(np.mean([p["mean_cost_flops"] for p in policies[f"bucketed_at_{c}"].values()]))
+                                                if n in seed_caps), flush=True)
+    for c in FIXED_CAPS[1:-1]:  # each seed fits its own bucketed and match-reach caps: their mean cost over the seeds
+        for kind in ("bucketed", "matched"):
+            cost[f"{kind}_at_{c}"] = float(np.mean([p["mean_cost_flops"] for p in policies[f"{kind}_at_{c}"].values()]))
     summary = _summary(runs, cost, args.seeds)
+    slice_runs = {s: runs[s]["far_match_slice"] for s in args.seeds}
+    summary["far_match_slice"] = {name: {g: {m: {"mean": float(np.mean([slice_runs[s][name][g][m] for s in args.seeds])),
+                                                 "std": float(np.std([slice_runs[s][name][g][m] for s in args.seeds], ddof=1))
+                                                 if len(args.seeds) > 1 else 0.0} for m in METRICS}
+                                         for g in slice_runs[args.seeds[0]][name]} for name in slice_runs[args.seeds[0]]}
     for line in summary["table"]:
         print(line)
     settings = {**vars(args), "synthetic": "STRONG_SIGNAL", "days": 14, "eval_days": 2, "fixed_caps": FIXED_CAPS,
                 "eval_examples": int(eval_indices.size), "model": config.to_dict(),
                 "eval_history_length_quantiles": {q: float(np.quantile(eval_lengths, q)) for q in (0.5, 0.9, 0.99)},
-                "eval_share_beyond_1024": float((eval_lengths > long_cap).mean())}
+                "eval_share_beyond_1024": float((eval_lengths > long_cap).mean()),
+                "eval_candidate_met_before": float((eval_depths > 0).mean()),
+                "eval_candidate_met_only_beyond_64": float(far.mean()), "far_match_slice_examples": int(far.sum())}
     save("adaptive_compute", settings, {"policies": policies, "mean_cost_flops": cost, "runs": runs, **summary})
 
 
@@ -179,7 +201,7 @@ def _summary(runs: dict, cost: dict, seeds: list[int]) -> dict:
     for p in policies:
         table.append(f"{p:<18} {cost[p] / 1e9:>10.4f} " + " ".join(
             f"{stats[p][g][m]['mean']:>13.4f} ± {stats[p][g][m]['std']:.4f}" for g in groups for m in METRICS))
-    for p in (p for p in policies if p.startswith(("adaptive_at_", "bucketed_at_"))):
+    for p in (p for p in policies if p.startswith(("adaptive_at_", "bucketed_at_", "matched_at_"))):
         fixed = "fixed_" + p.split("_at_")[1]
         versus[p] = {}
         for g in groups:

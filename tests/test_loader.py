@@ -91,3 +91,14 @@ def test_max_history_len_override_cuts_to_the_most_recent(logs):
     assert cut.history_item_id.tolist() == [14, 15, 16]
     assert history_items(logs, 17, max_history_len=1) == [16]
     assert logs.batch([row]).history_lengths.tolist() == [6]  # the override does not stick
+
+
+def test_candidate_depth_is_how_far_back_the_user_last_met_the_item_beyond_any_cap(tmp_path):
+    views = [(9, 0, 10 * i, item, "feed", "organic_view", None, None) for i, item in enumerate([1, 2, 3, 1, 4, 5, 6])]
+    ads = [(9, 1, 0, 1, "feed", "ad_impression", 1, 0), (9, 1, 10, 8, "feed", "ad_impression", 0, 0),
+           (9, 1, 20, 6, "feed", "ad_impression", 0, 0)]
+    logs = build(hand_events(views + ads), tmp_path / "seq", max_history_len=2)[1]
+    rows = [example_by_item(logs, item) for item in (1, 8, 6)]
+    # Item 1 last seen 4 events before its ad (beyond the 2 kept); 8 never; 6 two events back (the ads between).
+    assert logs.candidate_depths(rows).tolist() == [4, 0, 3]
+    assert logs.batch(rows[:1]).history_item_id.tolist() == [5, 6]  # the cap does not bound the lookup

@@ -182,3 +182,43 @@ def test_the_adaptive_policy_spends_the_long_cap_on_long_histories_within_its_me
     assert request_costs(costs, tied, policy.caps(tied)).mean() <= budget
     with pytest.raises(ValueError, match="mean_budget .* below the mean cost of the short cap"):
         fit_policy(lengths, costs, request_costs(costs, lengths, 8).mean(), short_cap=16, long_caps=1024)
+
+
+def test_the_match_reach_policy_reads_down_to_a_far_match_within_its_mean_budget():
+    from gem_ops.serving.adaptive import MatchReachPolicy, fit_match_policy, history_costs, request_costs
+
+    config = model_config("gem", width=0.5, blocks=2,
+                          **{"sequence.max_history_len": 1024, "sequence.first_level_tokens": 32})
+    costs = history_costs(config, SPEC)
+    rng = np.random.default_rng(0)
+
+    def requests(n):  # one in ten candidates was met before, anywhere in the user's history
+        lengths = np.minimum(rng.lognormal(5.0, 1.2, n).astype(int), 5000)
+        met = rng.random(n) < 0.1
+        return lengths, np.where(met, rng.integers(1, np.maximum(lengths, 1) + 1), 0)
+
+    lengths, depths = requests(4000)
+    held_depths = requests(3000)[1]
+    menu = (16, 64, 256, 1024)
+    # A request gains only when its history reaches its match (and 64 events help everyone a little).
+    losses = {cap: 0.5 - 0.05 * ((held_depths > 0) & (held_depths <= cap)) - 0.01 * (cap >= 64) for cap in menu}
+    expected = lambda caps: np.mean([losses[c][i] for i, c in enumerate(caps)])  # noqa: E731
+    for fixed in (64, 256):
+        budget = request_costs(costs, lengths, fixed).mean()
+        policy = fit_match_policy(held_depths, losses, lengths, depths, costs, budget)
+        caps = policy.caps(lengths, depths)
+        assert request_costs(costs, lengths, caps).mean() <= budget
+        reached = (depths > policy.base_cap) & (depths <= policy.reach_depth)
+        assert np.all(caps[~reached] == policy.base_cap) and np.all(caps[reached] >= depths[reached])
+        assert np.all(caps[reached] == np.asarray(menu)[np.searchsorted(menu, depths[reached])])  # the shortest that reaches
+        # Every deeper reach would break the budget, and the fitted policy beats the fixed cap on held-out loss.
+        deeper = depths[(depths > policy.reach_depth) & (depths <= max(menu))]
+        if deeper.size:
+            wider = MatchReachPolicy(policy.base_cap, menu, int(deeper.min()))
+            assert request_costs(costs, lengths, wider.caps(lengths, depths)).mean() > budget
+        gain = expected(np.full(held_depths.size, fixed)) - expected(policy.caps(None, held_depths))
+        assert gain >= 0 and (fixed == 64 or gain > 0), (policy, gain)  # at 256: base 64, its savings reach deeper matches
+    with pytest.raises(ValueError, match="below the mean cost of the shortest cap"):
+        fit_match_policy(held_depths, losses, lengths, depths, costs, request_costs(costs, lengths, 8).mean())
+    with pytest.raises(ValueError, match="increasing reach_caps"):
+        MatchReachPolicy(64, (256, 16), 256)

@@ -142,6 +142,21 @@ class SequenceLogs:
                               ex["history_end"][idx], ex["timestamp"][idx]),
         )
 
+    def candidate_depths(self, indices: np.ndarray | list[int]) -> np.ndarray:
+        """For each example, how many events back its candidate item last appears in the user's whole history
+        before the request (1: the latest event; 0: never), beyond any history cap: what a server's per-user
+        index of last interactions answers with one lookup per candidate."""
+        idx = np.asarray(indices, dtype=np.int64)
+        rows, ends, items = self._examples["user_row"][idx], self._examples["history_end"][idx], self._examples["item_id"][idx]
+        starts = self.timeline_offsets[rows]
+        timeline_items = self._timeline["item_id"]
+        depths = np.zeros(idx.size, dtype=np.int64)
+        for i, (start, end, item) in enumerate(zip(starts, ends, items)):
+            seen = np.flatnonzero(timeline_items[start : start + end] == item)
+            if seen.size:
+                depths[i] = end - seen[-1]
+        return depths
+
     def neutral_requests(self, user_rows: np.ndarray, request_ms: np.ndarray, surfaces: np.ndarray, item_id: int,
                          max_history_len: int | None = None) -> SequenceBatch:
         """Requests with no candidate (item `item_id`, unknown item features, no dense features, no labels)

@@ -7,6 +7,9 @@ and only a long history can show the patterns that span months. Two policies:
 - BucketedHistoryPolicy gives each band of history lengths its own cap, chosen on held-out requests: the
   caps that minimise the held-out log loss at the budget (a multiple-choice knapsack, solved by dynamic
   programming over the budget), so a band whose users gain from more history gets it.
+- MatchReachPolicy keys on the candidate instead of the user: a candidate whose item the user last met deeper
+  in the history than a base cap reads down to that event; every other candidate reads the base cap. Which
+  requests gain from a long history is told by such a far match far better than by the history's length.
 
 No request ever costs more than its policy's longest cap.
 
@@ -182,3 +185,71 @@ def _knapsack(loss: np.ndarray, units: np.ndarray, capacity: int, monotone: bool
         choice.append(j)
         spent, j = spent - int(units[b, j]), int(back[b][spent, j])
     return choice[::-1]
+
+
+@dataclass(frozen=True)
+class MatchReachPolicy:
+    """Candidates whose item the user last met deeper than `base_cap` events back, at most `reach_depth` deep,
+    read the shortest of `reach_caps` that reaches that event; every other candidate reads `base_cap` events.
+    A candidate's depth comes from SequenceLogs.candidate_depths (0: never met)."""
+
+    base_cap: int
+    reach_caps: tuple[int, ...]
+    reach_depth: int
+
+    def __post_init__(self):
+        if list(self.reach_caps) != sorted(set(self.reach_caps)) or not self.reach_caps \
+                or not self.base_cap <= self.reach_depth <= self.reach_caps[-1]:
+            raise ValueError(f"MatchReachPolicy needs increasing reach_caps and base_cap <= reach_depth <= the longest "
+                             f"reach cap, got base_cap={self.base_cap}, reach_caps={self.reach_caps}, "
+                             f"reach_depth={self.reach_depth}")
+
+    def caps(self, lengths: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        del lengths  # the depth alone decides; a cap past the history's length costs no more than its length
+        depths = np.asarray(depths)
+        reach = np.asarray(self.reach_caps)[np.minimum(np.searchsorted(self.reach_caps, depths), len(self.reach_caps) - 1)]
+        far = (depths > self.base_cap) & (depths <= self.reach_depth)
+        return np.where(far, np.maximum(reach, self.base_cap), self.base_cap)
+
+    def to_dict(self) -> dict:
+        return {"base_cap": self.base_cap, "reach_caps": list(self.reach_caps), "reach_depth": self.reach_depth}
+
+
+def fit_match_policy(held_out_depths: np.ndarray, held_out_losses: dict[int, np.ndarray], lengths: np.ndarray,
+                     depths: np.ndarray, costs: np.ndarray, mean_budget: float) -> MatchReachPolicy:
+    """The MatchReachPolicy over the caps of `held_out_losses` (cap -> each held-out request's log loss with
+    its history cut to that cap) whose expected held-out loss is the lowest among those whose mean cost per
+    candidate over the requests to serve (`lengths`, `depths`) is within `mean_budget`. For each base cap, the
+    deepest matches are reached first to go when the budget is short (they cost the most)."""
+    menu = tuple(sorted(held_out_losses))
+    if not menu or menu[0] < 1 or menu[-1] >= len(costs):
+        raise ValueError(f"caps must lie in 1..{len(costs) - 1} (the costed lengths), got {list(menu)}")
+    lengths, depths, held_out_depths = np.asarray(lengths), np.asarray(depths), np.asarray(held_out_depths)
+    table = np.stack([np.asarray(held_out_losses[cap], dtype=np.float64) for cap in menu])  # [cap, request]
+    best, best_loss = None, np.inf
+    for base in menu:
+        if request_costs(costs, lengths, base).mean() > mean_budget:
+            break
+        reach_depth = _deepest_reach(lengths, depths, costs, mean_budget, base, menu)
+        policy = MatchReachPolicy(base, menu, reach_depth)
+        held_caps = policy.caps(None, held_out_depths)
+        loss = table[np.searchsorted(menu, held_caps), np.arange(held_caps.size)].mean()
+        if loss < best_loss:
+            best, best_loss = policy, loss
+    if best is None:
+        raise ValueError(f"mean_budget {mean_budget:.4g} FLOPs is below the mean cost of the shortest cap alone "
+                         f"({request_costs(costs, lengths, menu[0]).mean():.4g} at cap {menu[0]})")
+    return best
+
+
+def _deepest_reach(lengths: np.ndarray, depths: np.ndarray, costs: np.ndarray, mean_budget: float, base: int,
+                   menu: tuple[int, ...]) -> int:
+    """The largest reach depth (base .. the longest cap) at which the policy's mean cost stays within budget:
+    the candidate depths past `base` are the only places the cost steps up."""
+    options = np.unique(np.concatenate([[base], depths[(depths > base) & (depths <= menu[-1])]]))
+    spend = lambda d: request_costs(costs, lengths, MatchReachPolicy(base, menu, int(d)).caps(lengths, depths)).mean()  # noqa: E731
+    low, high = 0, len(options) - 1  # options[0] (no reach) is within budget; the mean cost grows with the depth
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if spend(options[middle]) <= mean_budget else (low, middle - 1)
+    return int(options[low])
