@@ -251,9 +251,10 @@ def _run_echoing(command: list[str], env: dict, timeout: float | None, keep: int
             job.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             job.kill()
+            job.wait()
             raise
         finally:
-            reader.join(timeout=10)
+            reader.join(timeout=10)  # before the pipe closes
     return job.returncode, list(last)
 
 
