@@ -181,3 +181,21 @@ def test_checkpointed_compiled_layers_give_eager_gradients():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_compiled_fp8_training_never_loads_inductors_cached_graphs(monkeypatch, precision):
+    """Cached compiled FP8 blocks gave NaN gradients on the H200: FP8 compiles afresh, bf16 keeps the caches."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    import gem_ops.train.acceleration as acceleration
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
+    monkeypatch.setattr(acceleration, "check_fp8_device", lambda device: None)  # no FP8 device here
+    monkeypatch.setattr(acceleration, "convert_to_fp8", lambda model, recipe: [])
+    monkeypatch.setattr(acceleration, "compile_dense_blocks", lambda model: [])
+    acceleration.prepare_for_training(nn.Linear(4, 4), TrainConfig(precision=precision, compile="dense"), "cpu")
+    cached = precision != "fp8"
+    assert inductor_config.fx_graph_cache is cached and functorch_config.enable_autograd_cache is cached
