@@ -191,11 +191,11 @@ def test_compiled_fp8_training_never_loads_inductors_cached_graphs(monkeypatch, 
 
     import gem_ops.train.acceleration as acceleration
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
     monkeypatch.setattr(acceleration, "check_fp8_device", lambda device: None)  # no FP8 device here
     monkeypatch.setattr(acceleration, "convert_to_fp8", lambda model, recipe: [])
     monkeypatch.setattr(acceleration, "compile_dense_blocks", lambda model: [])
-    acceleration.prepare_for_training(nn.Linear(4, 4), TrainConfig(precision=precision, compile="dense"), "cpu")
-    cached = precision != "fp8"
-    assert inductor_config.fx_graph_cache is cached and functorch_config.enable_autograd_cache is cached
+    # torch's config modules restore themselves (monkeypatch cannot undo a setting on them)
+    with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(enable_autograd_cache=True):
+        acceleration.prepare_for_training(nn.Linear(4, 4), TrainConfig(precision=precision, compile="dense"), "cpu")
+        cached = precision != "fp8"
+        assert inductor_config.fx_graph_cache is cached and functorch_config.enable_autograd_cache is cached
