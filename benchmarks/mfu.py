@@ -392,6 +392,7 @@ def main() -> None:
         if args.copy_to is not None:
             shutil.copy(path, args.copy_to / path.name)
 
+    results["end_to_end"] = dict(resumed)  # in every save from the first on: a run cut short keeps what it resumed
     results["gemm_bf16_flops" if device.type == "cuda" else "gemm_fp32_flops"] = measured_matmul_flops(device)
     try:
         results["gemm_fp8_flops"] = fp8_gemm_flops(device)
@@ -400,9 +401,8 @@ def main() -> None:
     print(f"GEMM: {json.dumps({k: v for k, v in results.items() if k.startswith('gemm')})}", flush=True)
     checkpoint_results()
 
-    runs = results.setdefault("end_to_end", {})
+    runs = results["end_to_end"]
     summary = results.setdefault("summary", {})
-    runs.update(resumed)
     for shape_name, shape in map(parse_shape, args.shapes):
         for repeat in range(args.repeats):  # precisions alternate: a run cut short by the budget leaves pairs
             for variant in args.precisions:
