@@ -212,7 +212,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
            **{k: report[k] for k in ("model_tflops", "samples_per_second", "step_seconds_mean", "step_seconds_median",
                                      "model_tflop_per_step", "peak_source", "peak_flops", "gemm_flops", "steps",
                                      "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
-                                     "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds",
+                                     "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds", "communication",
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures")
                   if k in report}}
     measures = report.get("step_measures") or {}

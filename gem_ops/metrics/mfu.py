@@ -131,6 +131,8 @@ class MFUReport:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # per profiled step (device time on a GPU)
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)  # host time per phase, on a GPU
     module_seconds: dict[str, float] = field(default_factory=dict)  # forward, per profiled step
+    # per profiled step on rank 0's GPU: collectives' seconds, the part no compute ran beside, compute (overlap.py)
+    communication: dict[str, float] = field(default_factory=dict)
     profiled_steps: int = 0
     profile_table: str = ""
     settings: dict[str, Any] = field(default_factory=dict)

@@ -20,6 +20,7 @@ from torch.autograd.profiler import record_function
 
 from gem_ops.metrics.flops import MODULES
 from gem_ops.metrics.mfu import MFUReport, device_name, measured_matmul_flops, peak_flops
+from gem_ops.metrics.overlap import communication_overlap, device_kernels
 from gem_ops.model.config import ModelConfig
 from gem_ops.train.config import TrainConfig
 
@@ -146,6 +147,7 @@ class WindowObserver:
             others = sum(v for k, v in report.phase_seconds.items() if k != "backward")
             report.phase_seconds["backward"] = max(0.0, busy - others)
             report.phase_seconds["device_busy"] = busy
+            report.communication = communication_overlap(device_kernels(prof, scopes | HOST_WAITS), steps).to_dict()
             report.phase_cpu_seconds = scope_seconds(prof, torch.device("cpu"), PHASES, steps)
         report.phase_seconds["step"] = float(np.mean(profiled_step_seconds)) if profiled_step_seconds else math.nan
         report.module_seconds = scope_seconds(prof, device, MODULE_SCOPES, steps)
