@@ -175,7 +175,8 @@ def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[s
         overrides["sequence.max_history_len"] = int(length)
     overrides.update(shape)
     settings = {"precision": precision, "fp8_recipe": recipe or args.fp8_recipes[0], "compile": args.compile,
-                "activation_checkpointing": args.activation_checkpointing, "seed": args.seed}
+                "activation_checkpointing": args.activation_checkpointing, "seed": args.seed,
+                "unit_prefetch": args.unit_prefetch}
     return torchrun_command(
         args.data / "sequence_logs", args.data / "plans", preset=args.preset, depth=depth, width=width,
         model_overrides=overrides, train_settings=settings, nproc_per_node=args.nproc,
@@ -345,6 +346,7 @@ def main() -> None:
                         help="the first is the end-to-end run's; the dense-layer stage times each")
     parser.add_argument("--compile", choices=("none", "dense"), default="dense")
     parser.add_argument("--activation-checkpointing", choices=("none", "sequence"), default="none")
+    parser.add_argument("--unit-prefetch", action="store_true", help="FSDP2 prefetch in the units' order (--nproc > 1)")
     parser.add_argument("--dense-tokens", type=int, default=262_144, help="rows of the sequence-layer shapes")
     parser.add_argument("--dense-batch", type=int, default=2048, help="rows of the Wukong shape")
     parser.add_argument("--dense-reps", type=int, default=20)

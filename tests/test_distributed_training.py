@@ -107,9 +107,11 @@ def run_job(data, tmp_path: Path, *extra: str, **kwargs) -> dict:
                   tmp_path / "result.json")
 
 
-@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "fsdp"])
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "fsdp", "fsdp+unit_prefetch"])
 def test_two_ranks_match_one_process_on_the_same_batches(data, union_run, sharding, tmp_path):
-    result = run_job(data, tmp_path, "--embedding-sharding", sharding)
+    sharding, _, prefetch = sharding.partition("+")
+    result = run_job(data, tmp_path, "--embedding-sharding", sharding, *(["--unit-prefetch"] if prefetch else []))
+    assert ("FSDP2 prefetch set over" in (tmp_path / "result.log").read_text()) == bool(prefetch)
     assert result["world_size"] == 2 and result["embedding_sharding"] == sharding and result["steps"] == STEPS
     assert result["losses"] == pytest.approx(union_run.losses, rel=LOSS_RTOL)
     assert all(v.startswith(sharding if sharding != "fsdp" else "fsdp") for v in result["sharding_plan"].values())

@@ -32,6 +32,9 @@ class TrainConfig:
     # sparse gradients waits on the device every step) against updating the whole tables.
     sparse_table_gradients: bool = False
     activation_checkpointing: Literal["none", "sequence"] = "none"  # sequence: recompute the sequence layers
+    # Several ranks under FSDP2: each dense unit starts the next one's all-gather (forward) and the previous
+    # one's (backward) as soon as its own parameters are in, in the order of the first step (unit_prefetch.py)
+    unit_prefetch: bool = False
     prefetch_batches: int = 1  # batches loaded ahead in a background thread while a step runs; 0: none
     eval_every: int = 0  # steps between evaluations (on the validation day when there is one); 0: only at the end
     # The newest days of the training examples held out: early stopping and calibration read them

@@ -55,6 +55,7 @@ from gem_ops.train.prefetch import prefetched
 from gem_ops.train.process_group import Topology, job_process_group
 from gem_ops.train.sharding import ShardedModel, describe_plan, shard_model
 from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows
+from gem_ops.train.unit_prefetch import UnitPrefetch
 from gem_ops.train.warm_start import warm_start_conflict
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,7 @@ class Trainer:
         pending: dict[int, dict[str, float]] = {}
         end = self.start if result.stopped_early else self.total  # a run that stopped early does not train again
         inputs = prefetched(self._load, range(self.start, end), config.prefetch_batches)
+        unit_prefetch = UnitPrefetch(units) if config.unit_prefetch and units else None
         self.module.train()
         result.started = time.perf_counter()
         try:
@@ -293,6 +295,9 @@ class Trainer:
                     grad_norm = dense_gradient_norm(sharded.dense_parameters, config.clip_grad_norm)
                     sharded.optimizer.step()
                 compute = timer.take()  # waits for the device: the step's time below is its real time
+                if unit_prefetch is not None:  # the first step has shown the units' order
+                    self.say(f"FSDP2 prefetch set over {len(unit_prefetch.arm())} units, in the first step's order")
+                    unit_prefetch = None
                 local = [compute, costs["tokens"], costs["attention_cost"], time.perf_counter() - stepped,
                          costs["flops"], *share.tolist(), *labelled.tolist(), float(grad_norm)]
                 rows = gather_rows(local, device)
