@@ -52,7 +52,8 @@ def main() -> None:
     from gem_ops.serving.adaptive import fit_policy, history_costs, request_costs
     from gem_ops.serving.client import ServingClient
     from gem_ops.serving.export import example_request, export_serving
-    from gem_ops.serving.latency import LatencySettings, measure_latency
+    from gem_ops.serving.latency import LatencySettings, measure_latency, warm_up_latency
+    from gem_ops.train.warm_up import length_buckets
     from gem_ops.serving.request import request_batch
     from gem_ops.train.model_state import seeded_model
     from tests.model_inputs import SPEC
@@ -91,6 +92,12 @@ def main() -> None:
                     continue
                 results["export_seconds"][f"{name}.{fmt}"] = round(exported.seconds, 1)
                 scorers[name][fmt] = ServingClient(exported.folder).score
+            # Untimed on a GPU, one request per history-length bucket and candidate count, as a server warms up
+            # before it takes traffic: the attention kernel tunes and compiles each bucket on its first call.
+            full = model.config.sequence.max_history_len
+            for score in scorers[name].values() if device.type == "cuda" else ():
+                warm_up_latency(score, lambda n, length, model=model: example_request(model, n, length, 0),
+                                [0, *length_buckets(full)], CANDIDATES)
         # 1. The vertical at its full history: eager against exported, 1 / 100 / 1000 candidates.
         vertical = models["vertical"]
         full = vertical.config.sequence.max_history_len

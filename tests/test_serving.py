@@ -222,3 +222,12 @@ def test_the_match_reach_policy_reads_down_to_a_far_match_within_its_mean_budget
         fit_match_policy(held_depths, losses, lengths, depths, costs, request_costs(costs, lengths, 8).mean())
     with pytest.raises(ValueError, match="increasing reach_caps"):
         MatchReachPolicy(64, (256, 16), 256)
+
+
+def test_the_latency_warm_up_scores_every_length_and_candidate_count_once():
+    from gem_ops.serving.latency import warm_up_latency
+
+    seen = []
+    warm_up_latency(lambda request: seen.append((request["n"], request["length"])),
+                    lambda n, length: {"n": n, "length": length}, [0, 16, 32], (1, 100))
+    assert seen == [(1, 0), (100, 0), (1, 16), (100, 16), (1, 32), (100, 32)]

@@ -34,6 +34,15 @@ def measure_latency(score: Callable[[dict], object], request_of: Callable[[int, 
         torch.set_num_threads(threads)
 
 
+def warm_up_latency(score: Callable[[dict], object], request_of: Callable[[int, int], dict[str, torch.Tensor]],
+                    history_lengths: list[int], candidate_counts: tuple[int, ...] = CANDIDATE_COUNTS) -> None:
+    """Scores one request per (history length, candidate count), untimed: request_of(candidates, length)."""
+    with torch.no_grad():
+        for length in history_lengths:
+            for n in candidate_counts:
+                score(request_of(n, length))
+
+
 def _timed(score, requests: list[dict], warmup: int) -> dict[str, float]:
     with torch.no_grad():
         for request in requests[:warmup]:

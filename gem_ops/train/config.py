@@ -35,6 +35,9 @@ class TrainConfig:
     # Several ranks under FSDP2: each dense unit starts the next one's all-gather (forward) and the previous
     # one's (backward) as soon as its own parameters are in, in the order of the first step (unit_prefetch.py)
     unit_prefetch: bool = False
+    # Before the first step: one zero-loss pass per history-length bucket, so that kernel tuning and compiling
+    # happen there rather than in whichever later step first reaches a bucket (warm_up.py; MFU windows set it)
+    warm_up_lengths: bool = False
     prefetch_batches: int = 1  # batches loaded ahead in a background thread while a step runs; 0: none
     eval_every: int = 0  # steps between evaluations (on the validation day when there is one); 0: only at the end
     # The newest days of the training examples held out: early stopping and calibration read them

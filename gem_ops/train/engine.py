@@ -56,6 +56,7 @@ from gem_ops.train.process_group import Topology, job_process_group
 from gem_ops.train.sharding import ShardedModel, describe_plan, shard_model
 from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows
 from gem_ops.train.unit_prefetch import UnitPrefetch
+from gem_ops.train.warm_up import warm_up_lengths
 from gem_ops.train.warm_start import warm_start_conflict
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,11 @@ class Trainer:
         inputs = prefetched(self._load, range(self.start, end), config.prefetch_batches)
         unit_prefetch = UnitPrefetch(units) if config.unit_prefetch and units else None
         self.module.train()
+        if config.warm_up_lengths and self.start < end:
+            with record_function("warm_up"):
+                ran = warm_up_lengths(self.module, self.logs, self.spec, self.model_config, config.precision, device, world)
+            sharded.optimizer.zero_grad(set_to_none=True)
+            self.say(f"warmed up at history lengths {ran}")
         result.started = time.perf_counter()
         try:
             for step in range(self.start, end):

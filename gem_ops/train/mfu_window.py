@@ -55,7 +55,7 @@ class MFUWindow:
         final eval."""
         return dataclasses.replace(config, max_steps=self.total_steps, epochs=math.ceil(self.total_steps / plan_steps),
                                    eval_every=0, checkpoint_every=0, log_every=self.total_steps, validation_days=0,
-                                   early_stopping_patience=0,
+                                   early_stopping_patience=0, warm_up_lengths=True,
                                    eval_max_examples=min(config.eval_max_examples, 256))
 
     @contextlib.contextmanager
