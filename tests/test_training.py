@@ -319,12 +319,13 @@ def test_mlflow_going_away_mid_run_fails_the_job_loudly_and_the_rerun_logs_every
 
 def test_warming_up_every_length_bucket_leaves_training_unchanged(data, monkeypatch):
     import gem_ops.train.engine as engine
-    from gem_ops.train.warm_up import length_buckets, warm_up_lengths
+    from gem_ops.train.warm_up import length_buckets
 
     assert length_buckets(1024) == [16, 32, 64, 128, 256, 512, 1024] and length_buckets(48) == [16, 32, 48]
     assert length_buckets(8) == [8]
     ran = []
-    monkeypatch.setattr(engine, "warm_up_lengths", lambda *args, **kwargs: ran.append(warm_up_lengths(*args, **kwargs)) or ran[-1])
+    monkeypatch.setattr(engine.Trainer, "warm_up_lengths",
+                        lambda self, run=engine.Trainer.warm_up_lengths: ran.append(run(self)) or ran[-1])
     config = model_config("vertical", width=0.5, **{"sequence.max_history_len": 32})
     plain_model, plain = train(data.open(), data.plans[1], config, CONFIG)
     warm_model, warm = train(data.open(), data.plans[1], config, dataclasses.replace(CONFIG, warm_up_lengths=True))

@@ -56,7 +56,7 @@ from gem_ops.train.process_group import Topology, job_process_group
 from gem_ops.train.sharding import ShardedModel, describe_plan, shard_model
 from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows
 from gem_ops.train.unit_prefetch import UnitPrefetch
-from gem_ops.train.warm_up import warm_up_lengths
+from gem_ops.train.warm_up import warm_up_inputs
 from gem_ops.train.warm_start import warm_start_conflict
 
 log = logging.getLogger(__name__)
@@ -275,10 +275,7 @@ class Trainer:
         unit_prefetch = UnitPrefetch(units) if config.unit_prefetch and units else None
         self.module.train()
         if config.warm_up_lengths and self.start < end:
-            with record_function("warm_up"):
-                ran = warm_up_lengths(self.module, self.logs, self.spec, self.model_config, config.precision, device, world)
-            sharded.optimizer.zero_grad(set_to_none=True)
-            self.say(f"warmed up at history lengths {ran}")
+            self.say(f"warmed up at history lengths {self.warm_up_lengths()}")
         result.started = time.perf_counter()
         try:
             for step in range(self.start, end):
@@ -369,6 +366,18 @@ class Trainer:
                  f"{result.samples_per_second:.0f} samples/s; observed imbalance "
                  f"{result.imbalance['compute_seconds']:.3f} (compute), {result.imbalance['tokens']:.3f} (tokens)")
         return result
+
+    def warm_up_lengths(self) -> list[int]:
+        """One zero-loss forward and backward per history-length bucket (gem_ops.train.warm_up); no weight moves."""
+        ran = []
+        with record_function("warm_up"):
+            for length, x in warm_up_inputs(self.logs, self.spec, self.model_config):
+                with autocast_context(self.device, self.config.precision):
+                    sums = self.module.loss_sums(x.to(self.device))
+                global_batch_loss(sums, self.topology.world_size)[0].backward()
+                ran.append(length)
+        self.sharded.optimizer.zero_grad(set_to_none=True)
+        return ran
 
     def _load(self, step: int) -> tuple[int, Any, dict[str, Any]]:
         """A step's input, built (and pinned, for a GPU) in the prefetch thread, with what it costs."""
