@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
     parser.add_argument("--models-dir", type=Path, default=None)
+    parser.add_argument("--output-name", default="adaptive_compute", help="results/<name>.json")
     args = parser.parse_args()
 
     from datetime import date
@@ -145,7 +146,7 @@ def main() -> None:
                 "eval_share_beyond_1024": float((eval_lengths > long_cap).mean()),
                 "eval_candidate_met_before": float((eval_depths > 0).mean()),
                 "eval_candidate_met_only_beyond_64": float(far.mean()), "far_match_slice_examples": int(far.sum())}
-    save("adaptive_compute", settings, {"policies": policies, "mean_cost_flops": cost, "runs": runs, **summary})
+    save(args.output_name, settings, {"policies": policies, "mean_cost_flops": cost, "runs": runs, **summary})
 
 
 def _request_losses(model, logs, indices, cap: int) -> np.ndarray:
