@@ -199,3 +199,23 @@ def test_compiled_fp8_training_never_loads_inductors_cached_graphs(monkeypatch, 
         acceleration.prepare_for_training(nn.Linear(4, 4), TrainConfig(precision=precision, compile="dense"), "cpu")
         cached = precision != "fp8"
         assert inductor_config.fx_graph_cache is cached and functorch_config.enable_autograd_cache is cached
+
+
+@pytest.mark.gpu
+def test_fp8_training_twice_against_one_inductor_cache_keeps_finite_gradients(tmp_path):
+    """Loaded from a warm Inductor cache, compiled FP8 blocks once gave NaN gradients at the first step; the
+    second process here compiles afresh (fresh_fp8_compiles) and must train as the first did."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "tests.fp8_compiled_steps"], env=env, capture_output=True,
+                              text=True, timeout=280, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert all(run["finite"] for run in runs), runs
+    assert runs[1]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-2)
