@@ -87,7 +87,8 @@ def run(logs, plan, config, args, seed: int) -> dict:
     train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
                                lr_schedule="cosine", validation_days=1, eval_every=args.eval_every,
                                early_stopping_patience=args.patience, eval_max_examples=1_000_000, seed=seed,
-                               early_stopping_min_steps=int(args.min_epochs * read_plan(plan).shape[0]))
+                               early_stopping_min_steps=int(args.min_epochs * read_plan(plan).shape[0]),
+                               weight_average_decay=args.weight_average_decay)
     began = time.perf_counter()
     _, result = train(logs, plan, config, train_config, device=args.device)
     report = result.final_report
@@ -163,6 +164,8 @@ def main() -> None:
     parser.add_argument("--patience", type=int, default=3)
     parser.add_argument("--min-epochs", type=float, default=1.0, help="epochs before early stopping may stop a run")
     parser.add_argument("--lr-dense", type=float, default=3e-3)
+    parser.add_argument("--weight-average-decay", type=float, default=0.0,
+                        help="keep an exponential moving average of the weights (TrainConfig.weight_average_decay)")
     parser.add_argument("--width", type=float, default=0.5)
     parser.add_argument("--max-history-len", type=int, default=256)
     parser.add_argument("--synthetic-users", type=int, default=10_000)

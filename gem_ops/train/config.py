@@ -19,6 +19,9 @@ class TrainConfig:
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.1
     clip_grad_norm: float = 1.0  # dense parameters; 0 disables
+    # Exponential moving average of all weights, tables included, with this decay per step; validation
+    # judges and training keeps the average (weight_average.py). 0: off, the last (or best) step's weights
+    weight_average_decay: float = 0.0
     # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: bf16 autocast with the large linear layers in FP8
     # (fp8_recipe; CUDA GPUs with FP8 tensor cores only; see train/acceleration.py)
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
@@ -74,6 +77,8 @@ class TrainConfig:
         if self.early_stopping_patience and not (self.validation_days and self.eval_every):
             raise ValueError("TrainConfig.early_stopping_patience needs validation_days >= 1 (what to judge on) "
                              "and eval_every >= 1 (how often)")
+        if not 0 <= self.weight_average_decay < 1:
+            raise ValueError(f"TrainConfig.weight_average_decay must be within [0, 1), got {self.weight_average_decay}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
         if self.max_steps is not None and self.max_steps < 1:

@@ -41,7 +41,7 @@ from gem_ops.tracking import RunTracker
 from gem_ops.train.acceleration import autocast_context, prepare_for_training
 from gem_ops.train.batches import newest_days, rank_schedule
 from gem_ops.train.calibration import fit_calibration, output_calibration, reset_calibration
-from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, save_checkpoint
+from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, read_progress, save_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
@@ -57,6 +57,8 @@ from gem_ops.train.sharding import ShardedModel, describe_plan, shard_model
 from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows
 from gem_ops.train.unit_prefetch import UnitPrefetch
 from gem_ops.train.warm_up import warm_up_inputs
+from gem_ops.train.weight_average import CHECKPOINT_KEY as AVERAGE_KEY
+from gem_ops.train.weight_average import WeightAverage
 from gem_ops.train.warm_start import warm_start_conflict
 
 log = logging.getLogger(__name__)
@@ -202,6 +204,7 @@ class Trainer:
         self.result = TrainResult(steps=0, samples=0, seconds=0.0, losses=[], world_size=topology.world_size)
         self.start = 0
         self.best_score, self.evals_since_best = math.inf, 0
+        self.average: WeightAverage | None = None
         self.best_dir = self.checkpoint_dir / "best" if self.checkpoint_dir is not None else None
         self.temporary_best = False
 
@@ -235,6 +238,8 @@ class Trainer:
         self.sharded = sharded = shard_model(self.model, self.config, self.embedding_sharding, self.device,
                                              self.topology.local_world_size)
         self.result.embedding_sharding, self.result.sharding_plan = sharded.embedding_sharding, describe_plan(sharded)
+        if self.config.weight_average_decay:
+            self.average = WeightAverage(sharded.module, self.config.weight_average_decay)
         mesh = f"FSDP2 over mesh {tuple(sharded.mesh.shape)}" if sharded.mesh is not None else "unsharded"
         self.say(f"{self.topology.world_size} rank(s) on {self.topology.nodes} node(s), {self.device.type}; embedding "
                  f"tables: {sharded.embedding_sharding}; dense: {mesh}; {self.total} steps")
@@ -297,6 +302,8 @@ class Trainer:
                 with record_function("optimizer"):
                     grad_norm = dense_gradient_norm(sharded.dense_parameters, config.clip_grad_norm)
                     sharded.optimizer.step()
+                    if self.average is not None:
+                        self.average.update()
                 compute = timer.take()  # waits for the device: the step's time below is its real time
                 if unit_prefetch is not None:  # the first step has shown the units' order
                     self.say(f"FSDP2 prefetch set over {len(unit_prefetch.arm())} units, in the first step's order")
@@ -360,7 +367,10 @@ class Trainer:
             self.restore_best()
             if config.calibrate:
                 self.calibrate()
-        self.evaluate(result.steps)
+        elif self.average is not None:
+            self.average.keep()
+            self.say(f"kept the average of the weights (decay {config.weight_average_decay})")
+        self.evaluate(result.steps, averaged=False)  # the average is the model's weights by now
         self.save(result.steps)
         self.say(f"trained {result.steps} steps ({result.samples} samples this session) at "
                  f"{result.samples_per_second:.0f} samples/s; observed imbalance "
@@ -395,22 +405,24 @@ class Trainer:
     def validate(self, step: int) -> bool:
         """Evaluates on the validation examples, keeps the weights if their NE is the best yet, and says
         whether training should stop (patience exhausted). Collective."""
-        report = evaluate(self.module, self.logs, self.config, self.device, self.validation)
-        self.result.validation_steps.append(step)
-        self.result.validation_reports.append(report)
-        self.tracker.log_metrics(flat_metrics(report, "validation"), step=step)
-        score = broadcast(validation_ne(report, self.model.objectives) if self.topology.rank == 0 else None)
-        if score < self.best_score:
-            self.best_score, self.evals_since_best, self.result.best_step = score, 0, step
-            save_checkpoint(self.best_folder(), step, {"model": self.module.state_dict()}, {"score": score}, keep=1)
-        else:
-            self.evals_since_best += 1
+        with self.averaged():
+            report = evaluate(self.module, self.logs, self.config, self.device, self.validation)
+            self.result.validation_steps.append(step)
+            self.result.validation_reports.append(report)
+            self.tracker.log_metrics(flat_metrics(report, "validation"), step=step)
+            score = broadcast(validation_ne(report, self.model.objectives) if self.topology.rank == 0 else None)
+            if score < self.best_score:
+                self.best_score, self.evals_since_best, self.result.best_step = score, 0, step
+                save_checkpoint(self.best_folder(), step, {"model": self.module.state_dict()}, {"score": score}, keep=1)
+            else:
+                self.evals_since_best += 1
         patience = self.config.early_stopping_patience
         return bool(patience) and self.evals_since_best >= patience and step >= self.config.early_stopping_min_steps
 
     def restore_best(self) -> None:
-        """The best validated weights back in the model (when training went on past them). Collective."""
-        if self.result.best_step is None or self.result.best_step == self.result.steps:
+        """The best validated weights back in the model (when training went on past them, or they were the
+        average's). Collective."""
+        if self.result.best_step is None or (self.result.best_step == self.result.steps and self.average is None):
             return
         state = {"model": self.module.state_dict()}
         load_into(latest_checkpoint(self.best_folder()), state)
@@ -450,8 +462,13 @@ class Trainer:
         if self.temporary_best and self.topology.rank == 0:
             shutil.rmtree(self.best_dir, ignore_errors=True)
 
-    def evaluate(self, step: int) -> None:
-        report = evaluate(self.module, self.logs, self.config, self.device, self.eval_indices)
+    def averaged(self) -> contextlib.AbstractContextManager:
+        """The weight average in the model for the block, when training keeps one."""
+        return self.average.swapped_in() if self.average is not None else contextlib.nullcontext()
+
+    def evaluate(self, step: int, averaged: bool = True) -> None:
+        with self.averaged() if averaged else contextlib.nullcontext():
+            report = evaluate(self.module, self.logs, self.config, self.device, self.eval_indices)
         self.result.eval_steps.append(step)
         self.result.eval_reports.append(report)
         self.tracker.log_metrics(flat_metrics(report), step=step)
@@ -462,14 +479,17 @@ class Trainer:
         progress = {"losses": self.result.losses, "balance": self.result.balance.to_dict(), "spec": asdict(self.spec),
                     "model_config": self.model_config.to_dict(), "train_config": self.config.to_dict(),
                     "world_size": self.topology.world_size, "embedding_sharding": self.sharded.embedding_sharding,
-                    "stopped_early": self.result.stopped_early,
+                    "stopped_early": self.result.stopped_early, "weight_average": self.average is not None,
                     "validation": {"best_step": self.result.best_step, "best_score": self.best_score,
                                    "evals_since_best": self.evals_since_best}}
         self.result.checkpoint = save_checkpoint(self.checkpoint_dir, step, self._training_state(), progress,
                                                  self.config.keep_checkpoints)
 
-    def _training_state(self) -> dict[str, Any]:
-        return {"model": self.sharded.module.state_dict(), "optimizer": self.sharded.optimizer.state_dict()}
+    def _training_state(self, with_average: bool = True) -> dict[str, Any]:
+        state = {"model": self.sharded.module.state_dict(), "optimizer": self.sharded.optimizer.state_dict()}
+        if self.average is not None and with_average:
+            state[AVERAGE_KEY] = self.average.state_dict(self.topology.rank)
+        return state
 
     def _load_training_state(self, path: Path) -> dict[str, Any]:
         sharded = self.sharded
@@ -478,10 +498,18 @@ class Trainer:
                 # Keyed optimizers load only into initialised state; the dummy step that initialises it
                 # moves the weights (weight decay), which are loaded after it.
                 optimizer.init_state()
-        state = self._training_state()
+        # The average is per rank's shards: it resumes at the world size that saved it, else restarts here.
+        saved = read_progress(path)
+        state = self._training_state(with_average=saved.get("weight_average", False)
+                                     and saved.get("world_size") == self.topology.world_size)
         progress = load_into(path, state)
         sharded.module.load_state_dict(state["model"])
         sharded.optimizer.load_state_dict(state["optimizer"])
+        if self.average is not None and AVERAGE_KEY in state:
+            self.average.load_state_dict(state[AVERAGE_KEY], self.topology.rank)
+        elif self.average is not None:
+            self.average = WeightAverage(sharded.module, self.config.weight_average_decay)
+            self.say("weight average started from the resumed weights (the checkpoint has none for this world size)")
         return progress
 
 
