@@ -164,8 +164,8 @@ def main() -> None:
     parser.add_argument("--patience", type=int, default=3)
     parser.add_argument("--min-epochs", type=float, default=1.0, help="epochs before early stopping may stop a run")
     parser.add_argument("--lr-dense", type=float, default=3e-3)
-    parser.add_argument("--weight-average-decay", type=float, default=0.0,
-                        help="keep an exponential moving average of the weights (TrainConfig.weight_average_decay)")
+    parser.add_argument("--weight-average-decay", type=float, default=0.998,
+                        help="every model keeps an exponential moving average of its weights (0: off)")
     parser.add_argument("--width", type=float, default=0.5)
     parser.add_argument("--max-history-len", type=int, default=256)
     parser.add_argument("--synthetic-users", type=int, default=10_000)

@@ -149,7 +149,8 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
     def settings(epochs: int, eval_every: int, min_steps: int = 0) -> TrainConfig:
         return TrainConfig(epochs=epochs, lr_dense=args.lr_dense, lr_schedule="cosine", validation_days=1,
                            eval_every=eval_every, early_stopping_patience=args.patience,
-                           early_stopping_min_steps=min_steps, eval_max_examples=1_000_000, seed=seed)
+                           early_stopping_min_steps=min_steps, eval_max_examples=1_000_000, seed=seed,
+                           weight_average_decay=args.weight_average_decay)
 
     def train_gem(label: str, gem_window, scored, sources: tuple[str, ...] = ("trunk",)) -> tuple[list[Teacher], object]:
         """The GEM of `gem_window`, as one teacher per representation source, scoring `scored`."""
@@ -343,6 +344,8 @@ def main() -> None:
     parser.add_argument("--student-eval-every", type=int, default=10)
     parser.add_argument("--patience", type=int, default=3)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
+    parser.add_argument("--weight-average-decay", type=float, default=0.998,
+                        help="every model keeps an exponential moving average of its weights (0: off)")
     parser.add_argument("--candidates", type=int, default=1, help="candidates of the latency request")
     parser.add_argument("--latency-reps", type=int, default=50)
     parser.add_argument("--device", default="cpu", help="where every model trains and scores (latency: on the CPU)")
