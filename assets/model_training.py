@@ -32,6 +32,9 @@ class ModelTrainingConfig(dg.Config):
         "best evaluated weights are kept either way.")
     early_stopping_min_steps: int = Field(
         0, description="No early stop before this step (a plateau early on a noisy validation day is no end).")
+    weight_average_decay: float = Field(
+        0.0, description="Keep a moving average of the weights with this decay per step (e.g. 0.998); validation "
+        "judges it and training keeps it (0: off).")
     calibrate: bool = Field(True, description="Fit Platt scaling per (domain, task) on the validation days at the end.")
     eval_max_examples: int = 20_000
     checkpoint_every: int = Field(50, description="Steps between checkpoints: a killed or restarted job resumes there.")

@@ -344,8 +344,9 @@ def main() -> None:
     parser.add_argument("--student-eval-every", type=int, default=10)
     parser.add_argument("--patience", type=int, default=3)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
-    parser.add_argument("--weight-average-decay", type=float, default=0.998,
-                        help="every model keeps an exponential moving average of its weights (0: off)")
+    parser.add_argument("--weight-average-decay", type=float, default=0.0,
+                        help="every model keeps an exponential moving average of its weights (0: off; "
+                             "results/transfer_synthetic_weight_average.json: 0.998)")
     parser.add_argument("--candidates", type=int, default=1, help="candidates of the latency request")
     parser.add_argument("--latency-reps", type=int, default=50)
     parser.add_argument("--device", default="cpu", help="where every model trains and scores (latency: on the CPU)")
