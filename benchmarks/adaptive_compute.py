@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
     parser.add_argument("--models-dir", type=Path, default=None)
+    parser.add_argument("--log", choices=("strong", "recurring"), default="strong",
+                        help="the synthetic log: STRONG_SIGNAL, or RECURRING_SIGNAL (retargeting every other day, "
+                             "each early item once: far history that only power users need)")
     parser.add_argument("--output-name", default="adaptive_compute", help="results/<name>.json")
     args = parser.parse_args()
 
@@ -60,7 +63,7 @@ def main() -> None:
     from gem_ops.data.prepare import prepare_training_data
     from gem_ops.data.raw_event_logs import EventSource
     from gem_ops.data.sequence_logs import SequenceLogsConfig
-    from gem_ops.data.synthetic import STRONG_SIGNAL
+    from gem_ops.data.synthetic import RECURRING_SIGNAL, STRONG_SIGNAL
     from gem_ops.model.config import FeatureSpec, model_config
     from gem_ops.serving.adaptive import fit_bucketed_policy, fit_match_policy, fit_policy, history_costs, request_costs
     from gem_ops.train.batches import newest_days
@@ -73,7 +76,8 @@ def main() -> None:
                           **{"sequence.max_history_len": long_cap, "sequence.first_level_tokens": 32})
     runs, policies = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        data = prepare_training_data(EventSource("synthetic", STRONG_SIGNAL), date(2026, 11, 14), 14, tmp,
+        synthetic = {"strong": STRONG_SIGNAL, "recurring": RECURRING_SIGNAL}[args.log]
+        data = prepare_training_data(EventSource("synthetic", synthetic), date(2026, 11, 14), 14, tmp,
                                      SequenceLogsConfig(max_history_len=long_cap, eval_days=2),
                                      ShufflingConfig(sub_batch_size=64, sub_batches_per_rank=4))
         logs = data.open()
@@ -99,7 +103,7 @@ def main() -> None:
         for seed in args.seeds:
             train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
                                        eval_max_examples=1000, validation_days=1, seed=seed)
-            cached = args.models_dir / f"seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_v1.pt" \
+            cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_v1.pt" \
                 if args.models_dir else None
             if cached is not None and cached.exists():
                 model, seconds = model_from_state(load_model_state(cached)), None
@@ -140,7 +144,7 @@ def main() -> None:
                                          for g in slice_runs[args.seeds[0]][name]} for name in slice_runs[args.seeds[0]]}
     for line in summary["table"]:
         print(line)
-    settings = {**vars(args), "synthetic": "STRONG_SIGNAL", "days": 14, "eval_days": 2, "fixed_caps": FIXED_CAPS,
+    settings = {**vars(args), "synthetic": {"strong": "STRONG_SIGNAL", "recurring": "RECURRING_SIGNAL"}[args.log], "days": 14, "eval_days": 2, "fixed_caps": FIXED_CAPS,
                 "eval_examples": int(eval_indices.size), "model": config.to_dict(),
                 "eval_history_length_quantiles": {q: float(np.quantile(eval_lengths, q)) for q in (0.5, 0.9, 0.99)},
                 "eval_share_beyond_1024": float((eval_lengths > long_cap).mean()),

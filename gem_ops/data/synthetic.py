@@ -37,6 +37,11 @@ Planted signal (what a model can learn)
       retarget_ctr_lift times and converts (given a click) retarget_cvr_lift times as often. A
       model sees the candidate in the history only when the history reaches back to the first days,
       which for power users is thousands of events back.
+    - Recurring (retarget_every_days > 1, "a purchase every September"): retargeting runs only on
+      every retarget_every_days-th day after the early phase, and there it shows each user each early
+      item once, in the first of the user's impressions that would retarget that day. Between those
+      days the early items leave the recent history: a light user's last exposure stays a few events
+      back, a power user's lies hundreds of events back, and only a long history reaches it.
     Click and conversion probabilities are normalised so that each surface's average rates stay
     close to its configured base rates.
 
@@ -49,7 +54,7 @@ Determinism
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime
 
 import numpy as np
@@ -131,11 +136,12 @@ class SyntheticConfig:
     retarget_share: float = 0.15  # share of later ad impressions that show an early item
     retarget_ctr_lift: float = 3.0  # CTR multiplier on impressions of an early item
     retarget_cvr_lift: float = 2.5  # conversion-given-click multiplier on those impressions
+    retarget_every_days: int = 1  # >1: retargeting only every this many days, each early item once (module doc)
     start_date: date = date(2026, 11, 1)  # the first day of the logs; earlier days are rejected
 
     def __post_init__(self) -> None:
         positive = ("n_users", "n_segments", "n_age_buckets", "n_items", "n_ads", "n_categories",
-                    "n_advertisers", "max_events_per_user_per_day", "interest_period_days")
+                    "n_advertisers", "max_events_per_user_per_day", "interest_period_days", "retarget_every_days")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"SyntheticConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -177,6 +183,11 @@ STRONG_SIGNAL = SyntheticConfig(
 """A small population with dense labels and strong planted effects (retargeting included), learnable in
 about a minute on a CPU: for learning tests and quick demonstrations."""
 
+RECURRING_SIGNAL = replace(STRONG_SIGNAL, retarget_every_days=2, early_items_per_user=10)
+"""STRONG_SIGNAL with its retargeting recurring every other day (days 3, 5, 7, ... after start_date), each of
+a user's 10 early items shown at most once per such day: the pattern that only power users' long histories
+still hold."""
+
 
 def generate_day(config: SyntheticConfig, day: date) -> pl.DataFrame:
     """One day's events for the whole population, in canonical dtypes, sorted by timestamp."""
@@ -203,15 +214,16 @@ def generate_day(config: SyntheticConfig, day: date) -> pl.DataFrame:
 
     organic = ~is_ad & ~is_early_view
     item[organic] = _organic_items(config, catalog, rng, interest[user[organic]])
-    retargeting_active = 0 < config.early_days <= day_index and config.early_items_per_user > 0
+    retargeting_active = _retargeting_day(config, day_index)
     ads = np.flatnonzero(is_ad)
     ad_user = user[ads]
-    item[ads] = _ad_items(config, catalog, users, rng, ad_user, interest[ad_user], retargeting_active)
+    item[ads], retarget_share = _ad_items(config, catalog, users, rng, ad_user, interest[ad_user], retargeting_active)
 
     click = np.zeros(n, dtype=np.int8)
     conversion = np.zeros(n, dtype=np.int8)
     click[ads], conversion[ads] = _ad_labels(
-        config, catalog, users, rng, ad_user, item[ads], surface[ads], interest[ad_user], retargeting_active, day_index
+        config, catalog, users, rng, ad_user, item[ads], surface[ads], interest[ad_user], retargeting_active, retarget_share,
+        day_index,
     )
     tracks_conversion = np.array([s.cvr is not None for s in config.surfaces])
     conversion_known = is_ad & tracks_conversion[surface]
@@ -252,6 +264,13 @@ def current_interest(config: SyntheticConfig, day: date) -> np.ndarray:
     keep = rng.random(config.n_users) < config.interest_stickiness
     drifted = rng.integers(0, config.n_categories, config.n_users)
     return np.where(keep, _users(config).primary_interest, drifted)
+
+
+def _retargeting_day(config: SyntheticConfig, day_index: int) -> bool:
+    if not (0 < config.early_days <= day_index and config.early_items_per_user > 0):
+        return False
+    every = config.retarget_every_days
+    return every == 1 or (day_index - config.early_days) % every == every - 1
 
 
 def _day_index(config: SyntheticConfig, day: date) -> int:
@@ -373,16 +392,28 @@ def _ad_items(
     user: np.ndarray,
     interest: np.ndarray,
     retargeting_active: bool,
-) -> np.ndarray:
+) -> tuple[np.ndarray, float]:
+    """The ad items of the day's impressions (in time order), and the share that retargets an early item."""
     n = user.size
     targeted = rng.random(n) < config.ad_targeting_share
     category = np.where(targeted, interest, rng.integers(0, config.n_categories, n))
     item = _pick_in_category(catalog.ads_by_category, category, rng, config.popularity_exponent)
-    if retargeting_active:
+    if not retargeting_active:
+        return item, 0.0
+    if config.retarget_every_days == 1:
         retarget = rng.random(n) < config.retarget_share
         slot = rng.integers(0, config.early_items_per_user, n)
-        item = np.where(retarget, users.early_items[user, slot], item)
-    return item
+        return np.where(retarget, users.early_items[user, slot], item), config.retarget_share
+    # Recurring: a retarget_share of the impressions would retarget; a user's first of them that day show
+    # the user's early items, one each, and the rest stay as drawn.
+    chosen = np.flatnonzero(rng.random(n) < config.retarget_share)
+    order = np.argsort(user[chosen], kind="stable")
+    grouped = user[chosen][order]
+    rank = np.empty(chosen.size, dtype=np.int64)
+    rank[order] = np.arange(chosen.size) - np.searchsorted(grouped, grouped)
+    retarget = chosen[rank < config.early_items_per_user]
+    item[retarget] = users.early_items[user[retarget], rank[rank < config.early_items_per_user]]
+    return item, retarget.size / n if n else 0.0
 
 
 def _early_views(config: SyntheticConfig, users: _Users, day_index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -402,6 +433,7 @@ def _ad_labels(
     surface: np.ndarray,
     interest: np.ndarray,
     retargeting_active: bool,
+    retarget_share: float,
     day_index: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     ad = item - config.ad_id_start
@@ -420,39 +452,38 @@ def _ad_labels(
         * catalog.click_quality[ad]
         * np.where(matches, config.interest_ctr_lift, 1.0)
         * np.where(seen_early, config.retarget_ctr_lift, 1.0)
-        / _click_lift_mean(config, retargeting_active)
+        / _click_lift_mean(config, retarget_share)
     )
     cvr = np.array([s.cvr or 0.0 for s in config.surfaces])[surface]
     p_conversion = (
         cvr
         * catalog.conversion_quality[ad]
         * np.where(seen_early, config.retarget_cvr_lift, 1.0)
-        / (1.0 + (config.retarget_cvr_lift - 1.0) * _retarget_share_of_clicks(config, retargeting_active))
+        / (1.0 + (config.retarget_cvr_lift - 1.0) * _retarget_share_of_clicks(config, retarget_share))
     )
     click = rng.random(user.size) < np.minimum(p_click, 0.95)
     conversion = click & (rng.random(user.size) < np.minimum(p_conversion, 0.95))
     return click.astype(np.int8), conversion.astype(np.int8)
 
 
-def _click_lift_mean(config: SyntheticConfig, retargeting_active: bool) -> float:
-    """The expected interest x retargeting lift over impressions, so surface CTRs keep their base rates."""
-    return _other_click_lift(config, retargeting_active) + _retarget_click_lift(config, retargeting_active)
+def _click_lift_mean(config: SyntheticConfig, share: float) -> float:
+    """The expected interest x retargeting lift over impressions (`share` of them retargeting), so surface CTRs
+    keep their base rates."""
+    return _other_click_lift(config, share) + _retarget_click_lift(config, share)
 
 
-def _retarget_share_of_clicks(config: SyntheticConfig, retargeting_active: bool) -> float:
+def _retarget_share_of_clicks(config: SyntheticConfig, share: float) -> float:
     # Retargeting impressions are clicked more often, so they are a larger share of clicks than of impressions.
-    return _retarget_click_lift(config, retargeting_active) / _click_lift_mean(config, retargeting_active)
+    return _retarget_click_lift(config, share) / _click_lift_mean(config, share)
 
 
-def _other_click_lift(config: SyntheticConfig, retargeting_active: bool) -> float:
-    share = config.retarget_share if retargeting_active else 0.0
+def _other_click_lift(config: SyntheticConfig, share: float) -> float:
     chance_match = 1.0 / config.n_categories
     targeted_match = config.ad_targeting_share + (1.0 - config.ad_targeting_share) * chance_match
     return (1.0 - share) * (1.0 + (config.interest_ctr_lift - 1.0) * targeted_match)
 
 
-def _retarget_click_lift(config: SyntheticConfig, retargeting_active: bool) -> float:
-    share = config.retarget_share if retargeting_active else 0.0
+def _retarget_click_lift(config: SyntheticConfig, share: float) -> float:
     # Early items are drawn without regard to interest, so they match it only by chance.
     chance_match = 1.0 / config.n_categories
     return share * config.retarget_ctr_lift * (1.0 + (config.interest_ctr_lift - 1.0) * chance_match)
