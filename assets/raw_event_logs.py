@@ -12,22 +12,23 @@ from gem_ops.data.event_logs import read_event_log
 from gem_ops.data.quality import null_rates
 from gem_ops.data.raw_event_logs import EventSource, load_day, write_partition
 from gem_ops.data.schema import REQUIRED_COLUMNS, EventLogError
-from gem_ops.data.synthetic import STRONG_SIGNAL, SyntheticConfig
+from gem_ops.data.synthetic import RECURRING_SIGNAL, STRONG_SIGNAL, SyntheticConfig
 
 MAX_FEATURE_NULL_RATE = 0.05
 
 
-SYNTHETIC_PRESETS = {"ads": SyntheticConfig(n_users=5_000), "strong_signal": STRONG_SIGNAL}
+SYNTHETIC_PRESETS = {"ads": SyntheticConfig(n_users=5_000), "strong_signal": STRONG_SIGNAL, "recurring": RECURRING_SIGNAL}
 
 
 class RawEventLogsConfig(dg.Config):
     source: str = Field("synthetic", description="synthetic | movielens | parquet")
     synthetic_preset: str = Field(
         "ads", description="For source=synthetic: ads (realistic base rates, 0.8-6% CTR, faint effects) or "
-                           "strong_signal (dense labels and strong planted effects, learnable in minutes).")
+                           "strong_signal (dense labels and strong planted effects, learnable in minutes) or recurring "
+                           "(strong_signal with retargeting every other day: far history that power users need).")
     synthetic_users: int | None = Field(None, description="Users in the synthetic population (None: the preset's; "
-                                                          "ads 5,000, strong_signal 3,000).")
-    synthetic_events_per_user_per_day: float | None = Field(None, description="None: the preset's (ads 3, strong_signal 2).")
+                                                          "ads 5,000, strong_signal and recurring 3,000).")
+    synthetic_events_per_user_per_day: float | None = Field(None, description="None: the preset's (ads 3, the others 2).")
     synthetic_seed: int = 0
     parquet_template: str = Field("", description="For source=parquet: a path with {date}, e.g. /data/{date}.parquet")
     movielens_dir: str = Field("", description="For source=movielens: the ml-latest-small folder (default: bundled).")

@@ -1,3 +1,4 @@
+import dataclasses
 from datetime import date, timedelta
 
 import numpy as np
@@ -168,3 +169,43 @@ def test_retargeting_early_items_converts_more(fortnight: pl.DataFrame, ads: pl.
     }
     assert 0.10 < rates[True][0] < 0.20  # close to the configured retarget share
     assert rates[True][1] >= 3 * rates[False][1]
+
+
+def test_recurring_retargeting_shows_each_early_item_at_most_once_and_only_every_other_day():
+    from gem_ops.data.synthetic import RECURRING_SIGNAL, _users
+
+    config = dataclasses.replace(RECURRING_SIGNAL, n_users=1_500)
+    events = generate_days(config, config.start_date, 9).with_columns(
+        day_index=(pl.col("timestamp").dt.date() - config.start_date).dt.total_days())
+    users = _users(config)
+    early = pl.DataFrame({"user_id": np.repeat(np.arange(config.n_users), config.early_items_per_user),
+                          "item_id": users.early_items.ravel(), "early": True}).unique(["user_id", "item_id"])
+    ads = events.filter(pl.col("event_type") == AD_IMPRESSION).join(early, on=["user_id", "item_id"], how="left") \
+        .with_columns(pl.col("early").fill_null(False))
+    per_day = {d: share for d, share in ads.group_by("day_index").agg(pl.col("early").mean()).iter_rows()}
+    retargeting_days = {3, 5, 7}  # every other day after the 2 early days
+    for d, share in per_day.items():
+        if d in retargeting_days:
+            assert share > 0.1, (d, share)
+        else:  # only an ad drawn at random that happens to be an early item
+            assert share < 0.01, (d, share)
+    def repeated(frame: pl.DataFrame) -> float:
+        counts = frame.filter(pl.col("early")).group_by("user_id", "item_id", "day_index").len()
+        return float((counts["len"] > 1).mean())
+
+    # Once per (user, early item, day), bar the random draw of a popular early item as a plain ad; retargeting
+    # every day shows power users their early items over and over
+    daily = dataclasses.replace(config, retarget_every_days=1)
+    daily_ads = generate_days(daily, daily.start_date, 9).with_columns(
+        day_index=(pl.col("timestamp").dt.date() - daily.start_date).dt.total_days()
+    ).filter(pl.col("event_type") == AD_IMPRESSION).join(early, on=["user_id", "item_id"], how="left") \
+        .with_columns(pl.col("early").fill_null(False))
+    assert repeated(ads) < 0.03 and repeated(daily_ads) > 0.1
+    burst = ads.filter(pl.col("day_index").is_in(list(retargeting_days)))
+    ctr = dict(burst.group_by("early").agg(pl.col("label_click").mean()).iter_rows())
+    assert ctr[True] > 1.5 * ctr[False]
+
+
+def test_recurring_retargeting_needs_a_positive_period():
+    with pytest.raises(ValueError, match="retarget_every_days"):
+        SyntheticConfig(retarget_every_days=0)
