@@ -35,6 +35,9 @@ class ModelTrainingConfig(dg.Config):
     weight_average_decay: float = Field(
         0.0, description="Keep a moving average of the weights with this decay per step (e.g. 0.998); validation "
         "judges it and training keeps it (0: off).")
+    history_cut_share: float = Field(
+        0.0, description="Share of training examples whose history is cut to a random length, for a model served "
+        "with adaptive history caps (0: whole histories).")
     calibrate: bool = Field(True, description="Fit Platt scaling per (domain, task) on the validation days at the end.")
     eval_max_examples: int = 20_000
     checkpoint_every: int = Field(50, description="Steps between checkpoints: a killed or restarted job resumes there.")

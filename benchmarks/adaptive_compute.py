@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
     parser.add_argument("--models-dir", type=Path, default=None)
+    parser.add_argument("--history-cut-share", type=float, default=0.0,
+                        help="train on histories cut to random lengths for this share of examples (TrainConfig)")
     parser.add_argument("--log", choices=("strong", "recurring"), default="strong",
                         help="the synthetic log: STRONG_SIGNAL, or RECURRING_SIGNAL (retargeting every other day, "
                              "each early item once: far history that only power users need)")
@@ -102,8 +104,9 @@ def main() -> None:
         cost = {name: float(request_costs(costs, eval_lengths, c).mean()) for name, c in caps.items()}
         for seed in args.seeds:
             train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
-                                       eval_max_examples=1000, validation_days=1, seed=seed)
-            cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_v1.pt" \
+                                       eval_max_examples=1000, validation_days=1, seed=seed,
+                                       history_cut_share=args.history_cut_share)
+            cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_cut{args.history_cut_share:g}_v1.pt" \
                 if args.models_dir else None
             if cached is not None and cached.exists():
                 model, seconds = model_from_state(load_model_state(cached)), None

@@ -157,6 +157,22 @@ def test_torchrun_restarts_a_failed_rank_and_the_job_completes(data, union_run, 
     assert result["losses"] == pytest.approx(union_run.losses, rel=LOSS_RTOL)
 
 
+@pytest.mark.parametrize("sharding", ["row_wise", "fsdp"])
+def test_two_ranks_keep_and_resume_the_weight_average_of_one_process(data, sharding, tmp_path):
+    """Each rank averages its own shards (TorchRec's sharded tables, FSDP2's DTensors) and checkpoints them under
+    its rank: a job whose rank fails after step 3 resumes at step 2 and keeps the average one process keeps."""
+    config = dataclasses.replace(CONFIG, weight_average_decay=0.8)
+    union, _ = train(data.open(), data.plans[2], TINY, config, embedding_sharding="table_wise",
+                     checkpoint_dir=tmp_path / "union", union_of_ranks=True)
+    drill = {"GEM_TRAIN_FAIL_AT_STEP": "3", "GEM_TRAIN_FAIL_RANK": "1"}
+    result = run_job(data, tmp_path, "--embedding-sharding", sharding, "--checkpoint-every", "2",
+                     "--weight-average-decay", "0.8", max_restarts=1, env=drill)
+    assert result["resumed_from"] == 2 and result["steps"] == STEPS
+    kept = model_from_state(load_model_state(result["model_state"])).state_dict()
+    for name, value in union.state_dict().items():
+        torch.testing.assert_close(kept[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_one_process_matches_two_ranks_through_the_same_engine(data, union_run, tmp_path):
     """The engine on one rank (torchrun with one process, the plain model: nothing to shard) on the
     world_size=2 plan's union against the 2-rank runs above: the same losses."""

@@ -118,12 +118,19 @@ class SequenceLogs:
         limit = self.max_history_len if max_history_len is None else min(max_history_len, self.max_history_len)
         return np.minimum(self._examples["history_end"], limit)
 
-    def batch(self, indices: np.ndarray | list[int], max_history_len: int | None = None) -> SequenceBatch:
-        """Gathers the examples at `indices`; histories keep their most recent `max_history_len` events."""
+    def batch(self, indices: np.ndarray | list[int], max_history_len: int | None = None,
+              history_caps: np.ndarray | None = None) -> SequenceBatch:
+        """Gathers the examples at `indices`; histories keep their most recent `max_history_len` events, and with
+        `history_caps` (one per index) at most that many each."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.n_examples):
             raise IndexError(f"example index out of range [0, {self.n_examples}) in {self.path}")
         ex = self._examples
+        lengths = self.history_lengths(max_history_len)[idx].astype(np.int64)
+        if history_caps is not None:
+            if np.shape(history_caps) != idx.shape:
+                raise ValueError(f"history_caps must hold one cap per index ({idx.size}), got shape {np.shape(history_caps)}")
+            lengths = np.minimum(lengths, np.maximum(np.asarray(history_caps, dtype=np.int64), 0))
         return SequenceBatch(
             example_index=torch.from_numpy(idx),
             timestamp=torch.from_numpy(ex["timestamp"][idx]),
@@ -138,8 +145,7 @@ class SequenceLogs:
             ),
             labels=torch.from_numpy(self._label_values[idx]),
             label_mask=torch.from_numpy(self._label_mask[idx]),
-            **self._histories(ex["user_row"][idx], self.history_lengths(max_history_len)[idx].astype(np.int64),
-                              ex["history_end"][idx], ex["timestamp"][idx]),
+            **self._histories(ex["user_row"][idx], lengths, ex["history_end"][idx], ex["timestamp"][idx]),
         )
 
     def candidate_depths(self, indices: np.ndarray | list[int]) -> np.ndarray:

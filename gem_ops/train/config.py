@@ -22,6 +22,10 @@ class TrainConfig:
     # Exponential moving average of all weights, tables included, with this decay per step; validation
     # judges and training keeps the average (weight_average.py). 0: off, the last (or best) step's weights
     weight_average_decay: float = 0.0
+    # Share of training examples whose history is cut to a random length (log-uniform from 1 to the model's
+    # maximum, drawn per step from the seed): a model then meets at training the shorter histories a server
+    # gives it under a compute budget (adaptive history caps), not only full ones. 0: every history whole
+    history_cut_share: float = 0.0
     # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: bf16 autocast with the large linear layers in FP8
     # (fp8_recipe; CUDA GPUs with FP8 tensor cores only; see train/acceleration.py)
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
@@ -77,6 +81,8 @@ class TrainConfig:
         if self.early_stopping_patience and not (self.validation_days and self.eval_every):
             raise ValueError("TrainConfig.early_stopping_patience needs validation_days >= 1 (what to judge on) "
                              "and eval_every >= 1 (how often)")
+        if not 0 <= self.history_cut_share <= 1:
+            raise ValueError(f"TrainConfig.history_cut_share must be within [0, 1], got {self.history_cut_share}")
         if not 0 <= self.weight_average_decay < 1:
             raise ValueError(f"TrainConfig.weight_average_decay must be within [0, 1), got {self.weight_average_decay}")
         if not 0 <= self.min_lr_ratio <= 1:

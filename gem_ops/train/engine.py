@@ -46,6 +46,7 @@ from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
 from gem_ops.train.gradients import dense_gradient_norm, divergence_message, nonfinite_gradients
+from gem_ops.train.history_cuts import history_caps
 from gem_ops.train.initialization import init_output_biases
 from gem_ops.train.loss import global_batch_loss
 from gem_ops.train.model_state import export_full_model_state, seeded_model
@@ -392,7 +393,9 @@ class Trainer:
     def _load(self, step: int) -> tuple[int, Any, dict[str, Any]]:
         """A step's input, built (and pinned, for a GPU) in the prefetch thread, with what it costs."""
         with record_function("data.load"):
-            batch = self.logs.batch(self.schedule.examples(step), self.model_config.sequence.max_history_len)
+            examples, max_len = self.schedule.examples(step), self.model_config.sequence.max_history_len
+            caps = history_caps(len(examples), max_len, self.config.history_cut_share, self.config.seed, step)
+            batch = self.logs.batch(examples, max_len, caps)
             x = model_input(batch, self.spec, self.model_config, with_level_sizes=True)
             if self.device.type == "cuda":
                 x = x.pin_memory()
