@@ -235,6 +235,10 @@ def test_distillation_head_and_teacher_token(logs, stale_teacher):
     joined = TeacherJoinedLogs(logs, stale_teacher.predictions, stale_teacher.representations)
     x = model_input(joined.batch(stale_teacher.predictions.example_index[:64], 32), spec, config)
     assert x.labels.shape == (64, 1) and x.teacher_logits.shape == (64, 1)
+    whole = joined.batch(stale_teacher.predictions.example_index[:64], 32)
+    cut = joined.batch(stale_teacher.predictions.example_index[:64], 32, history_caps=np.full(64, 2))  # history_cut_share
+    assert int(cut.history_lengths.max()) <= 2 < int(whole.history_lengths.max())
+    assert torch.equal(cut.teacher_logits, whole.teacher_logits)
     total, per_task, _ = model.loss(x)
     assert float(total.detach()) > float(per_task.sum())  # the distillation term is added
     total.backward()
