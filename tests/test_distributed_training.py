@@ -162,15 +162,17 @@ def test_two_ranks_keep_and_resume_the_weight_average_of_one_process(data, shard
     """Each rank averages its own shards (TorchRec's sharded tables, FSDP2's DTensors) and checkpoints them under
     its rank: a job whose rank fails after step 3 resumes at step 2 and keeps the average one process keeps."""
     config = dataclasses.replace(CONFIG, weight_average_decay=0.8)
-    union, _ = train(data.open(), data.plans[2], TINY, config, embedding_sharding="table_wise",
-                     checkpoint_dir=tmp_path / "union", union_of_ranks=True)
+    _, union = train(data.open(), data.plans[2], TINY, config, embedding_sharding="table_wise",
+                     checkpoint_dir=tmp_path / "union", union_of_ranks=True, export_model_state=True)
     drill = {"GEM_TRAIN_FAIL_AT_STEP": "3", "GEM_TRAIN_FAIL_RANK": "1"}
     result = run_job(data, tmp_path, "--embedding-sharding", sharding, "--checkpoint-every", "2",
                      "--weight-average-decay", "0.8", max_restarts=1, env=drill)
     assert result["resumed_from"] == 2 and result["steps"] == STEPS
     kept = model_from_state(load_model_state(result["model_state"])).state_dict()
-    for name, value in union.state_dict().items():
-        torch.testing.assert_close(kept[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # atol 1e-4: the keys' bias has no true gradient (softmax ignores a shift), so Adam steps on the summation
+    # noise that differs between 2 ranks and one process (up to 6e-5 here); a lost or unresumed average is ~1e-3 off
+    for name, value in load_model_state(union.model_state_path)["model"].items():
+        torch.testing.assert_close(kept[name], value, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def test_one_process_matches_two_ranks_through_the_same_engine(data, union_run, tmp_path):
