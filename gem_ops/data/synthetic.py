@@ -411,8 +411,9 @@ def _ad_items(
     grouped = user[chosen][order]
     rank = np.empty(chosen.size, dtype=np.int64)
     rank[order] = np.arange(chosen.size) - np.searchsorted(grouped, grouped)
-    retarget = chosen[rank < config.early_items_per_user]
-    item[retarget] = users.early_items[user[retarget], rank[rank < config.early_items_per_user]]
+    first = rank < config.early_items_per_user
+    retarget = chosen[first]
+    item[retarget] = users.early_items[user[retarget], rank[first]]
     return item, retarget.size / n if n else 0.0
 
 

@@ -7,7 +7,7 @@ of the weights (off by default: `TrainConfig.weight_average_decay`).
 
 The average is kept per rank over the tensors this rank holds (whole tensors on one rank, the local
 shards of FSDP2's DTensors and of TorchRec's sharded tables), so it needs no communication. The live
-weights and the average trade places in memory for validation (`swapped_in`) and at the end (`keep`).
+weights and the average trade places in memory for validation (`swapped_in`); `keep` makes the average the weights.
 """
 
 from __future__ import annotations
@@ -76,9 +76,11 @@ class WeightAverage:
         finally:
             self._swap()
 
+    @torch.no_grad()
     def keep(self) -> None:
-        """The average becomes the model's weights for good (the end of a run without validation)."""
-        self._swap()
+        """The average becomes the model's weights for good (the end of a run without validation); the average
+        stays what it was, so a checkpoint saved now resumes from the kept weights and their average alike."""
+        torch._foreach_copy_(self.live, self.average)
 
     def state_dict(self, rank: int) -> dict[str, torch.Tensor]:
         """The average under names of this rank's (ranks hold different shards), and its update count."""
