@@ -45,7 +45,8 @@ class ModelTrainingConfig(dg.Config):
     fp8_recipe: str = Field(
         "tensorwise_triton", description="With precision fp8: tensorwise_triton (the fastest), or torchao's tensorwise, "
         "tensorwise_fast_accum or rowwise.")
-    compile: str = Field("none", description="dense: torch.compile of the dense blocks and sequence layers.")
+    compile: str = Field("none", description="dense: torch.compile of the dense blocks and sequence layers; model: of "
+                         "the whole step after the embedding lookups, as one graph.")
     sparse_table_gradients: bool = Field(
         False, description="One-process training: update only the embedding rows a batch looked up (slower on the H200).")
     activation_checkpointing: str = Field("none", description="sequence: recompute the sequence layers in the backward.")

@@ -108,7 +108,7 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
             module = dense_layer(widths, device)
             if variant != "bf16":
                 convert_to_fp8(module, variant[4:], emulate=emulate, module_filter=lambda m, _: isinstance(m, nn.Linear))
-            run = torch.compile(module) if args.compile == "dense" else module
+            run = torch.compile(module) if args.compile != "none" else module
 
             def forward():
                 with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -344,7 +344,8 @@ def main() -> None:
                         help="end-to-end runs, each precision[:fp8 recipe] (none: the other stages alone)")
     parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise_triton", "tensorwise"],
                         help="the first is the end-to-end run's; the dense-layer stage times each")
-    parser.add_argument("--compile", choices=("none", "dense"), default="dense")
+    parser.add_argument("--compile", choices=("none", "dense", "model"), default="dense",
+                        help="the engine's TrainConfig.compile (the dense-layer stage compiles its layers unless none)")
     parser.add_argument("--activation-checkpointing", choices=("none", "sequence"), default="none")
     parser.add_argument("--unit-prefetch", action="store_true", help="FSDP2 prefetch in the units' order (--nproc > 1)")
     parser.add_argument("--dense-tokens", type=int, default=262_144, help="rows of the sequence-layer shapes")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.fp8_cast import cast_to_fp8
+from kernels.jagged_attention_op import OpBackend, has_op_backend, jagged_attention_op, register_op_backend
 from kernels.pytorch.pt_jagged_attention import pt_jagged_attention
 
 ACTIVATIONS = ("softmax", "silu")
@@ -33,9 +34,6 @@ def available_backends() -> list[str]:
     return list(_BACKENDS)
 
 
-# Opaque to torch.compile: a compiled caller breaks its graph here. The kernels' tile tables are
-# cached per offsets tensor on the host, and their sizes depend on the batch's lengths.
-@torch.compiler.disable
 def jagged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -72,6 +70,15 @@ def jagged_attention(
     kv_offsets = q_offsets if kv_offsets is None else kv_offsets
     _check(q, k, v, q_offsets, kv_offsets, activation)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if torch.compiler.is_compiling() and q.dtype != FP8 and has_op_backend(name := _pick_name(backend, q)):
+        # Traced by torch.compile: one custom op node (and one for its backward), no graph break.
+        return jagged_attention_op(q, k, v, q_offsets, kv_offsets, causal, activation, scale, name)[0]
+    return _eager(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale, backend)
+
+
+# Opaque to torch.compile (FP8 inference): the kernels' tile tables are cached per offsets tensor on the host.
+@torch.compiler.disable
+def _eager(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale, backend):
     fn = _pick(backend, q)
     if q.dtype == FP8:
         return fn(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale=_descales(descale, q.device))
@@ -107,16 +114,19 @@ def _descales(descale: tuple | None, device: torch.device) -> torch.Tensor:
 
 
 def _pick(backend: str, q: torch.Tensor) -> Callable[..., torch.Tensor]:
+    return _BACKENDS[_pick_name(backend, q)][0]
+
+
+def _pick_name(backend: str, q: torch.Tensor) -> str:
     if backend == "auto":
-        for fn, supports in reversed(list(_BACKENDS.values())):
+        for name, (_, supports) in reversed(list(_BACKENDS.items())):
             if supports(q):
-                return fn
+                return name
     if backend not in _BACKENDS:
         raise ValueError(f"jagged_attention backend {backend!r} unknown; available: {available_backends()}")
-    fn, supports = _BACKENDS[backend]
-    if not supports(q):
+    if not _BACKENDS[backend][1](q):
         raise ValueError(f"jagged_attention backend {backend!r} cannot run {q.dtype} tensors on {q.device}")
-    return fn
+    return backend
 
 
 def _check(q, k, v, q_offsets, kv_offsets, activation):
@@ -138,10 +148,12 @@ def _check(q, k, v, q_offsets, kv_offsets, activation):
 
 def _register_kernels() -> None:
     try:
-        from kernels.triton.triton_jagged_attention import supports, triton_jagged_attention
+        from kernels.triton import triton_jagged_attention as triton_kernels
     except ImportError:  # no Triton on this machine: the reference serves alone
         return
-    register_backend("triton", triton_jagged_attention, supports)
+    register_backend("triton", triton_kernels.triton_jagged_attention, triton_kernels.supports)
+    register_op_backend("triton", OpBackend(triton_kernels.op_forward, triton_kernels.op_backward,
+                                            triton_kernels.op_stats_shape))
 
 
 _register_kernels()

@@ -155,3 +155,31 @@ def nan_stays_in_its_sequence(backend: str, device: str, causal: bool, activatio
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_nan_in_one_sequence_never_reaches_another(causal, activation):
     nan_stays_in_its_sequence("pytorch", "cpu", causal, activation)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_compiled_callers_get_one_graph_and_the_eager_gradients(activation):
+    """Under torch.compile the attention is a custom op with a known output shape: the caller compiles whole
+    (fullgraph: a graph break would raise), through fake tensors and AOT autograd, on batches of new lengths."""
+    import torch._dynamo.testing
+
+    def layer(x, w, offsets):
+        q, k, v = (x @ w).view(x.shape[0], 3, 2, 4).unbind(1)
+        return (jagged_attention(q, k, v, offsets, causal=True, activation=activation).flatten(1) * x).sum()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    torch.manual_seed(0)
+    w = torch.randn(8, 24, dtype=torch.float64)
+    for lengths in ([3, 0, 7, 1], [5, 2, 9, 4, 1], [1, 30, 2]):
+        offsets = random_offsets(lengths)
+        x = torch.randn(int(offsets[-1]), 8, dtype=torch.float64)
+        grads = []
+        for fn in (layer, compiled):
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = fn(xs, ws, offsets)
+            loss.backward()
+            grads.append((loss.detach(), xs.grad, ws.grad))
+        for want, got in zip(*grads):
+            torch.testing.assert_close(got, want)
+    assert counter.frame_count <= 2  # the first shapes, then one dynamic graph for every later batch

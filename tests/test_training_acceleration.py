@@ -164,6 +164,55 @@ def test_compiled_dense_blocks_match_eager():
                 torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
+def _compiled_step_against_eager(config, compile_step, batches) -> None:
+    """Loss and every gradient of the compiled step against eager, on batches of changing lengths (their level
+    sizes counted on the host, as the engine's batches come)."""
+    eager, compiled = seeded_model(SPEC, config), seeded_model(SPEC, config)
+    compile_step(compiled)
+    for seed, lengths in enumerate(batches):
+        x = model_input(random_batch(lengths, seed), SPEC, config, with_level_sizes=True)
+        losses = [model.loss(x)[0] for model in (eager, compiled)]
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+        for model, loss in zip((eager, compiled), losses):
+            model.zero_grad()
+            loss.backward()
+        for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
+            assert (p_eager.grad is None) == (p_compiled.grad is None), name
+            if p_eager.grad is not None:
+                torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+STEP_BATCHES = ([3, 1, 12, 0, 70], [7, 0, 2, 30, 5, 9], [1, 1, 40, 9, 2, 3, 64])
+
+
+def test_gems_step_after_the_lookups_traces_as_one_graph():
+    """compile="model": everything after the embedding lookups, the jagged attention (a custom op) and the
+    pyramid's bookkeeping included, is one graph (fullgraph: a break would raise), dynamic after one recompile."""
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def compile_step(model):
+        model.dense_loss_sums = torch.compile(model.dense_loss_sums, backend=counter, fullgraph=True)
+
+    _compiled_step_against_eager(model_config("gem", width=0.5, blocks=2, **SMALL_TABLES), compile_step,
+                                 STEP_BATCHES)
+    assert counter.frame_count <= 2, counter.frame_count
+
+
+@pytest.mark.slow
+def test_compiled_model_step_matches_eager():
+    """prepare_for_training with compile="model": Inductor's code for the whole step, on CPU."""
+    _compiled_step_against_eager(model_config("gem", width=0.5, blocks=2, **SMALL_TABLES),
+                                 lambda model: prepare_for_training(model, TrainConfig(compile="model"), "cpu"),
+                                 STEP_BATCHES)
+
+
+def test_compile_model_names_the_setting_for_a_model_without_a_step():
+    with pytest.raises(ValueError, match="compile='model'"):
+        prepare_for_training(nn.Linear(4, 4), TrainConfig(compile="model"), "cpu")
+
+
 @pytest.mark.slow
 def test_checkpointed_compiled_layers_give_eager_gradients():
     """prepare_for_training compiles first, then checkpoints: a checkpointed layer recomputes its

@@ -486,17 +486,56 @@ def test_forward_and_backward_replay_from_a_cuda_graph_on_new_batches(cross, cau
             assert error < 2e-3, f"{name}: relative error {error:.1e} after replay on batch {seed}"
 
 
+def check_compiled_caller(device: str, compiler: str) -> None:
+    """A caller compiled whole (fullgraph: a graph break would raise) runs the kernels through the custom op, on
+    batches of new lengths, with the eager kernels' outputs and gradients."""
+    import torch._dynamo.testing
+
+    def layer(x, w, offsets, causal, activation):
+        q, k, v = (x @ w).view(x.shape[0], 3, 2, 16).unbind(1)
+        out = jagged_attention(q, k, v, offsets, causal=causal, activation=activation, backend="triton")
+        return (out.flatten(1) * x).sum()
+
+    for causal, activation in ((True, "softmax"), (False, "silu")):
+        counter = torch._dynamo.testing.CompileCounterWithBackend(compiler)
+        compiled = torch.compile(layer, backend=counter, fullgraph=True)
+        torch.manual_seed(0)
+        w = torch.randn(32, 96, device=device) / 8
+        for lengths in ((3, 0, 17, 5, 40), (9, 1, 2, 33), (70, 4)):
+            offsets = _offsets(lengths, device)
+            x = torch.randn(int(offsets[-1]), 32, device=device)
+            results = []
+            for fn in (layer, compiled):
+                xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+                loss = fn(xs, ws, offsets, causal, activation)
+                results.append((loss, *torch.autograd.grad(loss, (xs, ws))))
+            for name, want, got in zip(("loss", "dx", "dw"), *results):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+        assert counter.frame_count <= 2, counter.frame_count
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_compiled_caller_runs_the_kernels_on_cpu_interpreter():
+    check_compiled_caller("cpu", "aot_eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_caller_runs_the_kernels_on_gpu():
+    check_compiled_caller("cuda", "inductor")
+
+
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
-                          + len(FP8_CASES) + len(TILE_TABLE_CASES) + 1 + _default_count(NAN_INTERPRETER_CASES))
+                          + len(FP8_CASES) + len(TILE_TABLE_CASES) + 2 + _default_count(NAN_INTERPRETER_CASES))
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_every_interpreter_case():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
-                          + len(TILE_TABLE_CASES) + 1 + len(NAN_CASES), markers="")
+                          + len(TILE_TABLE_CASES) + 2 + len(NAN_CASES), markers="")
 
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory on Hopper

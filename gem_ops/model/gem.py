@@ -128,7 +128,10 @@ class GEMModel(nn.Module):
 
     def _encode(self, x: ModelInput) -> tuple[torch.Tensor, list]:
         """(the trunk's output, each branch's (history, offsets) after its last level)."""
-        pooled, candidate, history = self.embeddings(x)
+        return self._encode_embedded(x, *self.embeddings(x))
+
+    def _encode_embedded(self, x: ModelInput, pooled: torch.Tensor, candidate: torch.Tensor,
+                         history: torch.Tensor) -> tuple[torch.Tensor, list]:
         candidate = self.candidate_proj(candidate)
         tokens = [pooled, candidate.unsqueeze(1)]
         if self.dense_proj is not None:
@@ -173,7 +176,13 @@ class GEMModel(nn.Module):
         distillation head (the auxiliary one, or the serving head itself) against the teacher's probabilities
         on the same labelled examples. Sums (not means) let a training job of several ranks normalise by the
         global batch's counts."""
-        trunk = self.encode(x)
+        return self.dense_loss_sums(x, *self.embeddings(x))
+
+    def dense_loss_sums(self, x: ModelInput, pooled: torch.Tensor, candidate: torch.Tensor,
+                        history: torch.Tensor) -> LossSums:
+        """loss_sums from the embedding lookups on: every layer of a training step but the tables, what
+        TrainConfig.compile="model" compiles as one graph (the attention a custom op inside it)."""
+        trunk = self._encode_embedded(x, pooled, candidate, history)[0]
         logits = self.towers(trunk, x.surface)
         labelled, counts = masked_bce_sums(logits, x.labels, x.label_mask)
         total = labelled

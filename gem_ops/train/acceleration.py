@@ -131,6 +131,24 @@ def compile_dense_blocks(model: nn.Module) -> list[str]:
     return list(blocks)
 
 
+def compile_model_step(model: nn.Module) -> list[str]:
+    """torch.compile of everything in a training step's forward after the embedding lookups
+    (GEMModel.dense_loss_sums), as one graph: the jagged attention enters it as a custom op, the jagged
+    bookkeeping fuses with the layers around it, and its backward compiles too. Sizes are dynamic after
+    the first recompile (a batch's token counts and the pyramid's level sizes change every step)."""
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(model, "dense_loss_sums"):
+        raise ValueError(f"TrainConfig.compile='model' compiles GEM's step; {type(model).__name__} has none: "
+                         "use compile='dense' or 'none'")
+    # A few guards flip between batches (e.g. whether a level cuts any history): each side gets its graph.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+    model.dense_loss_sums = torch.compile(model.dense_loss_sums)
+    return ["dense_loss_sums"]
+
+
 def fresh_fp8_compiles() -> None:
     """Turns off this process's reuse of Inductor's cached FX graphs and AOT-autograd graphs. Loaded from a warm
     cache, the compiled FP8 blocks gave NaN gradients everywhere at step 0 (loss finite) on the H200 with
@@ -172,10 +190,10 @@ def prepare_for_training(model: nn.Module, config, device: torch.device | str) -
         applied["fp8"] = convert_to_fp8(model, config.fp8_recipe)
     # Compiled first, so that a checkpointed layer recomputes its compiled forward (a checkpoint
     # region cannot hold the graph break at the attention).
-    if config.compile == "dense":
+    if config.compile in ("dense", "model"):
         if config.precision == "fp8":
             fresh_fp8_compiles()
-        applied["compile"] = compile_dense_blocks(model)
+        applied["compile"] = compile_dense_blocks(model) if config.compile == "dense" else compile_model_step(model)
     if config.activation_checkpointing == "sequence":
         applied["activation_checkpointing"] = checkpoint_sequence_layers(model)
     return applied

@@ -33,7 +33,8 @@ class TrainConfig:
     # casts by kernels.fp8_cast (train/fp8_linear.py); the others are torchao's, tensorwise_fast_accum
     # being tensorwise with the gradient products in fast accumulation too
     fp8_recipe: Literal["tensorwise_triton", "tensorwise", "tensorwise_fast_accum", "rowwise"] = "tensorwise_triton"
-    compile: Literal["none", "dense"] = "none"  # dense: torch.compile of the dense blocks
+    # dense: torch.compile of each dense block; model: of the whole step after the embedding lookups, one graph
+    compile: Literal["none", "dense", "model"] = "none"
     # One-process training: embedding tables with sparse gradients, updated only in the rows looked up.
     # Off by default: on the H200 it cut the GPU preset's bf16 MFU from 45% to 31% (coalescing the
     # sparse gradients waits on the device every step) against updating the whole tables.

@@ -892,8 +892,7 @@ class _Problem:
         # offsets read back to the host on every call.
         mean_length = max(self.total_q, self.total_kv) // max(self.num_seqs, 1)
         self.length_bucket = triton.next_power_of_2(max(mean_length, 16))
-        # A head's row of the backward's statistics: every sequence padded to start at a multiple of 4 (_stats_start).
-        self.stats_stride = 4 * triton.cdiv(self.total_q + 4 * self.num_seqs + 4, 4)
+        self.stats_stride = stats_stride(self.total_q, self.num_seqs)
         self.empty = self.table is None
 
     def tuning_key(self, *extra) -> tuple:
@@ -905,6 +904,12 @@ class _Problem:
     def constexprs(self) -> dict:
         return dict(HEAD_DIM=self.head_dim, VALUE_DIM=self.value_dim, D_PAD=_pad(self.head_dim),
                     DV_PAD=_pad(self.value_dim), CAUSAL=self.causal, SILU=self.silu)
+
+
+def stats_stride(total_q, num_seqs):
+    """A head's row of the backward's statistics: every sequence padded to start at a multiple of 4 (_stats_start).
+    (Integer arithmetic only: the compiler's symbolic sizes pass through it.)"""
+    return 4 * ((total_q + 4 * num_seqs + 4 + 3) // 4)
 
 
 def _parts() -> tuple:
@@ -1100,11 +1105,33 @@ class JaggedAttentionFunction(torch.autograd.Function):
 
 def triton_jagged_attention(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale=None):
     """See kernels.jagged_attention.jagged_attention for the contract (descale: [3] fp32 with FP8 inputs)."""
+    _check_dims(q, v)
+    return JaggedAttentionFunction.apply(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale)
+
+
+def _check_dims(q, v) -> None:
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(f"the Triton jagged attention kernel serves head and value dims up to {MAX_HEAD_DIM} (16 to "
                          f"{MAX_HEAD_DIM}; smaller ones are padded to 16), got head dim {q.shape[-1]}, value dim "
                          f"{v.shape[-1]}: use backend='pytorch' for wider heads")
-    return JaggedAttentionFunction.apply(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale)
+
+
+# The custom op's entry points (kernels.jagged_attention_op): the same kernels, the statistics handed over
+# explicitly (an empty tensor for silu, which keeps none).
+def op_forward(q, k, v, q_offsets, kv_offsets, causal, activation, scale):
+    _check_dims(q, v)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, stats = _forward(_Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale), q, k, v)
+    return out, q.new_empty(0, dtype=torch.float32) if stats is None else stats
+
+
+def op_backward(q, k, v, out, stats, d_out, q_offsets, kv_offsets, causal, activation, scale):
+    problem = _Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale)
+    return _backward(problem, q, k, v, out, None if problem.silu else stats, d_out)
+
+
+def op_stats_shape(total_q, num_heads, num_seqs, activation) -> tuple:
+    return (0,) if activation == "silu" else (2, num_heads, stats_stride(total_q, num_seqs))
 
 
 def supports(q: torch.Tensor) -> bool:
