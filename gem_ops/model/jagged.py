@@ -82,7 +82,8 @@ def keep_last(values: torch.Tensor, offsets: torch.Tensor, n: int,
     kept = lengths.clamp(max=n)
     if total is None:
         total = int(kept.sum())
-    if total == values.shape[0]:
+    # Nothing to cut: the same tensors (a compiled caller takes the gather instead of a guard on the sizes).
+    if not torch.compiler.is_compiling() and total == values.shape[0]:
         return values, offsets
     new_offsets = offsets_of(kept)
     seg = segment_ids(new_offsets, total)

@@ -134,8 +134,8 @@ def compile_dense_blocks(model: nn.Module) -> list[str]:
 def compile_model_step(model: nn.Module) -> list[str]:
     """torch.compile of everything in a training step's forward after the embedding lookups
     (GEMModel.dense_loss_sums), as one graph: the jagged attention enters it as a custom op, the jagged
-    bookkeeping fuses with the layers around it, and its backward compiles too. Sizes are dynamic after
-    the first recompile (a batch's token counts and the pyramid's level sizes change every step)."""
+    bookkeeping fuses with the layers around it, and its backward compiles too. Sizes are dynamic from the
+    first compile (a batch's size, token counts and the pyramid's level sizes change every step)."""
     import torch._dynamo.config as dynamo_config
 
     if not hasattr(model, "dense_loss_sums"):
@@ -145,7 +145,7 @@ def compile_model_step(model: nn.Module) -> list[str]:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
-    model.dense_loss_sums = torch.compile(model.dense_loss_sums)
+    model.dense_loss_sums = torch.compile(model.dense_loss_sums, dynamic=True)
     return ["dense_loss_sums"]
 
 
