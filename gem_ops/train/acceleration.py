@@ -131,7 +131,7 @@ def compile_dense_blocks(model: nn.Module) -> list[str]:
     return list(blocks)
 
 
-def compile_model_step(model: nn.Module) -> list[str]:
+def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", fullgraph: bool = False) -> list[str]:
     """torch.compile of everything in a training step's forward after the embedding lookups
     (GEMModel.dense_loss_sums), as one graph: the jagged attention enters it as a custom op, the jagged
     bookkeeping fuses with the layers around it, and its backward compiles too. Sizes are dynamic from the
@@ -145,8 +145,21 @@ def compile_model_step(model: nn.Module) -> list[str]:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
-    model.dense_loss_sums = torch.compile(model.dense_loss_sums, dynamic=True)
+    compiled = torch.compile(model.dense_loss_sums, dynamic=True, backend=backend, fullgraph=fullgraph)
+    model.dense_loss_sums = functools.partial(_size_oblivious, compiled)
     return ["dense_loss_sums"]
+
+
+def _size_oblivious(compiled: Callable, *args, **kwargs):
+    """Traced with sizes of 0 and 1 unspecialised, no guards from the first batch's sizes (a warm-up batch with
+    one engaged event, a fusion decided on a size hint) and no size taken for another that happened to equal it
+    (duck sizing: a warm-up batch of 4 examples got the symbol of the 4 pooled tokens, and then a static batch
+    size): one graph for every later batch, not a recompile (minutes at the GPU preset) whenever a size crosses
+    such a line."""
+    import torch.fx.experimental._config as fx_config
+
+    with fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
+        return compiled(*args, **kwargs)
 
 
 def fresh_fp8_compiles() -> None:
