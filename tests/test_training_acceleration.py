@@ -184,7 +184,7 @@ def _compiled_step_against_eager(config, compile_step, batches) -> None:
 
 
 # First a warm-up-like batch: 4 examples (as many as the pooled tokens), one engaged event in the second branch.
-STEP_BATCHES = ([1, 0, 2, 1], [3, 1, 12, 0, 70], [7, 0, 2, 30, 5, 9], [1, 1, 40, 9, 2, 3, 64], [40] * 64)
+STEP_BATCHES = ([1, 0, 2, 1], [3, 1, 12, 0, 70], [7, 0, 2, 30, 5, 9], [1, 1, 40, 9, 2, 3, 64], [40] * 12)
 
 
 def test_gems_step_after_the_lookups_traces_as_one_graph_for_every_batch():
