@@ -149,24 +149,16 @@ def test_prefetched_keeps_order_and_loads_ahead():
 @pytest.mark.slow
 def test_compiled_dense_blocks_match_eager():
     """Whole sequence layers compile around the opaque attention, on batches of changing length."""
-    config = model_config("vertical", **SMALL_TABLES)
-    eager, compiled = seeded_model(SPEC, config), seeded_model(SPEC, config)
-    names = compile_dense_blocks(compiled)
-    assert {"trunk", "interaction.0", "branches.0.layers.0", "branches.0.cross.0"} <= set(names)
-    for lengths in ([3, 1, 12, 0], [7, 0, 2, 30, 5], [1, 1, 40, 9]):
-        x = model_input(random_batch(lengths), SPEC, config)
-        losses = [model.loss(x)[0] for model in (eager, compiled)]
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
-        for model, loss in zip((eager, compiled), losses):
-            model.zero_grad()
-            loss.backward()
-        for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
-            if p_eager.grad is not None:
-                torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-3, atol=1e-5, msg=name)
+    def compile_blocks(model):
+        names = compile_dense_blocks(model)
+        assert {"trunk", "interaction.0", "branches.0.layers.0", "branches.0.cross.0"} <= set(names)
+
+    _compiled_against_eager(model_config("vertical", **SMALL_TABLES), compile_blocks,
+                            ([3, 1, 12, 0], [7, 0, 2, 30, 5], [1, 1, 40, 9]))
 
 
-def _compiled_step_against_eager(config, compile_step, batches) -> None:
-    """Loss and every gradient of the compiled step against eager, on batches of changing lengths (their level
+def _compiled_against_eager(config, compile_step, batches) -> None:
+    """Loss and every gradient of a compiled model against eager, on batches of changing lengths (their level
     sizes counted on the host, as the engine's batches come)."""
     eager, compiled = seeded_model(SPEC, config), seeded_model(SPEC, config)
     compile_step(compiled)
@@ -194,29 +186,22 @@ def test_gems_step_after_the_lookups_traces_as_one_graph_for_every_batch():
     import torch._dynamo.testing
 
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    first = []
+    frames = []  # compiled frames after each batch
 
     def compile_step(model):
         compile_model_step(model, backend=counter, fullgraph=True)
         step = model.dense_loss_sums
+        model.dense_loss_sums = lambda *args: (step(*args), frames.append(counter.frame_count))[0]
 
-        def counted(*args):
-            result = step(*args)
-            first.append(first[0] if first else counter.frame_count)
-            return result
-        model.dense_loss_sums = counted
-
-    _compiled_step_against_eager(model_config("gem", width=0.5, blocks=2, **SMALL_TABLES), compile_step,
-                                 STEP_BATCHES)
-    assert counter.frame_count == first[0], f"recompiled: {first[0]} frames after the first batch, {counter.frame_count} after all"
+    _compiled_against_eager(model_config("gem", width=0.5, blocks=2, **SMALL_TABLES), compile_step, STEP_BATCHES)
+    assert len(frames) == len(STEP_BATCHES) and len(set(frames)) == 1, f"recompiled: frames after each batch {frames}"
 
 
 @pytest.mark.slow
 def test_compiled_model_step_matches_eager():
     """prepare_for_training with compile="model": Inductor's code for the whole step, on CPU."""
-    _compiled_step_against_eager(model_config("gem", width=0.5, blocks=2, **SMALL_TABLES),
-                                 lambda model: prepare_for_training(model, TrainConfig(compile="model"), "cpu"),
-                                 STEP_BATCHES)
+    _compiled_against_eager(model_config("gem", width=0.5, blocks=2, **SMALL_TABLES),
+                            lambda model: prepare_for_training(model, TrainConfig(compile="model"), "cpu"), STEP_BATCHES)
 
 
 def test_compile_model_names_the_setting_for_a_model_without_a_step():

@@ -117,15 +117,10 @@ def dense_blocks(model: nn.Module) -> dict[str, nn.Module]:
 def compile_dense_blocks(model: nn.Module) -> list[str]:
     """torch.compile of each dense block's forward (dynamic in the token dimension after the first
     recompile, as Inductor's automatic dynamic shapes do)."""
-    import torch._dynamo.config as dynamo_config
-
     blocks = dense_blocks(model)
     # Blocks share forward code objects (every layer of a kind), and a graph break at the attention
     # splits each sequence layer in two: every piece gets its own graphs, static then dynamic.
-    limit = max(64, 8 * len(blocks))
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+    _allow_recompiles(max(64, 8 * len(blocks)))
     for module in blocks.values():
         module.forward = torch.compile(module.forward)
     return list(blocks)
@@ -136,18 +131,23 @@ def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", f
     (GEMModel.dense_loss_sums), as one graph: the jagged attention enters it as a custom op, the jagged
     bookkeeping fuses with the layers around it, and its backward compiles too. Sizes are dynamic from the
     first compile (a batch's size, token counts and the pyramid's level sizes change every step)."""
-    import torch._dynamo.config as dynamo_config
-
     if not hasattr(model, "dense_loss_sums"):
         raise ValueError(f"TrainConfig.compile='model' compiles GEM's step; {type(model).__name__} has none: "
                          "use compile='dense' or 'none'")
-    # A few guards flip between batches (e.g. whether a level cuts any history): each side gets its graph.
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+    # Where Inductor still specialises a size (benchmarks/README.md, MFU), each variant gets its graph
+    # rather than the step falling back to eager past Dynamo's default limit of 8.
+    _allow_recompiles(64)
     compiled = torch.compile(model.dense_loss_sums, dynamic=True, backend=backend, fullgraph=fullgraph)
     model.dense_loss_sums = functools.partial(_size_oblivious, compiled)
     return ["dense_loss_sums"]
+
+
+def _allow_recompiles(limit: int) -> None:
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
 
 
 def _size_oblivious(compiled: Callable, *args, **kwargs):
