@@ -2,6 +2,7 @@
 first and last ones), a clear error where FP8 cannot run, FP8 emulated end to end, activation
 checkpointing giving the same gradients, and the batch prefetcher keeping order."""
 
+import functools
 import re
 import time
 
@@ -183,9 +184,20 @@ def test_gems_step_after_the_lookups_traces_as_one_graph_for_every_batch():
     """compile="model": everything after the embedding lookups, the jagged attention (a custom op) and the
     pyramid's bookkeeping included, is one graph (fullgraph: a break would raise), and the first batch's graph
     serves every later one: no size of it specialised (a recompile costs minutes at the GPU preset)."""
+    _one_graph_for_every_batch("aot_eager")
+
+
+@pytest.mark.slow
+def test_inductors_compiled_step_matches_eager_in_one_graph_for_every_batch():
+    """The same through Inductor's code for the whole step, on CPU: its lowering must not specialise either (a
+    level of 1 token, the batch size through a saved activation's stride)."""
+    _one_graph_for_every_batch("inductor")
+
+
+def _one_graph_for_every_batch(backend: str) -> None:
     import torch._dynamo.testing
 
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     frames = []  # compiled frames after each batch
 
     def compile_step(model):
@@ -197,11 +209,10 @@ def test_gems_step_after_the_lookups_traces_as_one_graph_for_every_batch():
     assert len(frames) == len(STEP_BATCHES) and len(set(frames)) == 1, f"recompiled: frames after each batch {frames}"
 
 
-@pytest.mark.slow
-def test_compiled_model_step_matches_eager():
-    """prepare_for_training with compile="model": Inductor's code for the whole step, on CPU."""
-    _compiled_against_eager(model_config("gem", width=0.5, blocks=2, **SMALL_TABLES),
-                            lambda model: prepare_for_training(model, TrainConfig(compile="model"), "cpu"), STEP_BATCHES)
+def test_compile_model_wraps_gems_step():
+    model = seeded_model(SPEC, model_config("gem", width=0.5, blocks=2, **SMALL_TABLES))
+    applied = prepare_for_training(model, TrainConfig(compile="model"), "cpu")
+    assert applied["compile"] == ["dense_loss_sums"] and isinstance(model.dense_loss_sums, functools.partial)
 
 
 def test_compile_model_names_the_setting_for_a_model_without_a_step():

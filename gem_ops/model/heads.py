@@ -34,12 +34,20 @@ class DomainTaskTowers(nn.Module):
 
     def forward(self, trunk: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
         """trunk [B, in_dim], domain [B] -> logits [B, tasks]."""
-        h = trunk.unsqueeze(1).expand(-1, self.domains * self.tasks, -1)  # [B, towers, in]
+        B, towers = trunk.shape[0], self.domains * self.tasks
         last = len(self.weights) - 1
+        h = trunk
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
-            h = torch.einsum("bmi,mio->bmo", h, w) + b
+            # Matmuls with the batch leading, never a bmm over towers: a bmm puts the batch in the middle of
+            # what it saves for the backward, whose batch-sized stride a compiled step then fixes to one
+            # batch size (torch 2.11-2.13). Every tower reads the same trunk: one matmul for the first
+            # layer; each tower's own input after it: a block-diagonal matmul (towers x the FLOPs of
+            # layers that are tiny beside the trunk).
+            weight = w.transpose(0, 1).flatten(1) if i == 0 else torch.block_diag(*w.unbind(0))
+            h = (h @ weight).view(B, towers, -1) + b
             if i < last:
                 h = F.gelu(h)
+            h = h.flatten(1)
         logits = h.view(-1, self.domains, self.tasks)
         return self.output(logits[torch.arange(logits.shape[0], device=domain.device), domain], domain)
 

@@ -70,7 +70,8 @@ def select(values: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor, tota
     rows = torch.empty(total + 1, dtype=torch.long, device=values.device)
     rows.scatter_(0, slot, torch.arange(keep.numel(), device=values.device))
     lengths = kept_lengths(offsets, keep) if lengths is None else lengths
-    return take_rows(values, rows[:total]), offsets_of(lengths)
+    # narrow, not rows[:total]: a slice whose end a compiler cannot bound makes its length data-dependent.
+    return take_rows(values, rows.narrow(0, 0, total)), offsets_of(lengths)
 
 
 def keep_last(values: torch.Tensor, offsets: torch.Tensor, n: int,

@@ -24,7 +24,8 @@ class JaggedTransformerLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # x [N, dim]
-        q, k, v = self.qkv(self.norm1(x)).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
+        # split, not unbind: a compiled step lowers unbind to views that guard on a level's token count being 1.
+        q, k, v = self.qkv(self.norm1(x)).view(x.shape[0], 3 * self.heads, self.head_dim).split(self.heads, dim=1)
         attended = jagged_attention(q, k, v, offsets, activation=self.activation)
         x = x + self.dropout(self.proj(attended.reshape(x.shape[0], self.heads * self.head_dim)))
         return x + self.dropout(self.ffn(self.norm2(x)))
@@ -47,7 +48,7 @@ class JaggedCrossAttention(nn.Module):
         """query [B, Q, query_dim], history [N, kv_dim] -> [B, Q, out_dim]."""
         B, Q = query.shape[:2]
         q = self.q(query).view(B * Q, self.heads, self.head_dim)
-        k, v = self.kv(self.norm(history)).view(history.shape[0], 2, self.heads, self.head_dim).unbind(1)
+        k, v = self.kv(self.norm(history)).view(history.shape[0], 2 * self.heads, self.head_dim).split(self.heads, dim=1)
         q_offsets = torch.arange(0, B * Q + 1, Q, device=offsets.device)
         attended = jagged_attention(q, k, v, q_offsets, offsets, activation=self.activation)
         return self.out(attended.reshape(B, Q, self.heads * self.head_dim))

@@ -34,7 +34,9 @@ class LinearCompressBlock(nn.Module):
         self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("on,bnd->bod", self.weight, x)
+        # A bmm with the batch leading in what it saves, the weight broadcast to it (an einsum's bmm saves
+        # [1, B·d, n] views whose batch-sized strides a compiled step specialises).
+        return torch.bmm(self.weight.expand(x.shape[0], -1, -1), x)
 
 
 class WukongLayer(nn.Module):
