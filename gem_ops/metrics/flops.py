@@ -166,12 +166,15 @@ def gem_flops(config: ModelConfig, spec: FeatureSpec, lengths: Mapping[str, np.n
         count.add("wukong.lcb", linear_flops(B * d, n_in, wk.n_lcb) + (linear_flops(B * d, n_in, n_out) if n_in != n_out else 0.0))
 
     count.add("trunk", linear_flops(B, n_out * d, config.trunk_hidden))
-    # Every example runs all (domain, task) towers as batched products and keeps its own domain's row:
-    # counted as run. A distillation head is a second set of towers.
+    # Every example runs all (domain, task) towers and keeps its own domain's row: counted as run, the layers
+    # after the first as the block-diagonal products they run as (heads.DomainTaskTowers). A distillation head
+    # is a second set of towers.
     objectives = config.objectives(spec) if hasattr(config, "objectives") else spec.objectives
-    towers = len(spec.surfaces) * len(objectives) * (2 if getattr(config, "distillation_weight", 0.0) > 0 else 1)
+    towers = len(spec.surfaces) * len(objectives)
+    sets = 2 if getattr(config, "distillation_weight", 0.0) > 0 else 1
     dims = [config.trunk_hidden] + [config.tower_hidden] * config.tower_layers + [1]
-    count.add("towers", sum(linear_flops(B * towers, a, b) for a, b in zip(dims[:-1], dims[1:])))
+    count.add("towers", sets * (linear_flops(B, dims[0], towers * dims[1])
+                                + sum(linear_flops(B, towers * a, towers * b) for a, b in zip(dims[1:-1], dims[2:]))))
     return count
 
 

@@ -33,8 +33,19 @@ def take_rows(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return _TakeRows.apply(values, rows)
 
 
+def starts(offsets: torch.Tensor) -> torch.Tensor:
+    """[B] where each sequence begins. narrow, not offsets[:-1]: a slice to an open end leaves torch 2.11's
+    compiler an unbacked length under size-oblivious tracing, and Inductor then fails to lower it."""
+    return offsets.narrow(0, 0, offsets.shape[0] - 1)
+
+
+def ends(offsets: torch.Tensor) -> torch.Tensor:
+    """[B] where each sequence ends (offsets[1:], narrowed for the same reason)."""
+    return offsets.narrow(0, 1, offsets.shape[0] - 1)
+
+
 def lengths_of(offsets: torch.Tensor) -> torch.Tensor:
-    return offsets[1:] - offsets[:-1]
+    return ends(offsets) - starts(offsets)
 
 
 def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
@@ -50,7 +61,7 @@ def segment_ids(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor
 def positions_from_end(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """[N] 0 for each sequence's most recent (last) value, 1 for the one before, ..."""
     seg = segment_ids(offsets, total)
-    return offsets[1:][seg] - 1 - torch.arange(seg.numel(), device=offsets.device)
+    return ends(offsets)[seg] - 1 - torch.arange(seg.numel(), device=offsets.device)
 
 
 def kept_lengths(offsets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -88,7 +99,7 @@ def keep_last(values: torch.Tensor, offsets: torch.Tensor, n: int,
         return values, offsets
     new_offsets = offsets_of(kept)
     seg = segment_ids(new_offsets, total)
-    rows = torch.arange(total, device=values.device) + (offsets[:-1] + lengths - kept - new_offsets[:-1])[seg]
+    rows = torch.arange(total, device=values.device) + (starts(offsets) + lengths - kept - starts(new_offsets))[seg]
     return take_rows(values, rows), new_offsets
 
 
@@ -106,9 +117,9 @@ def prepend(prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -
     N = values.shape[0]
     new_offsets = offsets + K * torch.arange(B + 1, device=offsets.device)
     seg = segment_ids(new_offsets, N + B * K)
-    position = torch.arange(N + B * K, device=offsets.device) - new_offsets[:-1][seg]
+    position = torch.arange(N + B * K, device=offsets.device) - starts(new_offsets)[seg]
     # One gather from [values, prefix rows]: position p < K of sequence b is prefix row b*K + p.
-    rows = torch.where(position < K, N + seg * K + position, offsets[:-1][seg] + position - K)
+    rows = torch.where(position < K, N + seg * K + position, starts(offsets)[seg] + position - K)
     stacked = torch.cat([values, prefix.reshape(B * K, *prefix.shape[2:]).to(values.dtype)])
     return take_rows(stacked, rows), new_offsets
 
@@ -124,7 +135,7 @@ def split_prefix(values: torch.Tensor, offsets: torch.Tensor, k: int) -> tuple[t
 
 def _prefix_rows(offsets: torch.Tensor, k: int) -> torch.Tensor:
     """Rows of the k values at the start of each sequence."""
-    return (offsets[:-1, None] + torch.arange(k, device=offsets.device)[None, :]).reshape(-1)
+    return (starts(offsets)[:, None] + torch.arange(k, device=offsets.device)[None, :]).reshape(-1)
 
 
 def _value_rows(offsets: torch.Tensor, k: int, total: int) -> torch.Tensor:
