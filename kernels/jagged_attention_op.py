@@ -24,7 +24,8 @@ class OpBackend:
     forward: Callable[..., tuple[Tensor, Tensor]]
     # (q, k, v, out, saved, d_out, q_offsets, kv_offsets, causal, activation, scale) -> (dq, dk, dv)
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
-    # (total_q, heads, sequences, activation) -> the shape of `saved`
+    # (total_q, heads, sequences, activation) -> the shape of `saved`: 1-D, so that its strides never depend
+    # on a batch's sizes (a compiled step's saved activations get the first batch's strides fixed)
     saved_shape: Callable[..., tuple]
 
 

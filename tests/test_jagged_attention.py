@@ -183,3 +183,14 @@ def test_compiled_callers_get_one_graph_and_the_eager_gradients(activation):
         for want, got in zip(*grads):
             torch.testing.assert_close(got, want)
     assert counter.frame_count <= 2  # the first shapes, then one dynamic graph for every later batch
+
+
+def test_every_op_backend_hands_its_saved_tensor_over_flat():
+    """A compiled step saves it for the backward; strides that depend on a batch's sizes get fixed to the first
+    batch's there, failing the next batch's stride check (seen on the H200 with the Triton statistics)."""
+    from kernels.jagged_attention_op import _OP_BACKENDS
+
+    assert "triton" in _OP_BACKENDS
+    for name, backend in _OP_BACKENDS.items():
+        for activation in ("softmax", "silu"):
+            assert len(backend.saved_shape(100, 4, 7, activation)) == 1, (name, activation)

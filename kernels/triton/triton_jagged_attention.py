@@ -1118,20 +1118,26 @@ def _check_dims(q, v) -> None:
 
 # The custom op's entry points (kernels.jagged_attention_op): the same kernels, the statistics handed over
 # explicitly (an empty tensor for silu, which keeps none).
+# The op hands its statistics over flat: a compiled step saves them for its backward, and a saved tensor whose
+# strides depend on the batch's sizes ([2, H, stats_stride]) gets them fixed to the first batch's (torch 2.11-2.13
+# restride saved activations to the forward's concrete strides), failing the next batch's stride check.
+
+
 def op_forward(q, k, v, q_offsets, kv_offsets, causal, activation, scale):
     _check_dims(q, v)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, stats = _forward(_Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale), q, k, v)
-    return out, q.new_empty(0, dtype=torch.float32) if stats is None else stats
+    return out, q.new_empty(0, dtype=torch.float32) if stats is None else stats.view(-1)
 
 
 def op_backward(q, k, v, out, stats, d_out, q_offsets, kv_offsets, causal, activation, scale):
     problem = _Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale)
-    return _backward(problem, q, k, v, out, None if problem.silu else stats, d_out)
+    stats = None if problem.silu else stats.view(2, problem.num_heads, problem.stats_stride)
+    return _backward(problem, q, k, v, out, stats, d_out)
 
 
 def op_stats_shape(total_q, num_heads, num_seqs, activation) -> tuple:
-    return (0,) if activation == "silu" else (2, num_heads, stats_stride(total_q, num_seqs))
+    return (0,) if activation == "silu" else (2 * num_heads * stats_stride(total_q, num_seqs),)
 
 
 def supports(q: torch.Tensor) -> bool:
