@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS_STEPS = 5  # the loss compared between precisions: the mean over the last steps both ran
 
 
+COMPILE_SETTINGS = ("none", "dense", "model")
+
+
 def timed(fn, device: torch.device, reps: int, warmup: int = 3) -> float:
     """Median seconds of fn() (CUDA events on a GPU)."""
     for _ in range(warmup):
@@ -148,11 +151,28 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
     return out
 
 
-def precision_variant(name: str) -> tuple[str, str | None]:
-    """An end-to-end run's name: precision[:fp8 recipe], e.g. fp8:tensorwise_fast_accum -> ("fp8",
-    "tensorwise_fast_accum"); the recipe defaults to --fp8-recipes' first."""
+def run_variant(name: str) -> tuple[str, str | None, str | None]:
+    """An end-to-end run's name: precision[:fp8 recipe][@compile], e.g. fp8:tensorwise_fast_accum ->
+    ("fp8", "tensorwise_fast_accum", None), bf16@model -> ("bf16", None, "model"); the recipe defaults to
+    --fp8-recipes' first, the compile setting to --compile."""
+    name, _, compile_setting = name.partition("@")
     precision, _, recipe = name.partition(":")
-    return precision, recipe or None
+    if compile_setting and compile_setting not in COMPILE_SETTINGS:
+        raise ValueError(f"run {name}@{compile_setting}: compile must be one of {COMPILE_SETTINGS}")
+    return precision, recipe or None, compile_setting or None
+
+
+def compare_runs(baseline: str, base: list[dict], runs: list[dict]) -> dict:
+    """A variant's runs against the baseline's, taken in turn: the loss over the last LOSS_STEPS of the first run of
+    each (same seed: the same batches), the ratio of the mean samples/s over the repeats, and each repeat's."""
+    n = min(len(base[0]["losses"]), len(runs[0]["losses"]))
+    last = slice(n - LOSS_STEPS, n)
+    base_loss, loss = statistics.mean(base[0]["losses"][last]), statistics.mean(runs[0]["losses"][last])
+    base_speed, speed = [r["samples_per_second"] for r in base], [r["samples_per_second"] for r in runs]
+    return {"baseline": baseline, "steps": n, "baseline_loss": base_loss, "loss": loss,
+            "relative_difference": (loss - base_loss) / base_loss,
+            "samples_per_second_ratio": statistics.mean(speed) / statistics.mean(base_speed),
+            "paired_ratios": [f / b for b, f in zip(base_speed, speed)]}
 
 
 def parse_shape(item: str) -> tuple[str, dict]:
@@ -166,7 +186,7 @@ def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[s
     """The engine's torchrun job with an MFU window, built as the assets build theirs."""
     from gem_ops.train.launch import torchrun_command
 
-    precision, recipe = precision_variant(variant)
+    precision, recipe, compile_setting = run_variant(variant)
     shape = dict(shape)
     width, depth = float(shape.pop("width", args.width)), float(shape.pop("depth", args.depth))
     overrides = dict(_setting(item) for item in args.set)
@@ -174,7 +194,8 @@ def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[s
     if length:
         overrides["sequence.max_history_len"] = int(length)
     overrides.update(shape)
-    settings = {"precision": precision, "fp8_recipe": recipe or args.fp8_recipes[0], "compile": args.compile,
+    settings = {"precision": precision, "fp8_recipe": recipe or args.fp8_recipes[0],
+                "compile": compile_setting or args.compile,
                 "activation_checkpointing": args.activation_checkpointing, "seed": args.seed,
                 "unit_prefetch": args.unit_prefetch}
     return torchrun_command(
@@ -341,10 +362,11 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each shape and precision")
     parser.add_argument("--precisions", nargs="*", default=["bf16"],
-                        help="end-to-end runs, each precision[:fp8 recipe] (none: the other stages alone)")
+                        help="end-to-end runs, each precision[:fp8 recipe][@compile], run in turn and compared with "
+                             "the first (none: the other stages alone)")
     parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise_triton", "tensorwise"],
                         help="the first is the end-to-end run's; the dense-layer stage times each")
-    parser.add_argument("--compile", choices=("none", "dense", "model"), default="dense",
+    parser.add_argument("--compile", choices=COMPILE_SETTINGS, default="dense",
                         help="the engine's TrainConfig.compile (the dense-layer stage compiles its layers unless none)")
     parser.add_argument("--activation-checkpointing", choices=("none", "sequence"), default="none")
     parser.add_argument("--unit-prefetch", action="store_true", help="FSDP2 prefetch in the units' order (--nproc > 1)")
@@ -421,19 +443,11 @@ def main() -> None:
         checkpoint_results()
 
     comparisons = {}
+    baseline = args.precisions[0] if args.precisions else None
     for shape_name, _ in map(parse_shape, args.shapes):
         done = {v: [r for r in runs[f"{shape_name}/{v}"] if "losses" in r] for v in args.precisions}
-        for variant in (v for v in done if done.get("bf16") and done[v] and precision_variant(v)[0] == "fp8"):
-            first = {"bf16": done["bf16"][0], variant: done[variant][0]}  # same seed: the same batches
-            n = min(len(first["bf16"]["losses"]), len(first[variant]["losses"]))
-            last = slice(n - LOSS_STEPS, n)
-            bf16, fp8 = (statistics.mean(first[p]["losses"][last]) for p in ("bf16", variant))
-            speed = {p: [r["samples_per_second"] for r in done[p]] for p in ("bf16", variant)}
-            comparisons[f"{shape_name}/{variant}"] = {
-                "steps": n, "bf16_loss": bf16, "fp8_loss": fp8, "relative_difference": (fp8 - bf16) / bf16,
-                # the ratio of the mean samples/s over the repeats, and each repeat's (bf16 and FP8 ran in turn)
-                "samples_per_second_ratio": statistics.mean(speed[variant]) / statistics.mean(speed["bf16"]),
-                "paired_ratios": [f / b for b, f in zip(speed["bf16"], speed[variant])]}
+        for variant in (v for v in args.precisions[1:] if done[baseline] and done[v]):
+            comparisons[f"{shape_name}/{variant}"] = compare_runs(baseline, done[baseline], done[variant])
     results["loss_comparisons"] = comparisons
     results["wall_seconds"] = time.perf_counter() - began
     checkpoint_results()

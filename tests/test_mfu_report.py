@@ -108,3 +108,30 @@ def test_host_waits_on_a_full_launch_queue_are_not_device_time():
     kernel_op = Event(name="aten::mm", device_time_total=50.0, cpu_children=[])
     phase = Event(name="optimizer", device_time_total=390.0, cpu_children=[launch, kernel_op])
     assert device_time(phase) == 90.0
+
+
+def test_mfu_benchmark_runs_compile_settings_side_by_side_against_the_first():
+    """`--precisions bf16@dense bf16@model`: each run's engine command carries its own compile setting, and each
+    variant is compared with the first (loss after the same steps, samples/s ratio, per repeat)."""
+    import argparse
+    from pathlib import Path
+
+    from benchmarks.mfu import compare_runs, engine_command, run_variant
+
+    assert run_variant("fp8:rowwise@model") == ("fp8", "rowwise", "model")
+    assert run_variant("bf16") == ("bf16", None, None)
+    with pytest.raises(ValueError, match="compile must be one of"):
+        run_variant("bf16@everything")
+    args = argparse.Namespace(width=1.0, depth=1.0, set=[], max_history_len=0, fp8_recipes=["tensorwise_triton"],
+                              compile="dense", activation_checkpointing="none", seed=0, unit_prefetch=False,
+                              data=Path("data"), preset="gem_gpu", nproc=1, device="cuda", steps=3,
+                              warmup_steps=1, profile_steps=0)
+    commands = {v: engine_command(args, {}, v, Path("r.json")) for v in ("bf16", "bf16@model")}
+    assert [commands[v][commands[v].index("--compile") + 1] for v in commands] == ["dense", "model"]
+
+    base = [{"losses": [1.0] * 8, "samples_per_second": 100.0}, {"losses": [1.0] * 8, "samples_per_second": 110.0}]
+    runs = [{"losses": [1.01] * 8, "samples_per_second": 120.0}, {"losses": [1.0] * 8, "samples_per_second": 121.0}]
+    compared = compare_runs("bf16@dense", base, runs)
+    assert compared["relative_difference"] == pytest.approx(0.01)
+    assert compared["samples_per_second_ratio"] == pytest.approx(120.5 / 105.0)
+    assert compared["paired_ratios"] == pytest.approx([1.2, 121.0 / 110.0])
