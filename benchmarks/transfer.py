@@ -77,12 +77,13 @@ GUARDED = ("direct", "direct_serving", "direct_serving_summary", "hierarchical",
 TEACHERS = ("gem", "stale_gem", "fm", "fm_before")
 
 
-def synthetic_source():
+def synthetic_source(ad_quality_drift: float = 0.0):
     from gem_ops.data.raw_event_logs import EventSource
     from gem_ops.data.synthetic import STRONG_SIGNAL, SurfaceSpec
 
-    # Click rates trend up on feed and down on reels: a teacher trained on older days is miscalibrated.
-    drifting = replace(STRONG_SIGNAL, surfaces=(
+    # Click rates trend up on feed and down on reels: a teacher trained on older days is miscalibrated;
+    # with ad_quality_drift the ads' ranking moves too, which a stale teacher gets wrong, not just its scale.
+    drifting = replace(STRONG_SIGNAL, ad_quality_drift=ad_quality_drift, surfaces=(
         SurfaceSpec("feed", 0.45, 0.06, 0.4, ctr_drift=0.08), SurfaceSpec("reels", 0.25, 0.14, 0.35, ctr_drift=-0.06),
         SurfaceSpec("stories", 0.15, 0.06, None), SurfaceSpec("search", 0.15, 0.2, 0.4)))
     return EventSource("synthetic", drifting), None
@@ -333,6 +334,8 @@ def main() -> None:
                         help="vertical variants to train (alone is always among them: the gaps are measured from it)")
     parser.add_argument("--student-days", type=int, default=4, help="the newest is held out for validation")
     parser.add_argument("--staleness-days", type=int, default=3)
+    parser.add_argument("--ad-quality-drift", type=float, default=0.0,
+                        help="synthetic: sd of each ad's daily log-quality step (ranking drift a stale teacher misses)")
     parser.add_argument("--domain-fm-days", type=int, default=None, help="days the domain FMs learn from (default: all)")
     parser.add_argument("--eval-days", type=int, default=2)
     parser.add_argument("--max-history-len", type=int, default=128)
@@ -396,7 +399,8 @@ def prepare(name: str, root: Path, args) -> Path:
     from gem_ops.data.prepare import prepare_training_data
     from gem_ops.data.sequence_logs import SequenceLogsConfig
 
-    source, history_types = {"synthetic": synthetic_source, "movielens": movielens_source}[name]()
+    sources = {"synthetic": lambda: synthetic_source(args.ad_quality_drift), "movielens": movielens_source}
+    source, history_types = sources[name]()
     prepare_training_data(source, END, DAYS, root, SequenceLogsConfig(
         max_history_len=args.max_history_len, eval_days=args.eval_days, history_event_types=history_types))
     return root

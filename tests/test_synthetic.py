@@ -209,3 +209,26 @@ def test_recurring_retargeting_shows_each_early_item_at_most_once_and_only_every
 def test_recurring_retargeting_needs_a_positive_period():
     with pytest.raises(ValueError, match="retarget_every_days"):
         SyntheticConfig(retarget_every_days=0)
+
+
+def test_ad_quality_drift_moves_the_ranking_among_ads_from_day_to_day():
+    """ad_quality_drift > 0: day 0 keeps the catalog's qualities, later days walk away from them (the farther,
+    the less alike), each day extends the one before, the mean stays 1; 0 leaves every day's frame unchanged."""
+    from gem_ops.data.synthetic import _ad_quality, _catalog, _quality_walk
+
+    drifting = dataclasses.replace(SMALL, ad_quality_drift=0.3)
+    catalog = _catalog(drifting)
+    base = np.log(catalog.click_quality)
+    assert np.array_equal(_ad_quality(drifting, catalog, 0)[0], catalog.click_quality)
+    alike = [np.corrcoef(base, np.log(_ad_quality(drifting, catalog, d)[0]))[0, 1] for d in (1, 5, 20)]
+    assert alike[0] > alike[1] > alike[2] and alike[2] < 0.8
+    for quality in _ad_quality(drifting, catalog, 5):
+        assert quality.mean() == pytest.approx(1.0)
+    _quality_walk.cache_clear()  # a fresh stream: day 6 is day 5 plus one step, whichever is drawn first
+    six, five = _quality_walk(drifting, 6), _quality_walk(drifting, 5)
+    assert np.std(six - five) == pytest.approx(0.3, rel=0.1)
+    assert generate_day(SMALL, day(SMALL, 3)).equals(generate_day(dataclasses.replace(SMALL, ad_quality_drift=0.0),
+                                                                  day(SMALL, 3)))
+    assert not generate_day(drifting, day(SMALL, 3)).equals(generate_day(SMALL, day(SMALL, 3)))
+    with pytest.raises(ValueError, match="ad_quality_drift"):
+        dataclasses.replace(SMALL, ad_quality_drift=-0.1)

@@ -30,7 +30,8 @@ Planted signal (what a model can learn)
       organic_interest_share; ads are targeted at it with probability ad_targeting_share, and an ad
       whose category matches it is clicked interest_ctr_lift times as often.
     - user_segment x item_category and user_age_bucket x surface affinities and per-ad click and
-      conversion quality, all multiplicative with mean 1.
+      conversion quality, all multiplicative with mean 1. With ad_quality_drift > 0 each ad's quality
+      walks (in log space, renormalised to mean 1) from day to day: which ads are good changes over time.
     - Long range: during the first early_days days after start_date each user views a few ad items
       (their early items) as organic_view events. Afterwards a retarget_share of that user's ad
       impressions show those same items, and any impression of an early item is clicked
@@ -74,6 +75,7 @@ _STREAM_CATALOG = 1
 _STREAM_USERS = 2
 _STREAM_INTEREST = 3
 _STREAM_DAY = 4
+_STREAM_QUALITY = 5
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,9 @@ class SyntheticConfig:
     segment_category_sigma: float = 0.5
     age_surface_sigma: float = 0.3
     ad_quality_sigma: float = 0.4
+    # Each ad's click and conversion quality walks in log space by this sd per day after start_date: the
+    # ranking among ads changes, a trend a teacher trained on older days misses (0: fixed quality).
+    ad_quality_drift: float = 0.0
     # Long-range retargeting.
     early_days: int = 2  # days after start_date in which users view their early items
     early_items_per_user: int = 3  # ad items each user views (once each) in the early days
@@ -155,6 +160,8 @@ class SyntheticConfig:
                 raise ValueError(f"SyntheticConfig.{name} must lie in [0, 1], got {getattr(self, name)}")
         if self.events_per_user_per_day < 0 or self.activity_sigma < 0:
             raise ValueError("SyntheticConfig: events_per_user_per_day and activity_sigma must be >= 0")
+        if self.ad_quality_drift < 0:
+            raise ValueError(f"SyntheticConfig.ad_quality_drift must be >= 0, got {self.ad_quality_drift}")
         if self.early_days < 0 or self.early_items_per_user < 0:
             raise ValueError("SyntheticConfig: early_days and early_items_per_user must be >= 0")
         names = [s.name for s in self.surfaces]
@@ -349,6 +356,24 @@ def _users(config: SyntheticConfig) -> _Users:
     )
 
 
+def _ad_quality(config: SyntheticConfig, catalog: _Catalog, day_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each ad's (click, conversion) quality on a day: the catalog's, moved by the random walk of
+    ad_quality_drift, and brought back to mean 1 (the surfaces' rates stay as set)."""
+    if config.ad_quality_drift == 0 or day_index == 0:
+        return catalog.click_quality, catalog.conversion_quality
+    walk = _quality_walk(config, day_index)
+    return (_mean_one(catalog.click_quality * np.exp(walk[0])),
+            _mean_one(catalog.conversion_quality * np.exp(walk[1])))
+
+
+@functools.lru_cache(maxsize=32)
+def _quality_walk(config: SyntheticConfig, day_index: int) -> np.ndarray:
+    """[2, n_ads] the walk's position on a day: the sum of its first day_index steps, drawn in order from one
+    stream, so that every day extends the day before whatever days are generated."""
+    rng = np.random.default_rng([config.seed, _STREAM_QUALITY])
+    return rng.normal(0.0, config.ad_quality_drift, (day_index, 2, config.n_ads)).sum(0)
+
+
 def _mean_one(values: np.ndarray, axis: int | None = None) -> np.ndarray:
     return values / values.mean(axis=axis, keepdims=axis is not None)
 
@@ -445,12 +470,13 @@ def _ad_labels(
     else:
         seen_early = np.zeros(user.size, dtype=bool)
 
+    click_quality, conversion_quality = _ad_quality(config, catalog, day_index)
     ctr = np.array([s.ctr * (1.0 + s.ctr_drift) ** day_index for s in config.surfaces])[surface]
     p_click = (
         ctr
         * users.age_surface[users.age_bucket[user], surface]
         * users.segment_category[users.segment[user], category]
-        * catalog.click_quality[ad]
+        * click_quality[ad]
         * np.where(matches, config.interest_ctr_lift, 1.0)
         * np.where(seen_early, config.retarget_ctr_lift, 1.0)
         / _click_lift_mean(config, retarget_share)
@@ -458,7 +484,7 @@ def _ad_labels(
     cvr = np.array([s.cvr or 0.0 for s in config.surfaces])[surface]
     p_conversion = (
         cvr
-        * catalog.conversion_quality[ad]
+        * conversion_quality[ad]
         * np.where(seen_early, config.retarget_cvr_lift, 1.0)
         / (1.0 + (config.retarget_cvr_lift - 1.0) * _retarget_share_of_clicks(config, retarget_share))
     )
