@@ -513,6 +513,16 @@ def check_compiled_caller(device: str, compiler: str) -> None:
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
         assert counter.frame_count <= 2, counter.frame_count
 
+    # The op's fake shapes are its real ones (a compiled step trusts them); its saved statistics flat.
+    from kernels.jagged_attention_op import _OP_BACKENDS, jagged_attention_op
+
+    offsets = _offsets((3, 0, 17), device)
+    q, k, v = (torch.randn(int(offsets[-1]), 2, 16, device=device) for _ in range(3))
+    for activation in ("softmax", "silu"):
+        out, saved = jagged_attention_op(q, k, v, offsets, offsets, True, activation, 0.25, "triton")
+        assert out.shape == q.shape and saved.is_contiguous()
+        assert saved.shape == _OP_BACKENDS["triton"].saved_shape(q.shape[0], 2, 3, activation) and saved.dim() == 1
+
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
 def test_compiled_caller_runs_the_kernels_on_cpu_interpreter():

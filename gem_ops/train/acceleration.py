@@ -134,8 +134,8 @@ def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", f
     if not hasattr(model, "dense_loss_sums"):
         raise ValueError(f"TrainConfig.compile='model' compiles GEM's step; {type(model).__name__} has none: "
                          "use compile='dense' or 'none'")
-    # Where Inductor still specialises a size (benchmarks/README.md, MFU), each variant gets its graph
-    # rather than the step falling back to eager past Dynamo's default limit of 8.
+    # Should a size still specialise (on the CPU, Inductor's C++ code guards on size bands), each variant gets
+    # its graph rather than the step falling back to eager past Dynamo's default limit of 8.
     _allow_recompiles(64)
     compiled = torch.compile(model.dense_loss_sums, dynamic=True, backend=backend, fullgraph=fullgraph)
     model.dense_loss_sums = functools.partial(_size_oblivious, compiled)

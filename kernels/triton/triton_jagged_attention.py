@@ -1117,12 +1117,9 @@ def _check_dims(q, v) -> None:
 
 
 # The custom op's entry points (kernels.jagged_attention_op): the same kernels, the statistics handed over
-# explicitly (an empty tensor for silu, which keeps none).
-# The op hands its statistics over flat: a compiled step saves them for its backward, and a saved tensor whose
-# strides depend on the batch's sizes ([2, H, stats_stride]) gets them fixed to the first batch's (torch 2.11-2.13
-# restride saved activations to the forward's concrete strides), failing the next batch's stride check.
-
-
+# explicitly (an empty tensor for silu, which keeps none) and flat: a compiled step saves them for its backward,
+# and a saved tensor whose strides depend on the batch's sizes ([2, H, stats_stride]) gets them fixed to the first
+# batch's (torch 2.11-2.13 restride saved activations to the forward's concrete strides).
 def op_forward(q, k, v, q_offsets, kv_offsets, causal, activation, scale):
     _check_dims(q, v)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
