@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from benchmarks.common import save, saved_results
+from gem_ops.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_STEPS = 5  # the loss compared between precisions: the mean over the last steps both ran
 
-
-COMPILE_SETTINGS = ("none", "dense", "model")
+COMPILE_SETTINGS = TrainConfig.choices("compile")
 
 
 def timed(fn, device: torch.device, reps: int, warmup: int = 3) -> float:

@@ -64,12 +64,17 @@ class TrainConfig:
     log_every: int = 10  # steps between metric flushes to MLflow
     seed: int = 0
 
+    @classmethod
+    def choices(cls, name: str) -> tuple[str, ...]:
+        """The values a setting typed as a Literal takes, e.g. choices("compile")."""
+        return typing.get_args(typing.get_type_hints(cls)[name])
+
     def __post_init__(self):
         for name in ("epochs", "eval_max_examples", "eval_batch_size", "keep_checkpoints", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("precision", "fp8_recipe", "compile", "activation_checkpointing", "lr_schedule"):
-            allowed = typing.get_args(typing.get_type_hints(type(self))[name])
+            allowed = self.choices(name)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.prefetch_batches < 0:
