@@ -1,5 +1,5 @@
-"""A few FP8 training steps of the small GPU preset with compiled dense blocks, in a process of its own; prints
-one JSON line: the losses and whether every gradient stayed finite. tests/test_training_acceleration.py runs it
+"""A few FP8 training steps of the small GPU preset, compiled (argv: dense or model), in a process of its own;
+prints one JSON line: the losses and whether every gradient stayed finite. tests/test_training_acceleration.py runs it
 twice against one Inductor cache folder (the second process finds the first one's compiled graphs)."""
 
 import json
@@ -18,10 +18,10 @@ from tests.model_inputs import SPEC, random_batch
 GPU_SMALL = model_config("gem_gpu", width=0.25, **{"embedding.item_buckets": 1024, "embedding.user_buckets": 1024})
 
 
-def main(steps: int = 3) -> None:
+def main(compile_setting: str = "dense", steps: int = 3) -> None:
     device = torch.device("cuda")
     model = seeded_model(SPEC, GPU_SMALL).to(device)
-    prepare_for_training(model, TrainConfig(precision="fp8", compile="dense"), device)
+    prepare_for_training(model, TrainConfig(precision="fp8", compile=compile_setting), device)
     rng = np.random.default_rng(0)
     losses, finite = [], True
     for step in range(steps):
@@ -37,4 +37,4 @@ def main(steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:]))
+    main(*sys.argv[1:2], *map(int, sys.argv[2:]))

@@ -313,7 +313,8 @@ def test_compiled_fp8_training_never_loads_inductors_cached_graphs(monkeypatch, 
 
 
 @pytest.mark.gpu
-def test_fp8_training_twice_against_one_inductor_cache_keeps_finite_gradients(tmp_path):
+@pytest.mark.parametrize("compile_setting", ["dense", "model"])
+def test_fp8_training_twice_against_one_inductor_cache_keeps_finite_gradients(tmp_path, compile_setting):
     """Loaded from a warm Inductor cache, compiled FP8 blocks once gave NaN gradients at the first step; the
     second process here compiles afresh (fresh_fp8_compiles) and must train as the first did."""
     import json
@@ -324,8 +325,9 @@ def test_fp8_training_twice_against_one_inductor_cache_keeps_finite_gradients(tm
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     runs = []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-m", "tests.fp8_compiled_steps"], env=env, capture_output=True,
-                              text=True, timeout=280, cwd=os.path.dirname(os.path.dirname(__file__)))
+        done = subprocess.run([sys.executable, "-m", "tests.fp8_compiled_steps", compile_setting], env=env,
+                              capture_output=True, text=True, timeout=280,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
         assert done.returncode == 0, done.stderr[-4000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert all(run["finite"] for run in runs), runs
