@@ -264,6 +264,28 @@ def _one_graph_for_every_batch(backend: str, prepare=lambda model: None) -> None
     assert len(frames) == len(STEP_BATCHES) and len(set(frames)) == 1, f"recompiled: frames after each batch {frames}"
 
 
+@pytest.mark.slow
+def test_a_second_compile_of_the_step_loads_aotautograds_cached_graphs(tmp_path, monkeypatch):
+    """A new process (here: after dynamo's reset) loads the step's traced forward and backward from
+    AOTAutograd's cache instead of tracing and partitioning them again; the step holds take_rows, a
+    torch.autograd.Function, which the cache refuses unless told otherwise."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    config = model_config("gem", width=0.5, blocks=1, **SMALL_TABLES)
+    x = model_input(random_batch([3, 1, 12, 0, 70], 0), SPEC, config, with_level_sizes=True)
+    losses = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        model = seeded_model(SPEC, config)
+        compile_model_step(model)
+        losses.append(model.loss(x)[0].detach())
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0, dict(counters["aot_autograd"])
+    assert counters["aot_autograd"]["autograd_cache_hit"] >= 1, dict(counters["aot_autograd"])
+    torch.testing.assert_close(losses[1], losses[0])
+
+
 def test_compile_model_wraps_gems_step():
     model = seeded_model(SPEC, model_config("gem", width=0.5, blocks=2, **SMALL_TABLES))
     applied = prepare_for_training(model, TrainConfig(compile="model"), "cpu")
