@@ -7,7 +7,8 @@ model shape and precision (and repeat); then the forward and backward speed of t
 (the GPU preset's shapes, bf16 and FP8 side by side). Saved as benchmarks/results/mfu_<device>.json
 with the commit, the machine and the settings.
 
-    python -m benchmarks.mfu --device cuda --data DIR --preset gem_gpu --shapes preset w0.5_L512:width=0.5,max_history_len=512
+    python -m benchmarks.mfu --device cuda --data DIR --preset gem_gpu \\
+        --shapes preset w0.5_L512:width=0.5,max_history_len=512
     python -m benchmarks.mfu --device cpu --data DIR --preset vertical --max-history-len 32 --steps 3 \\
         --precisions fp32 --dense-tokens 512 --dense-batch 64 --compile none    # a dry run of every stage
 
@@ -36,6 +37,15 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS_STEPS = 5  # the loss compared between precisions: the mean over the last steps both ran
 
 COMPILE_SETTINGS = TrainConfig.choices("compile")
+
+
+def _allocator_env() -> dict[str, str]:
+    """The environment for a measured subprocess: expandable segments unless set (the jagged batches change
+    shape every step, which fragments a fixed-block pool)."""
+    import os
+
+    return {**os.environ,
+            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
 
 
 def timed(fn, device: torch.device, reps: int, warmup: int = 3) -> float:
@@ -110,7 +120,8 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
             torch.manual_seed(0)
             module = dense_layer(widths, device)
             if variant != "bf16":
-                convert_to_fp8(module, variant[4:], emulate=emulate, module_filter=lambda m, _: isinstance(m, nn.Linear))
+                convert_to_fp8(module, variant[4:], emulate=emulate,
+                               module_filter=lambda m, _: isinstance(m, nn.Linear))
             run = torch.compile(module) if args.compile != "none" else module
 
             def forward():
@@ -202,12 +213,12 @@ def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[s
         args.data / "sequence_logs", args.data / "plans", preset=args.preset, depth=depth, width=width,
         model_overrides=overrides, train_settings=settings, nproc_per_node=args.nproc,
         extra=["--device", args.device, "--mfu-steps", str(args.steps), "--mfu-warmup-steps", str(args.warmup_steps),
-               "--mfu-profile-steps", str(args.profile_steps), "--progress-every", "5", "--result-json", str(result_json)])
+               "--mfu-profile-steps", str(args.profile_steps), "--progress-every", "5",
+               "--result-json", str(result_json)])
 
 
 def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: float) -> dict:
     """One engine run; its figures, or why there are none."""
-    import os
     import subprocess
     import tempfile
 
@@ -216,8 +227,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "result.json"
         command = engine_command(args, shape, variant, output)
-        # Expandable segments: the jagged batches change shape every step, which fragments a fixed-block pool.
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+        env = _allocator_env()
         began = time.perf_counter()
         try:
             returncode, last_lines = _run_echoing(command, env, None if math.isinf(seconds_left) else seconds_left)
@@ -228,7 +238,8 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                     "stderr_tail": last_lines}
         reported = json.loads(output.read_text())
     report = reported["mfu_report"]
-    run = {"path": reported["path"], "launch": "torchrun", "command": command, "wall_seconds": time.perf_counter() - began,
+    run = {"path": reported["path"], "launch": "torchrun", "command": command,
+           "wall_seconds": time.perf_counter() - began,
            "world_size": reported["world_size"], "embedding_sharding": reported["embedding_sharding"],
            "mfu_window_mean": report["mfu"], "mfu_median_step": report["mfu_median_step"],
            **{k: report[k] for k in ("model_tflops", "samples_per_second", "step_seconds_mean", "step_seconds_median",
@@ -282,7 +293,6 @@ def _run_echoing(command: list[str], env: dict, timeout: float | None, keep: int
 
 def run_stage(stage: str, seconds_left: float) -> dict:
     """The dense-layer stage in a child process of its own (a fresh allocator and compile cache)."""
-    import os
     import subprocess
     import sys
     import tempfile
@@ -291,8 +301,9 @@ def run_stage(stage: str, seconds_left: float) -> dict:
         return {"skipped": f"time budget: {seconds_left:.0f} s left"}
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "stage.json"
-        command = [sys.executable, "-m", "benchmarks.mfu", *sys.argv[1:], "--stage", stage, "--stage-output", str(output)]
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+        command = [sys.executable, "-m", "benchmarks.mfu", *sys.argv[1:], "--stage", stage,
+                   "--stage-output", str(output)]
+        env = _allocator_env()
         try:
             done = subprocess.run(command, env=env, timeout=None if math.isinf(seconds_left) else seconds_left)
         except subprocess.TimeoutExpired:
@@ -347,7 +358,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--data", type=Path, required=True, help="a folder with sequence_logs/ and plans/")
-    parser.add_argument("--nproc", type=int, default=1, help="torchrun processes (a plan for that world size must exist)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="torchrun processes (a plan for that world size must exist)")
     parser.add_argument("--preset", default="gem_gpu")
     parser.add_argument("--width", type=float, default=1.0)
     parser.add_argument("--depth", type=float, default=1.0)
@@ -374,9 +386,11 @@ def main() -> None:
     parser.add_argument("--dense-batch", type=int, default=2048, help="rows of the Wukong shape")
     parser.add_argument("--dense-reps", type=int, default=20)
     parser.add_argument("--dense-shapes", nargs="+", default=["sequence_ffn", "sequence_qkv", "cross_kv"],
-                        help="of sequence_ffn, sequence_qkv, cross_kv (the layers FP8 takes) and wukong_mlp (left in bf16)")
+                        help="of sequence_ffn, sequence_qkv, cross_kv (the layers FP8 takes) and wukong_mlp "
+                             "(left in bf16)")
     parser.add_argument("--skip-dense", action="store_true")
-    parser.add_argument("--time-budget", type=float, default=0, help="seconds; later stages are skipped past it (0: none)")
+    parser.add_argument("--time-budget", type=float, default=0,
+                        help="seconds; later stages are skipped past it (0: none)")
     parser.add_argument("--copy-to", type=Path, help="also copy the JSON here")
     parser.add_argument("--output-name", default=None, help="results/<name>.json (default mfu_<device>)")
     parser.add_argument("--seed", type=int, default=0)
