@@ -113,6 +113,17 @@ def test_all_zero_and_empty_tensors_get_finite_scales():
     assert x8.shape == (0, 16) and x8_t.shape == (16, 0) and torch.isfinite(inverse) and not sums.any()
 
 
+def test_flat_transposed_copy_holds_the_2d_copys_elements():
+    """flat=True (what the FP8 linear layers save for their backward) hands the transposed copy over in one
+    dimension: the same bytes as the [columns, padded rows] copy, whose strides would depend on the batch."""
+    x = torch.randn(37, 48)
+    _, x8_t, _, _ = cast_to_fp8(x)
+    _, flat, _, _ = cast_to_fp8(x, flat=True)
+    assert x8_t.shape == (48, 48) and flat.shape == (48 * 48,)
+    assert torch.equal(flat.view(torch.uint8), x8_t.reshape(-1).view(torch.uint8))
+    assert cast_to_fp8(x, transposed=False, flat=True)[1].numel() == 0
+
+
 def test_bad_input_names_what_is_wrong():
     with pytest.raises(ValueError, match="2-D"):
         cast_to_fp8(torch.zeros(2, 3, 4))
