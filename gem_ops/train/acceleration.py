@@ -146,8 +146,8 @@ def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", f
 def _cache_custom_autograd_functions() -> None:
     """Lets AOTAutograd's cache keep graphs that hold a torch.autograd.Function (take_rows, the FP8 linear
     layers): by default it refuses them, and every new process traced and partitioned the whole step's forward
-    and backward again (on the CPU, 23 s of a warm start against 12-14 s with it). The traced Function's
-    forward and backward are part of the graph the cache key hashes; ours keep no state outside their inputs."""
+    and backward again (benchmarks/compile_warm_start.py). The traced Function's forward and backward are part
+    of the graph the cache key hashes; ours keep no state outside their inputs."""
     import torch._functorch.config as functorch_config
 
     functorch_config.autograd_cache_allow_custom_autograd_functions = True
