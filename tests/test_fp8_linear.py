@@ -41,13 +41,14 @@ def test_products_are_the_fp8_operands_products(device, rows, bias):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [(74, 64, 32), (96, 64, 32), (74, 32, 64),
-                                                                    (96, 32, 96), (37, 32, 32)])
+                                                                    (96, 32, 96), (37, 32, 32), (74, 128, 256),
+                                                                    (300, 256, 128)])
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
 def test_products_at_a_small_models_shapes_with_and_without_autocast(device, rows, in_features, out_features,
                                                                      autocast_dtype):
-    """The shapes of GEM's narrow FFN, projection and QKV layers; without autocast the layer's input and output
-    gradient are fp32 (the model tests' eager FP8 model), which gave NaN weight and input gradients on the H200
-    while the same model under bf16 autocast trained."""
+    """The shapes of a narrow GEM's FFN, projection and QKV layers, and two at FP8's 128-feature minimum. Without
+    autocast the layer's input and output gradient are fp32 (the model tests' eager FP8 model), which gave NaN
+    weight and input gradients on the H200 while the same model under bf16 autocast trained."""
     _check_products(device, rows, in_features, out_features, True, autocast_dtype)
 
 
