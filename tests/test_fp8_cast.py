@@ -95,6 +95,33 @@ def test_kernel_matches_reference_on_gpu(shape, dtype):
     _check_against_reference(x, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_config_matches_reference_on_gpu(monkeypatch, in_dtype):
+    """Each tile config of both kernels in turn (autotuning keeps one per width, so the other configs are never
+    checked by the cases above), at a narrow model's widths and fp32 input as well as bf16: the transposed copy
+    goes through an FP8 transpose in registers, whose layout depends on the tile."""
+    import triton
+
+    import kernels.triton.triton_fp8_cast as triton_cast
+
+    for reduce_config in triton_cast._REDUCE_CONFIGS:
+        for cast_config in triton_cast._CAST_CONFIGS:
+            for name, kernel, config in (("_column_max_sum_kernel", triton_cast._column_max_sum_kernel, reduce_config),
+                                         ("_cast_kernel", triton_cast._cast_kernel, cast_config)):
+                monkeypatch.setattr(triton_cast, name, triton.autotune(configs=[config], key=kernel.keys)(kernel.fn))
+            for shape in ((74, 32), (96, 64), (37, 32), (64, 96), (300, 256)):
+                torch.manual_seed(shape[0])
+                x = (torch.randn(*shape, device="cuda") * 3).to(in_dtype)
+                for dtype in (E4M3, E5M2):
+                    try:
+                        _check_against_reference(x, dtype)
+                    except AssertionError as error:
+                        raise AssertionError(f"{reduce_config} / {cast_config}, {shape} {in_dtype} -> {dtype}: "
+                                             f"{error}") from error
+
+
 def test_reference_scales_to_the_format_maximum_and_pads_with_zeros():
     x = torch.tensor([[1.0, -2.0], [0.5, 0.25], [4.0, 0.0]])
     x8, x8_t, inverse, sums = pt_cast_to_fp8(x, E4M3, True, True)
