@@ -66,8 +66,11 @@ def _cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, M_PAD, stride,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    # NaN stays NaN (a non-finite gradient must reach the loop's divergence check, not turn into zeros).
-    scaled = tl.clamp(x * tl.load(scale_ptr), -FP8_LIMIT, FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    # Saturated by comparisons, so NaN stays NaN (a non-finite gradient must reach the loop's divergence check, not
+    # turn into zeros). Not tl.clamp(propagate_nan=ALL): its NaN-propagating min/max corrupt the transposed FP8 store
+    # below for some tiles (triton-lang/triton#11111: garbage bytes that read as Inf/NaN), which gave NaN gradients.
+    scaled = x * tl.load(scale_ptr)
+    scaled = tl.where(scaled > FP8_LIMIT, FP8_LIMIT, tl.where(scaled < -FP8_LIMIT, -FP8_LIMIT, scaled))
     scaled = scaled.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], scaled, mask=inside)
     if TRANSPOSED:  # rows past M (up to M_PAD) were loaded as 0: they write the zero padding
