@@ -217,13 +217,15 @@ def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[s
                "--result-json", str(result_json)])
 
 
-def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: float) -> dict:
-    """One engine run; its figures, or why there are none."""
+def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: float, seconds_needed: float = 60
+               ) -> dict:
+    """One engine run; its figures, or why there are none. Not started with less time left than `seconds_needed`
+    (the shortest earlier run of the same kind): a run cut by the budget spends device time and leaves nothing."""
     import subprocess
     import tempfile
 
-    if seconds_left < 60:
-        return {"skipped": f"time budget: {seconds_left:.0f} s left"}
+    if seconds_left < seconds_needed:
+        return {"skipped": f"time budget: {seconds_left:.0f} s left, a run takes {seconds_needed:.0f} s"}
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "result.json"
         command = engine_command(args, shape, variant, output)
@@ -448,7 +450,8 @@ def main() -> None:
                 key = f"{shape_name}/{variant}"
                 if len(runs.setdefault(key, [])) > repeat:
                     continue
-                runs[key].append(end_to_end(args, shape_name, shape, variant, left()))
+                needed = min((r["wall_seconds"] for r in runs[key] if "wall_seconds" in r), default=60)
+                runs[key].append(end_to_end(args, shape_name, shape, variant, left(), needed))
                 summary.update({k: {m: spread(v, m) for m in ("mfu_window_mean", "mfu_median_step",
                                                               "samples_per_second")} for k, v in runs.items()})
                 checkpoint_results()

@@ -135,3 +135,13 @@ def test_mfu_benchmark_runs_compile_settings_side_by_side_against_the_first():
     assert compared["relative_difference"] == pytest.approx(0.01)
     assert compared["samples_per_second_ratio"] == pytest.approx(120.5 / 105.0)
     assert compared["paired_ratios"] == pytest.approx([1.2, 121.0 / 110.0])
+
+
+def test_mfu_benchmark_starts_no_run_that_the_time_left_cannot_finish():
+    """A run cut by the time budget spends device time and leaves nothing: with less time left than the shortest
+    earlier run of its kind, it is skipped before anything starts (args are not even read)."""
+    from benchmarks.mfu import end_to_end
+
+    skipped = end_to_end(None, "preset", {}, "fp8@model", seconds_left=150.0, seconds_needed=240.0)
+    assert skipped == {"skipped": "time budget: 150 s left, a run takes 240 s"}
+    assert "skipped" in end_to_end(None, "preset", {}, "bf16", seconds_left=59.0)
