@@ -122,6 +122,33 @@ def test_every_kernel_config_matches_reference_on_gpu(monkeypatch, in_dtype):
                                              f"{error}") from error
 
 
+@pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper on the host; no interpreter involved")
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_kernel_compiles_without_nan_propagating_min_max(dtype):
+    """The cast kernel as ptxas would get it for an H200 (compiled on the host) saturates without min.NaN / max.NaN:
+    those corrupted the transposed FP8 store for some tiles (triton-lang/triton#11111), which gave NaN gradients
+    on the H200 while the row-major copy stayed right."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels.triton.triton_fp8_cast as triton_cast
+
+    out = {E4M3: "*fp8e4nv", E5M2: "*fp8e5"}[dtype]
+    signature = {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": out, "out_t_ptr": out, "M": "i32", "N": "i32",
+                 "M_PAD": "i32", "stride": "i32", "FP8_LIMIT": "constexpr", "TRANSPOSED": "constexpr",
+                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+    for config in triton_cast._CAST_CONFIGS:
+        constexprs = {"FP8_LIMIT": FP8_MAX[dtype], "TRANSPOSED": True, **config.kwargs}
+        compiled = triton.compile(ASTSource(fn=triton_cast._cast_kernel.fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps})
+        ptx = compiled.asm["ptx"]
+        assert re.search(r"cvt\.rn\.satfinite\.e[45]m[23]x2", ptx), "no FP8 conversion found: not the cast kernel?"
+        assert not re.search(r"(?:min|max)\.NaN", ptx), f"{config}: NaN-propagating min/max in the cast kernel"
+
+
 def test_reference_scales_to_the_format_maximum_and_pads_with_zeros():
     x = torch.tensor([[1.0, -2.0], [0.5, 0.25], [4.0, 0.0]])
     x8, x8_t, inverse, sums = pt_cast_to_fp8(x, E4M3, True, True)
