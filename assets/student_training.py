@@ -19,7 +19,8 @@ class StudentTrainingConfig(ModelTrainingConfig):
     student_adapter: bool = Field(True, description="Map teacher logits to fresh-label-calibrated targets first.")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")
-    freeze_shared: bool = False
+    freeze_shared: bool = Field(True, description="Keep the shared tables as the teacher's (only their projection "
+                                "learns); false: train them on the student's days too.")
 
     def transfer(self) -> TransferConfig:
         return TransferConfig(distillation_weight=self.distillation_weight, distillation_head=self.distillation_head,

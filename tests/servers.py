@@ -98,6 +98,9 @@ def stop_server(proc: subprocess.Popen, timeout: float = 10.0, first: signal.Sig
                 break
             time.sleep(0.05)
         else:
+            if sig != signal.SIGKILL:  # shown with a failing test's output: which process outlived the signal
+                print(f"after {sig.name} for {timeout:.0f} s still running:",
+                      [" ".join(p.cmdline()[:4]) for p in group_processes(pgid) if p.is_running()], flush=True)
             continue  # still running: escalate
         break
     proc.wait(timeout=timeout)
