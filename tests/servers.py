@@ -44,8 +44,10 @@ def start_server(
     """Starts `cmd` and returns once it is ready: `ready` is a URL that answers 200, or a predicate (for a
     server that speaks no HTTP); the output goes to `proc.log`. `popen_options` go to Popen (e.g. `user`).
 
-    A new session makes the process a group leader with default signal handlers, so
-    `stop_server` can end it together with any workers it forks.
+    A new session makes the process a group leader, so `stop_server` can end it together with any workers it
+    forks. SIGINT and SIGTERM start at their defaults, as from a shell: an ignored signal is inherited through
+    exec, and in the full test run something in this process ignores SIGINT (dagster dev, its webserver,
+    daemon and code servers then all outlived Ctrl-C).
     """
     is_ready = ready if callable(ready) else lambda: _is_up(ready)
     log = tempfile.TemporaryFile()
@@ -55,6 +57,7 @@ def start_server(
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_default_signals,
         **popen_options,
     )
     proc.log = log
@@ -79,6 +82,11 @@ def group_processes(pgid: int) -> list[psutil.Process]:
         except (ProcessLookupError, psutil.Error):
             pass
     return members
+
+
+def _default_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 10.0, first: signal.Signals = signal.SIGTERM) -> signal.Signals:
