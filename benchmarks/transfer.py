@@ -65,7 +65,7 @@ ABLATIONS = {
     "direct_serving_no_representation": ("gem", {**SERVING, "representation": False}),
     "direct_serving_no_sharing": ("gem", {**SERVING, "shared_tables": ()}),
     "direct_serving_no_adapter": ("gem", {**SERVING, "student_adapter": False}),
-    # The teacher's item table trained on the student's 4 days too (before the shared tables stayed fixed by default).
+    # The teacher's item table trained on the student's 4 days too (the default until the tables were kept fixed).
     "direct_serving_trainable_tables": ("gem", {**SERVING, "freeze_shared": False}),
     "hierarchical_serving": ("fm", SERVING),
     # From an FM trained on its domain's days before the verticals' (its targets there out of sample).

@@ -27,8 +27,8 @@ class TransferConfig:
     representation: bool = True  # the teacher's trunk representation becomes a student input token
     shared_tables: tuple[str, ...] = ("item",)  # embedding tables copied from the teacher; () for none
     # The copied tables stay the teacher's; only their projection learns. Trained on the student's few days they
-    # overfit: fixed, the synthetic log's students closed 0.81-0.97 of the click gaps instead of 0.56-0.78, with
-    # half the seed spread (benchmarks/README.md, knowledge transfer).
+    # overfit: fixed, the synthetic log's students closed 0.81-0.97 of the click gaps instead of 0.56-0.78 over 8
+    # seeds (benchmarks/README.md, knowledge transfer).
     freeze_shared: bool = True
 
     def __post_init__(self):
