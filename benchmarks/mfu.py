@@ -248,7 +248,8 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "model_tflop_per_step", "peak_source", "peak_flops", "gemm_flops", "steps",
                                      "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
                                      "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds", "communication",
-                                     "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures")
+                                     "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
+                                     "top_kernels")
                   if k in report}}
     measures = report.get("step_measures") or {}
     if len(measures.get("compute_seconds", ())) >= 3:  # what each step's forward costs per token and per pair

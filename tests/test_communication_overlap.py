@@ -1,8 +1,13 @@
 """Exposed communication from a device timeline: collectives' time that no compute kernel ran beside."""
 
-import pytest
+import time
+from types import SimpleNamespace
 
-from gem_ops.metrics.overlap import communication_overlap, intersection_length, merged
+import pytest
+import torch
+
+from gem_ops.metrics.overlap import communication_overlap, device_kernels, intersection_length, merged
+from gem_ops.train.mfu_window import top_device_operators
 
 
 def test_merged_intervals_cover_the_same_points_once():
@@ -31,3 +36,42 @@ def test_no_communication_is_all_hidden_and_steps_must_be_counted():
     assert only_compute.hidden_share == 1.0
     with pytest.raises(ValueError, match="steps"):
         communication_overlap([], steps=0)
+
+
+class _Event:
+    def __init__(self, name, start, end, annotation=False, device="CUDA"):
+        self.name, self.is_user_annotation = name, annotation
+        self.device_type = getattr(torch.autograd.DeviceType, device)
+        self.time_range = SimpleNamespace(start=start, end=end)
+
+
+def test_scopes_mirrored_on_the_device_timeline_are_not_kernels():
+    """A record_function scope shows on the GPU timeline as an annotation spanning its kernels and the idle time
+    between them: counted as a kernel it made the device look busier than the step was long."""
+    events = [_Event("forward", 0, 1000, annotation=True), _Event("gemm", 0, 100), _Event("gemm", 900, 1000),
+              _Event("## forward ##", 0, 50, device="CPU"), _Event("Command Buffer Full", 100, 900)]
+    prof = SimpleNamespace(events=lambda: events)
+    kernels = device_kernels(prof, skip={"Command Buffer Full"})
+    assert [name for name, *_ in kernels] == ["gemm", "gemm"]
+    assert communication_overlap(kernels, steps=1).busy_seconds == pytest.approx(200e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_busy_time_of_a_real_profile_leaves_out_idle_time_inside_scopes():
+    x = torch.randn(256, 256, device="cuda")
+    x @ x
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.record_function("step"):
+            x @ x
+            torch.cuda.synchronize()
+            time.sleep(0.05)  # idle device inside the scope
+            x @ x
+            torch.cuda.synchronize()
+    busy = communication_overlap(device_kernels(prof), steps=1).busy_seconds
+    assert 0 < busy < 0.01
+    top = top_device_operators(prof.key_averages(), steps=1)
+    assert top and "step" not in {row["name"] for row in top} and sum(row["ms"] for row in top) < 10
+    assert not any(row["name"].startswith("aten::") for row in top)  # kernels, not the ops that launched them

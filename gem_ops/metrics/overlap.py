@@ -31,8 +31,13 @@ class CommunicationOverlap:
             return 1.0
         return 1.0 - self.exposed_communication_seconds / self.communication_seconds
 
+    @property
+    def busy_seconds(self) -> float:
+        """The time any kernel ran: compute, and the communication no compute ran beside."""
+        return self.compute_seconds + self.exposed_communication_seconds
+
     def to_dict(self) -> dict[str, float]:
-        return {**asdict(self), "hidden_share": self.hidden_share}
+        return {**asdict(self), "hidden_share": self.hidden_share, "busy_seconds": self.busy_seconds}
 
 
 def merged(intervals: Iterable[tuple[float, float]]) -> np.ndarray:
@@ -78,8 +83,10 @@ def communication_overlap(kernels: Iterable[tuple[str, float, float]], steps: in
 
 
 def device_kernels(prof: torch.profiler.profile, skip: Iterable[str] = ()) -> list[tuple[str, float, float]]:
-    """(name, start µs, end µs) of the GPU events of a finished profile, without the named ones (e.g. the mirrors
-    of record_function scopes, which span kernels rather than run)."""
+    """(name, start µs, end µs) of the kernels and copies on the GPU timeline of a finished profile, without the
+    named ones. The mirrors of record_function scopes (user annotations: the engine's phases, autograd's and
+    Inductor's regions) are left out: they span kernels and the idle time between them rather than run."""
     skip = frozenset(skip)
     return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in skip]
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in skip
+            and not getattr(e, "is_user_annotation", False)]

@@ -140,14 +140,12 @@ class WindowObserver:
         if device.type == "cuda":
             # The backward's kernels are launched by autograd's device thread, outside the engine's
             # "backward" scope: it is the device's busy time less the other phases'.
-            scopes = {*PHASES, *MODULE_SCOPES}  # their mirrors on the GPU timeline span kernels, not add to them
-            busy = sum(e.time_range.elapsed_us() for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in scopes
-                       and e.name not in HOST_WAITS) / 1e6 / steps
+            overlap = communication_overlap(device_kernels(prof, HOST_WAITS), steps)
+            busy = overlap.busy_seconds
             others = sum(v for k, v in report.phase_seconds.items() if k != "backward")
             report.phase_seconds["backward"] = max(0.0, busy - others)
             report.phase_seconds["device_busy"] = busy
-            report.communication = communication_overlap(device_kernels(prof, scopes | HOST_WAITS), steps).to_dict()
+            report.communication = overlap.to_dict()
             report.phase_cpu_seconds = scope_seconds(prof, torch.device("cpu"), PHASES, steps)
         report.phase_seconds["step"] = float(np.mean(profiled_step_seconds)) if profiled_step_seconds else math.nan
         report.module_seconds = scope_seconds(prof, device, MODULE_SCOPES, steps)
@@ -156,7 +154,10 @@ class WindowObserver:
         report.module_seconds["other"] = max(0.0, report.phase_seconds.get("forward", 0.0)
                                              - sum(report.module_seconds[k] for k in top))
         sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        report.profile_table = prof.key_averages().table(sort_by=sort_by, row_limit=25)
+        averages = prof.key_averages()
+        report.profile_table = averages.table(sort_by=sort_by, row_limit=25)
+        if device.type == "cuda":
+            report.top_kernels = top_device_operators(averages, steps)
 
 
 @contextlib.contextmanager
@@ -210,6 +211,15 @@ def module_scopes() -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def top_device_operators(averages, steps: int, limit: int = 20) -> list[dict]:
+    """The kernels (and copies) with the most device time, per step, from a profile's key_averages()."""
+    rows = sorted((a for a in averages if a.device_type == torch.autograd.DeviceType.CUDA
+                   and a.self_device_time_total > 0 and not getattr(a, "is_user_annotation", False)),
+                  key=lambda a: a.self_device_time_total, reverse=True)[:limit]
+    return [{"name": a.key[:120], "ms": a.self_device_time_total / 1e3 / max(1, steps), "calls": a.count / max(1, steps)}
+            for a in rows]
 
 
 def scope_seconds(profile, device: torch.device, scopes: tuple[str, ...], steps: int) -> dict[str, float]:
