@@ -71,11 +71,14 @@ def _cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, M_PAD, stride,
     # below for some tiles (triton-lang/triton#11111: garbage bytes that read as Inf/NaN), which gave NaN gradients.
     scaled = x * tl.load(scale_ptr)
     scaled = tl.where(scaled > FP8_LIMIT, FP8_LIMIT, tl.where(scaled < -FP8_LIMIT, -FP8_LIMIT, scaled))
-    scaled = scaled.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], scaled, mask=inside)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+             scaled.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
     if TRANSPOSED:  # rows past M (up to M_PAD) were loaded as 0: they write the zero padding
         pad_ok = (cols[:, None] < N) & (rows[None, :] < M_PAD)
-        tl.store(out_t_ptr + cols[:, None].to(tl.int64) * M_PAD + rows[None, :], tl.trans(scaled), mask=pad_ok)
+        # Transposed in fp32, cast after: Triton 3.6's transpose of an FP8 tile in registers lost columns on the
+        # H200 for fp32 inputs at some tiles (zeros where values belong), with the row-major store right.
+        scaled_t = tl.trans(scaled).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out_t_ptr + cols[:, None].to(tl.int64) * M_PAD + rows[None, :], scaled_t, mask=pad_ok)
 
 
 def _column_max_and_sums(x: torch.Tensor, column_sums: bool) -> tuple[torch.Tensor, torch.Tensor]:
