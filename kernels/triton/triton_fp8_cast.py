@@ -71,14 +71,11 @@ def _cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, M_PAD, stride,
     # below for some tiles (triton-lang/triton#11111: garbage bytes that read as Inf/NaN), which gave NaN gradients.
     scaled = x * tl.load(scale_ptr)
     scaled = tl.where(scaled > FP8_LIMIT, FP8_LIMIT, tl.where(scaled < -FP8_LIMIT, -FP8_LIMIT, scaled))
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
-             scaled.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
+    scaled = scaled.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], scaled, mask=inside)
     if TRANSPOSED:  # rows past M (up to M_PAD) were loaded as 0: they write the zero padding
         pad_ok = (cols[:, None] < N) & (rows[None, :] < M_PAD)
-        # Transposed in fp32, cast after: Triton 3.6's transpose of an FP8 tile in registers lost columns on the
-        # H200 for fp32 inputs at some tiles (zeros where values belong), with the row-major store right.
-        scaled_t = tl.trans(scaled).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(out_t_ptr + cols[:, None].to(tl.int64) * M_PAD + rows[None, :], scaled_t, mask=pad_ok)
+        tl.store(out_t_ptr + cols[:, None].to(tl.int64) * M_PAD + rows[None, :], tl.trans(scaled), mask=pad_ok)
 
 
 def _column_max_and_sums(x: torch.Tensor, column_sums: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,9 +98,16 @@ def triton_cast_to_fp8(x: torch.Tensor, dtype: torch.dtype, transposed: bool, co
     scale = amax_scale(amax, dtype)
     m_pad = padded_rows(rows)
     x8 = torch.empty(rows, cols, dtype=dtype, device=x.device)
-    x8_t = torch.empty(cols if transposed else 0, m_pad, dtype=dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(m_pad if transposed else rows, meta["BLOCK_M"]), triton.cdiv(cols, meta["BLOCK_N"]))  # noqa: E731
-    _cast_kernel[grid](x, scale, x8, x8_t, rows, cols, m_pad, x.stride(0), FP8_LIMIT=FP8_MAX[dtype], TRANSPOSED=transposed)
+    # Triton 3.6's in-register transpose of the FP8 tile loses columns on the H200 when the tile was loaded as fp32
+    # (zeros where values belong, the row-major copy right; bf16 inputs were right at every tile):
+    # fp32 tensors (the weights) get their transposed copy from the row-major one.
+    fused = transposed and x.dtype != torch.float32
+    x8_t = torch.empty(cols if fused else 0, m_pad, dtype=dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(m_pad if fused else rows, meta["BLOCK_M"]), triton.cdiv(cols, meta["BLOCK_N"]))  # noqa: E731
+    _cast_kernel[grid](x, scale, x8, x8_t, rows, cols, m_pad, x.stride(0), FP8_LIMIT=FP8_MAX[dtype], TRANSPOSED=fused)
+    if transposed and not fused:
+        x8_t = x8.new_zeros(cols, m_pad)
+        x8_t[:, :rows] = x8.t()
     return x8, x8_t, scale.reciprocal(), sums
 
 
