@@ -69,8 +69,11 @@ def _check_products(device: str, rows: int, in_features: int, out_features: int,
         assert torch.isfinite(tensor).all(), f"{name}: non-finite values"
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(x.grad.float(), gq @ wq, rtol=1e-2, atol=1e-2)
-    tight = 1e-4 if device == "cpu" else 1e-3  # the tensor cores' fast accumulation rounds the partial sums
-    torch.testing.assert_close(layer.weight.grad, gq.t() @ xq, rtol=tight, atol=tight)
+    # Summed over every row: on the GPU the tensor cores' fast accumulation rounds the partial sums (by up to 0.03
+    # at 300 rows on the H200); a lost or wrong byte errs by the size of an entry.
+    expected_w = (gq.double().t() @ xq.double()).float()
+    tight = 1e-4 if device == "cpu" else 3e-3 * float(expected_w.abs().max())
+    torch.testing.assert_close(layer.weight.grad, expected_w, rtol=1e-2 if device != "cpu" else 1e-4, atol=tight)
     assert layer.weight.grad.dtype == layer.weight.dtype
     if bias:  # the bias gradient is exact: the output gradient's sums, not an FP8 product
         torch.testing.assert_close(layer.bias.grad, g_cast.float().sum(0), rtol=1e-5, atol=1e-5)
