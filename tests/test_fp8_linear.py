@@ -10,6 +10,7 @@ from torch import nn
 
 from gem_ops.train.acceleration import convert_to_fp8, fp8_layer_names
 from gem_ops.train.fp8_linear import Float8TrainingLinear, convert_to_float8_linear
+from kernels.fp8_cast import cast_to_fp8
 from kernels.pytorch.pt_fp8_cast import pt_cast_to_fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -62,7 +63,8 @@ def _check_products(device: str, rows: int, in_features: int, out_features: int,
     out.backward(g)
     out_dtype = autocast_dtype or torch.float32
     g_cast = g.to(out_dtype)
-    xq, wq, gq = _dequantized(x, E4M3), _dequantized(layer.weight, E4M3), _dequantized(g_cast, E5M2)
+    # Under autocast the layer rounds its fp32 input to autocast's dtype before the FP8 cast, as nn.Linear would.
+    xq, wq, gq = _dequantized(x.to(out_dtype), E4M3), _dequantized(layer.weight, E4M3), _dequantized(g_cast, E5M2)
     expected = xq @ wq.t() + (layer.bias.to(out_dtype).float() if bias else 0)
     assert out.dtype == out_dtype
     for name, tensor in (("output", out), ("input gradient", x.grad), ("weight gradient", layer.weight.grad)):
@@ -115,6 +117,31 @@ def test_output_dtype_follows_autocast_and_empty_inputs_pass():
     assert out.shape == (0, 3, 48) and out.dtype == torch.bfloat16
     out.sum().backward()
     assert empty.grad.shape == empty.shape and not layer.weight.grad.any()
+
+
+def test_autocast_rounds_an_fp32_input_to_its_dtype_before_the_fp8_cast(monkeypatch):
+    """An fp32 activation under bf16 autocast (a LayerNorm's output) reaches the FP8 cast as bf16, as it reaches an
+    nn.Linear's product: half the bytes to read, and the cast's fused transposed copy (16-bit tiles only on the
+    H200) instead of a separate transpose; the fp32 weight is cast as it is."""
+    import gem_ops.train.fp8_linear as fp8_linear
+
+    seen = []
+
+    def recording_cast(t, dtype, **kwargs):
+        seen.append(t.dtype)
+        return cast_to_fp8(t, dtype, **kwargs)
+
+    monkeypatch.setattr(fp8_linear, "cast_to_fp8", recording_cast)
+    layer = _layer()
+    x = torch.randn(9, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    out.float().sum().backward()
+    assert seen == [torch.bfloat16, torch.float32, torch.bfloat16]  # input, weight, output gradient
+    assert x.grad.dtype == torch.float32
+    seen.clear()
+    layer(x)  # outside autocast the input keeps its dtype
+    assert seen == [torch.float32, torch.float32]
 
 
 def test_frozen_weights_and_inference_skip_the_gradient_layouts():
