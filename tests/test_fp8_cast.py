@@ -125,9 +125,8 @@ def test_every_kernel_config_matches_reference_on_gpu(monkeypatch, in_dtype):
 @pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper on the host; no interpreter involved")
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_cast_kernel_compiles_without_nan_propagating_min_max(dtype):
-    """The cast kernel as ptxas would get it for an H200 (compiled on the host) saturates without min.NaN / max.NaN:
-    those corrupted the transposed FP8 store for some tiles (triton-lang/triton#11111), which gave NaN gradients
-    on the H200 while the row-major copy stayed right."""
+    """The cast kernel as ptxas would get it for an H200 (compiled on the host) saturates without min.NaN / max.NaN,
+    which triton-lang/triton#11111 reports corrupting transposed FP8 stores."""
     import re
 
     triton = pytest.importorskip("triton")

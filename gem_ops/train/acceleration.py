@@ -177,7 +177,9 @@ def fresh_fp8_compiles() -> None:
     """Turns off this process's reuse of Inductor's cached FX graphs and AOT-autograd graphs. Loaded from a warm
     cache, the compiled FP8 blocks gave NaN gradients everywhere at step 0 (loss finite) on the H200 with
     torch 2.11, in every run after a machine's first; compiled afresh they train (benchmarks/README.md, FP8).
-    The cost is the compile time of a cold start, spent in the warm-up steps."""
+    Those runs had the FP8 cast's faulty transposed copies of fp32 tiles, whose harm depended on the tile that
+    autotuning kept, so this may go once a GPU run shows warm caches train with the corrected casts. The cost is the
+    compile time of a cold start, spent in the warm-up steps."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 

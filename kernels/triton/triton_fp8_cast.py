@@ -1,7 +1,8 @@
 """Triton tensorwise FP8 casts: one pass that reads the tensor for its absolute maximum (and, if asked,
 its column sums: a bias gradient on the way), then one pass that writes the FP8 tensor in both
 layouts torch._scaled_mm wants, row-major and transposed (the transpose through registers, so both
-stores are coalesced), the transposed one padded with zero rows to a multiple of 16.
+stores are coalesced; for 16-bit inputs only, see triton_cast_to_fp8), the transposed one padded with zero rows to
+a multiple of 16.
 
 Two reads and two narrow writes of the tensor, at any row count (benchmarks/mfu.py's dense-layer
 stage compares it with torchao's casts under torch.compile). Contract: kernels.fp8_cast.cast_to_fp8. Launches need CUDA or TRITON_INTERPRET=1 set before import.
@@ -67,8 +68,8 @@ def _cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, M_PAD, stride,
     inside = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     # Saturated by comparisons, so NaN stays NaN (a non-finite gradient must reach the loop's divergence check, not
-    # turn into zeros). Not tl.clamp(propagate_nan=ALL): its NaN-propagating min/max corrupt the transposed FP8 store
-    # below for some tiles (triton-lang/triton#11111: garbage bytes that read as Inf/NaN), which gave NaN gradients.
+    # turn into zeros). Not tl.clamp(propagate_nan=ALL): triton-lang/triton#11111 reports its NaN-propagating min/max
+    # corrupting transposed FP8 stores.
     scaled = x * tl.load(scale_ptr)
     scaled = tl.where(scaled > FP8_LIMIT, FP8_LIMIT, tl.where(scaled < -FP8_LIMIT, -FP8_LIMIT, scaled))
     scaled = scaled.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
