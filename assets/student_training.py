@@ -19,14 +19,21 @@ class StudentTrainingConfig(ModelTrainingConfig):
     student_adapter: bool = Field(True, description="Map teacher logits to fresh-label-calibrated targets first.")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")
-    freeze_shared: bool = Field(True, description="Keep the shared tables as the teacher's (only their projection "
-                                "learns); false: train them on the student's days too.")
+    shared_table_training: str = Field(
+        "auto", description="fixed: the shared tables stay the teacher's (only their projection learns); trained: they "
+        "learn on the student's days too; auto: both, keeping the student with the lower validation NE.")
 
     def transfer(self) -> TransferConfig:
         return TransferConfig(distillation_weight=self.distillation_weight, distillation_head=self.distillation_head,
                               student_adapter=self.student_adapter,
                               representation=self.representation, shared_tables=tuple(self.shared_tables),
-                              freeze_shared=self.freeze_shared)
+                              freeze_shared=self.freeze_shared())
+
+    def freeze_shared(self) -> bool | str:
+        modes = {"fixed": True, "trained": False, "auto": "auto"}
+        if self.shared_table_training not in modes:
+            raise ValueError(f"shared_table_training must be one of {list(modes)}, got {self.shared_table_training!r}")
+        return modes[self.shared_table_training]
 
     def shuffling(self) -> ShufflingConfig:
         return ShufflingConfig(self.sub_batch_size, self.sub_batches_per_rank, seed=self.seed)

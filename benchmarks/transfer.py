@@ -65,7 +65,9 @@ ABLATIONS = {
     "direct_serving_no_representation": ("gem", {**SERVING, "representation": False}),
     "direct_serving_no_sharing": ("gem", {**SERVING, "shared_tables": ()}),
     "direct_serving_no_adapter": ("gem", {**SERVING, "student_adapter": False}),
-    # The teacher's item table trained on the student's 4 days too (the default until the tables were kept fixed).
+    # The shared item table kept as the teacher's, or trained on the student's 4 days too (the default, "auto", trains
+    # both and keeps the lower validation NE).
+    "direct_serving_fixed_tables": ("gem", {**SERVING, "freeze_shared": True}),
     "direct_serving_trainable_tables": ("gem", {**SERVING, "freeze_shared": False}),
     "hierarchical_serving": ("fm", SERVING),
     # From an FM trained on its domain's days before the verticals' (its targets there out of sample).
@@ -141,7 +143,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
         train_vertical_model,
     )
     from gem_ops.transfer.knowledge import score_examples
-    from gem_ops.transfer.student import Teacher, prediction_report, write_student_plan
+    from gem_ops.transfer.student import Teacher, kept_validation_ne, prediction_report, write_student_plan
     from gem_ops.transfer.user_representations import compute_user_representations
 
     shuffling = ShufflingConfig(sub_batch_size=128, sub_batches_per_rank=2, seed=seed)
@@ -209,7 +211,11 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                                            work / f"{domain}_{task}_{variant}_{seed}", TransferConfig(**transfer),
                                            teachers[teacher], shuffling, device=args.device)
                 row[variant] = _figures(run.result.final_report, task)
-                row[variant]["validation_ne"] = kept_validation_ne(run)
+                row[variant]["validation_ne"] = kept_validation_ne(run.result, run.model.objectives)
+                if run.shared_tables:  # which tables the student kept, and each candidate's validation NE
+                    row[variant]["kept_fixed_tables"] = float(run.shared_tables["kept"] == "fixed")
+                    row[variant].update({f"validation_ne_{who}": ne
+                                         for who, ne in run.shared_tables["validation_ne"].items()})
                 row[variant]["parameters"] = sum(p.numel() for p in run.model.parameters())
                 row[variant]["cpu_latency_s"] = cpu_latency(run.model.cpu(), run.data, int(part.eval[0]), args.candidates,
                                                             args.latency_reps)
@@ -231,14 +237,6 @@ def with_guarded(row: dict) -> dict:
     return out
 
 
-def kept_validation_ne(run) -> float:
-    """The student's validation NE at the step whose weights it kept (its early-stopping criterion)."""
-    from gem_ops.train.engine import validation_ne
-
-    scores = [validation_ne(r, run.model.objectives) for r in run.result.validation_reports]
-    return min(scores) if scores else math.nan
-
-
 def calibration_if_rate_held(logs, part, task: str) -> float:
     """The newest training day's label rate (where calibration is fitted) over the eval days': what a model
     exactly calibrated on that day gets on the eval days when the rate it saw there holds."""
@@ -249,18 +247,28 @@ def calibration_if_rate_held(logs, part, task: str) -> float:
     return (p_new / n_new) / (p_eval / n_eval) if n_new and p_eval else math.nan
 
 
-def paired(seeds: list[dict], key: str, with_: str, without: str) -> dict:
-    """`with_` against `without` seed by seed (each seed shares its data, teacher and initial draws)."""
-    differences = [s["verticals"][key][with_]["auc"] - s["verticals"][key][without]["auc"] for s in seeds]
+def paired(rows: list[dict], with_: str, without: str) -> dict:
+    """`with_` against `without` seed by seed (one row per seed: its data, teacher and initial draws shared)."""
+    differences = [row[with_]["auc"] - row[without]["auc"] for row in rows]
     return {"auc_difference": _spread(differences), "every_seed_better": all(d > 0 for d in differences)}
 
 
-def summarize(seeds: list[dict]) -> dict:
+def with_validated_pair(row: dict, pair: tuple[str, str] | None) -> dict:
+    """The seed's figures and, given a (fixed tables, trained tables) pair of variants, `validated_tables`: the
+    student whose validation NE is lower, as freeze_shared="auto" keeps it (the same two trainings)."""
+    if not pair or not all(v in row for v in pair):
+        return row
+    fixed, trained = (row[v] for v in pair)
+    kept = fixed if fixed["validation_ne"] <= trained["validation_ne"] else trained
+    return {**row, "validated_tables": {**kept, "kept_fixed_tables": float(kept is fixed)}}
+
+
+def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) -> dict:
     """Per vertical: each variant's figures as mean and spread over seeds, the gap closed where real, and
     the protocol's comparisons."""
     out = {}
     for key in seeds[0]["verticals"]:
-        rows = [with_guarded(s["verticals"][key]) for s in seeds]
+        rows = [with_validated_pair(with_guarded(s["verticals"][key]), validated_pair) for s in seeds]
         per = {who: {m: _spread([r[who][m] for r in rows]) for m in rows[0][who]}
                for who in rows[0] if who != "calibration_if_rate_held"}
         teacher, alone = per["gem"]["auc"], per["alone"]["auc"]
@@ -276,7 +284,9 @@ def summarize(seeds: list[dict]) -> dict:
                         full: gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
                         for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"),
                                             ("direct_serving_summary", "distillation_serving"),
-                                            ("direct_serving_trainable_tables", "distillation_serving"))
+                                            ("direct_serving_trainable_tables", "distillation_serving"),
+                                            ("direct_serving_fixed_tables", "distillation_serving"),
+                                            ("validated_tables", "distillation_serving"))
                         if full in per and plain in per},
                     # Each mechanism's own worth: the full transfer against it without that mechanism.
                     "mechanisms": {f"{with_} over {without}": _gain(per, with_, without) for with_, without in (
@@ -287,10 +297,12 @@ def summarize(seeds: list[dict]) -> dict:
                         ("direct_serving", "direct_serving_no_sharing"),
                         ("direct_serving_summary", "direct_serving"),
                         ("distillation_serving_summary", "distillation_serving")) if with_ in per and without in per},
-                    "paired": {f"{with_} over {without}": paired(seeds, key, with_, without) for with_, without in (
+                    "paired": {f"{with_} over {without}": paired(rows, with_, without) for with_, without in (
                         ("direct", "distillation"), ("direct_serving", "distillation_serving"),
                         ("direct_serving_summary", "distillation_serving"),
                         ("direct_serving", "direct_serving_trainable_tables"),
+                        ("direct_serving", "direct_serving_fixed_tables"),
+                        ("validated_tables", "distillation_serving"),
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
                         ("hierarchical", "alone"), ("hierarchical_serving", "alone"),
                         ("hierarchical_serving_fm_before", "alone"),
@@ -362,8 +374,18 @@ def main() -> None:
     parser.add_argument("--prepare-to", type=Path, default=None, help="only prepare the datasets under this folder")
     parser.add_argument("--output-name", default="transfer")
     parser.add_argument("--resume", action="store_true", help="keep the seeds saved under --output-name")
+    parser.add_argument("--validated-pair", nargs=2, metavar=("FIXED", "TRAINED"), default=None,
+                        help="variants trained with the shared tables fixed and trained: the summary adds "
+                             "`validated_tables`, the one of each seed with the lower validation NE")
+    parser.add_argument("--summarize-from", metavar="NAME", default=None,
+                        help="only summarize the seeds of results/NAME.json again (with --validated-pair), "
+                             "saved under --output-name with NAME's commit")
     args = parser.parse_args()
     args.variants = list(dict.fromkeys(["alone", *args.variants]))
+
+    if args.summarize_from is not None:
+        resummarize(args.summarize_from, args.output_name, args.validated_pair)
+        return
 
     if args.prepare_to is not None:  # the GPU machine has no polars: prepare here, carry the folder there
         for name in args.datasets:
@@ -394,9 +416,23 @@ def main() -> None:
             done[name].append(merged_seed(seed, [parts[(name, seed)][d] for d in domains[name]]))
             for d in (d for d in args.datasets if done[d]):
                 seeds = sorted(done[d], key=lambda f: f["seed"])
-                results[d] = {"seeds": seeds, "summary": summarize(seeds)}
+                results[d] = {"seeds": seeds, "summary": summarize(seeds, args.validated_pair)}
             save(args.output_name, {**vars(args), "end": END.isoformat(), "days": DAYS,
                                     "variants": {v: ALL_VARIANTS[v] for v in args.variants}}, results)
+
+
+def resummarize(source: str, output_name: str, validated_pair: tuple[str, str] | None) -> None:
+    """The seeds of results/<source>.json summarized again, saved as results/<output_name>.json with the
+    source's commit, machine and settings beside this summary's."""
+    import json
+
+    from benchmarks.common import RESULTS
+
+    saved = json.loads((RESULTS / f"{source}.json").read_text())
+    results = {name: {"seeds": part["seeds"], "summary": summarize(part["seeds"], validated_pair)}
+               for name, part in saved["results"].items()}
+    save(output_name, {"summarized_from": source, "validated_pair": validated_pair,
+                       "source": {k: saved[k] for k in ("commit", "dirty", "when", "machine", "settings")}}, results)
 
 
 def prepare(name: str, root: Path, args) -> Path:

@@ -479,3 +479,41 @@ def test_paired_ne_delta_is_the_ne_difference_with_its_paired_standard_error(log
     delta, stderr = paired_ne_delta(logs, uninformed, champion, held_out, "click")
     assert delta > 10 * stderr
     assert paired_ne_delta(logs, champion, champion, held_out, "click") == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(("scores", "kept"), [((0.90, 0.80), "trained"), ((0.80, 0.90), "fixed"), ((0.85, 0.85), "fixed")])
+def test_auto_shared_tables_train_both_students_and_keep_the_lower_validation_ne(logs, stale_teacher, tmp_path,
+                                                                                  monkeypatch, scores, kept):
+    """freeze_shared="auto": one student with the teacher's tables fixed, one with them trained, each in an MLflow
+    run of its own under the student's; the lower validation NE is kept (a tie keeps the teacher's tables)."""
+    import gem_ops.transfer.student as student
+    from gem_ops.tracking import RunTracker
+
+    validation = iter(scores)
+    monkeypatch.setattr(student, "kept_validation_ne", lambda result, objectives: next(validation))
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    parent = client.create_run(client.create_experiment("students")).info.run_id
+    fresh, held_out = windows.student_examples(logs, WINDOWS, "feed"), windows.eval_examples(logs, "feed")
+    run = train_student(logs, fresh, held_out, SMALL, ("click",), replace(QUICK, max_steps=8, validation_days=1),
+                        tmp_path / "work", TransferConfig(), stale_teacher, SHUFFLING, RunTracker(client, parent))
+    assert run.shared_tables == {"kept": kept, "validation_ne": dict(zip(("fixed", "trained"), scores))}
+    same_table = torch.equal(embedding_tables(run.model)["item"], embedding_tables(stale_teacher.model)["item"])
+    assert same_table == (kept == "fixed")
+    children = client.search_runs([client.get_run(parent).info.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent}'")
+    assert sorted(c.info.run_name for c in children) == ["fixed shared tables", "trained shared tables"]
+    recorded = client.get_run(parent).data
+    assert recorded.params["shared_tables"] == kept
+    assert recorded.metrics["shared_tables.validation_ne.trained"] == pytest.approx(scores[1])
+
+
+def test_auto_shared_tables_without_validation_days_keep_the_teachers_tables():
+    from gem_ops.transfer.student import shared_table_choices
+
+    assert shared_table_choices(TransferConfig(), True, validated=False) == (True,)
+    assert shared_table_choices(TransferConfig(), True, validated=True) == (True, False)
+    assert shared_table_choices(TransferConfig(freeze_shared=False), True, validated=True) == (False,)
+    assert shared_table_choices(TransferConfig(), False, validated=True) == (None,)
+    assert shared_table_choices(TransferConfig(shared_tables=()), True, validated=True) == (None,)
+    with pytest.raises(ValueError, match="freeze_shared"):
+        TransferConfig(freeze_shared="sometimes")

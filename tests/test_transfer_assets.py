@@ -89,6 +89,7 @@ def test_domain_models_and_verticals_carry_their_lineage(transferred):
         assert tags["transfer.mode"] == "hierarchical" and tags["teacher.model_name"] == f"domain_fm_{domain}"
         assert tags["teacher.teacher.model_name"] == MODEL_NAME and tags["teacher.teacher.model_version"] == gem_version
         assert entry["promoted"] and tags["promotion.decision"] == "promoted"
+        assert entry["shared_tables"] in ("fixed", "trained")  # "auto": both trained, the better on validation kept
         # One evaluation everywhere: the figures reported are the ones the promotion judged, with their count.
         assert entry["eval_examples"] == int(tags["promotion.examples"])
         assert entry["vertical.auc"] == pytest.approx(float(tags["promotion.challenger_auc"]), abs=1e-3)
@@ -249,3 +250,13 @@ def test_serving_models_measures_each_champion_and_refuses_one_slower_than_the_b
     assert not check.passed and check.metadata["refused"].value == [name]
     with pytest.raises(MlflowException):
         client.get_model_version_by_alias(name, SERVING)
+
+
+def test_shared_table_training_setting_maps_to_the_transfer_and_names_a_bad_value():
+    from assets.student_training import StudentTrainingConfig
+
+    assert StudentTrainingConfig().transfer().freeze_shared == "auto"
+    assert StudentTrainingConfig(shared_table_training="fixed").transfer().freeze_shared is True
+    assert StudentTrainingConfig(shared_table_training="trained").transfer().freeze_shared is False
+    with pytest.raises(ValueError, match="shared_table_training"):
+        StudentTrainingConfig(shared_table_training="frozen").transfer()

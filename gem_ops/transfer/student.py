@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
@@ -15,10 +17,11 @@ from gem_ops.data.atomic import atomic_path
 from gem_ops.data.batch_shuffling import ShufflingConfig, plan_base_batch_shuffling, write_plan
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import FeatureSpec, ModelConfig
+from gem_ops.metrics.quality import flat_metrics
 from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import RunTracker
 from gem_ops.train.config import TrainConfig
-from gem_ops.train.engine import TrainResult, train
+from gem_ops.train.engine import TrainResult, train, validation_ne
 from gem_ops.train.model_state import seeded_model
 from gem_ops.transfer.adapter import adapt, fit_adapter
 from gem_ops.transfer.config import TransferConfig
@@ -44,6 +47,8 @@ class StudentRun:
     result: TrainResult
     data: SequenceLogs | TeacherJoinedLogs  # what the student reads (teacher columns joined in)
     adapter_report: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # {"teacher"|"adapted": eval report}
+    # With shared tables: which were kept ("fixed": the teacher's, or "trained") and each candidate's validation NE
+    shared_tables: dict[str, Any] = field(default_factory=dict)
 
 
 def student_config(base: ModelConfig, tasks: tuple[str, ...], transfer: TransferConfig,
@@ -104,17 +109,50 @@ def train_student(
                               "adapted": prediction_report(logs, adapted, eval_indices, config)}
             predictions = adapted
         data = TeacherJoinedLogs(logs, predictions, teacher.representations)
-    model = seeded_model(FeatureSpec.from_logs(logs), config, "cpu", train_config.seed)
-    if teacher is not None and transfer.shared_tables:
-        share_tables(model, teacher.model, transfer.shared_tables, transfer.freeze_shared)
-    training = {"model": config.to_dict(), "train": train_config.to_dict(), "transfer": asdict(transfer),
-                "shuffling": asdict(shuffling), "teacher": teacher.identity if teacher else None,
-                "train_examples": int(len(train_indices)), "eval_examples": int(len(eval_indices))}
-    checkpoints = resumable_checkpoints(work_dir, training)
-    model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices, tracker=tracker,
-                          checkpoint_dir=checkpoints, device=device)  # one process: the model comes back whole
-    shutil.rmtree(checkpoints, ignore_errors=True)  # only a killed run resumes: a finished one is registered
-    return StudentRun(fold_projections(model), result, data, adapter_report)  # served at the student's own size
+    choices = shared_table_choices(transfer, teacher is not None, train_config.validation_days > 0)
+    tracker = tracker or RunTracker.disabled()
+    runs = []
+    for fixed in choices:
+        model = seeded_model(FeatureSpec.from_logs(logs), config, "cpu", train_config.seed)
+        if fixed is not None:
+            share_tables(model, teacher.model, transfer.shared_tables, fixed)
+        training = {"model": config.to_dict(), "train": train_config.to_dict(),
+                    "transfer": {**asdict(transfer), "freeze_shared": fixed}, "shuffling": asdict(shuffling),
+                    "teacher": teacher.identity if teacher else None,
+                    "train_examples": int(len(train_indices)), "eval_examples": int(len(eval_indices))}
+        label = "fixed" if fixed else "trained"
+        folder = Path(work_dir) / f"{label}_tables" if len(choices) > 1 else work_dir
+        checkpoints = resumable_checkpoints(folder, training)
+        # With two candidates each trains in a run of its own under the student's.
+        with (tracker.child(f"{label} shared tables") if len(choices) > 1 else contextlib.nullcontext(tracker)) as run:
+            model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices,
+                                  tracker=run, checkpoint_dir=checkpoints, device=device)  # one process: whole model
+        shutil.rmtree(checkpoints, ignore_errors=True)  # only a killed run resumes: a finished one is registered
+        runs.append((kept_validation_ne(result, model.objectives), label, model, result))
+    _, label, model, result = min(runs, key=lambda run: run[0])  # a tie keeps the first: fixed tables
+    shared = {}
+    if choices != (None,):
+        shared = {"kept": label, "validation_ne": {who: score for score, who, _, _ in runs}}
+        tracker.log_params({"shared_tables": label})
+    if len(runs) > 1:
+        tracker.log_metrics({f"shared_tables.validation_ne.{who}": score for who, score in shared["validation_ne"].items()}
+                            | flat_metrics(result.final_report), step=result.steps)
+    return StudentRun(fold_projections(model), result, data, adapter_report, shared)  # at the student's own size
+
+
+def shared_table_choices(transfer: TransferConfig, has_teacher: bool, validated: bool) -> tuple[bool | None, ...]:
+    """The students to train: with shared tables, fixed (True) and/or trained (False); (None,) without. "auto"
+    trains both where validation days can tell them apart, else keeps the tables fixed."""
+    if not (has_teacher and transfer.shared_tables):
+        return (None,)
+    if transfer.freeze_shared == "auto":
+        return (True, False) if validated else (True,)
+    return (transfer.freeze_shared,)
+
+
+def kept_validation_ne(result: TrainResult, objectives) -> float:
+    """The validation NE of the weights training kept (its best evaluation); inf without validation days."""
+    return min((validation_ne(report, objectives) for report in result.validation_reports), default=math.inf)
 
 
 def resumable_checkpoints(work_dir: str | os.PathLike, training: dict[str, Any]) -> Path:

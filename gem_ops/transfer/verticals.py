@@ -45,10 +45,12 @@ class VerticalOutcome:
     version: str
     decision: PromotionDecision
     figures: dict[str, dict[str, float]]  # "vertical" / "alone" / "gem" -> auc, ne, calibration, count, positives
+    shared_tables: str = ""  # "fixed" (the teacher's) or "trained"; "" without shared tables
 
     def summary(self) -> dict:
         return {"version": self.version, "promoted": self.decision.promoted, "reason": self.decision.reason,
                 "eval_examples": int(self.figures["vertical"]["count"]),
+                **({"shared_tables": self.shared_tables} if self.shared_tables else {}),
                 **{f"{who}.{m}": round(v[m], 4) for who, v in self.figures.items() for m in ("auc", "ne", "calibration")}}
 
 
@@ -112,4 +114,4 @@ def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLo
                 figures["gem"] = predictions_quality(logs, gem, compare, (task,))[group]
             child.log_metrics({f"compare.{who}.{m}": v[m] for who, v in figures.items()
                                for m in ("auc", "ne", "calibration") if math.isfinite(v[m])})
-        yield VerticalOutcome(name, version, decision, figures)
+        yield VerticalOutcome(name, version, decision, figures, vm.shared_tables.get("kept", ""))
