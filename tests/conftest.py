@@ -38,3 +38,15 @@ def gem_asset_runs(tmp_path_factory):
         logs = {day: [e.message for e in instance.all_logs(r.run_id)] for day, r in results.items()}
         yield {"root": root, "results": results, "client": MlflowClient(uri), "uri": uri, "logs": logs,
                "resources": resources, "instance": instance}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_into_the_checkout():
+    """MLflow puts the artifacts of an experiment created without an artifact location under ./mlruns: a test that
+    does so writes into the checkout (and once had them committed). Every test gives its stores a temporary home."""
+    from pathlib import Path
+
+    stray = Path(__file__).resolve().parents[1] / "mlruns"
+    existed = stray.exists()
+    yield
+    assert existed or not stray.exists(), f"a test wrote MLflow artifacts into the checkout: {stray}"

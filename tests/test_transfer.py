@@ -492,7 +492,8 @@ def test_auto_shared_tables_train_both_students_and_keep_the_lower_validation_ne
     validation = iter(scores)
     monkeypatch.setattr(student, "kept_validation_ne", lambda result, objectives: next(validation))
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    parent = client.create_run(client.create_experiment("students")).info.run_id
+    experiment = client.create_experiment("students", artifact_location=(tmp_path / "artifacts").as_uri())
+    parent = client.create_run(experiment).info.run_id
     fresh, held_out = windows.student_examples(logs, WINDOWS, "feed"), windows.eval_examples(logs, "feed")
     run = train_student(logs, fresh, held_out, SMALL, ("click",), replace(QUICK, max_steps=8, validation_days=1),
                         tmp_path / "work", TransferConfig(), stale_teacher, SHUFFLING, RunTracker(client, parent))
