@@ -518,3 +518,19 @@ def test_auto_shared_tables_without_validation_days_keep_the_teachers_tables():
     assert shared_table_choices(TransferConfig(shared_tables=()), True, validated=True) == (None,)
     with pytest.raises(ValueError, match="freeze_shared"):
         TransferConfig(freeze_shared="sometimes")
+
+
+def test_kept_validation_ne_is_the_best_evaluations_pooled_ne():
+    """What "auto" compares: the lowest validation NE of the run (the weights it kept), pooled over objectives."""
+    from gem_ops.train.engine import TrainResult
+    from gem_ops.transfer.student import kept_validation_ne
+
+    def report(ne_click, ne_conversion):  # the same counts and base-rate entropy per objective
+        return {"all/click": {"log_loss": 0.5 * ne_click, "ne": ne_click, "count": 100},
+                "all/conversion": {"log_loss": 0.5 * ne_conversion, "ne": ne_conversion, "count": 100}}
+
+    result = TrainResult(steps=30, samples=0, seconds=0.0, losses=[],
+                         validation_reports=[report(0.9, 1.0), report(0.8, 0.9), report(0.85, 0.95)])
+    assert kept_validation_ne(result, ("click", "conversion")) == pytest.approx(0.85)
+    assert kept_validation_ne(result, ("click",)) == pytest.approx(0.8)
+    assert kept_validation_ne(TrainResult(steps=0, samples=0, seconds=0.0, losses=[]), ("click",)) == float("inf")

@@ -135,7 +135,7 @@ class MFUReport:
     communication: dict[str, float] = field(default_factory=dict)
     profiled_steps: int = 0
     profile_table: str = ""
-    # the operators with the most self device time per profiled step: name, milliseconds, calls (GPU only)
+    # the kernels and copies with the most device time per profiled step: name, milliseconds, calls (GPU only)
     top_kernels: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
