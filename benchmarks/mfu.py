@@ -249,7 +249,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
                                      "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds", "communication",
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
-                                     "top_kernels")
+                                     "step_stalls", "top_kernels")
                   if k in report}}
     measures = report.get("step_measures") or {}
     if len(measures.get("compute_seconds", ())) >= 3:  # what each step's forward costs per token and per pair
@@ -263,8 +263,19 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
     print(f"{shape_name}/{variant}: MFU {100 * run['mfu_window_mean']:.1f}% over the window (median step "
           f"{100 * run['mfu_median_step']:.1f}%), {run['model_tflops']:.0f} model TFLOP/s, "
           f"{run['samples_per_second']:.0f} samples/s, mean step {run['step_seconds_mean'] * 1e3:.0f} ms "
-          f"(median {run['step_seconds_median'] * 1e3:.0f} ms)", flush=True)
+          f"(median {run['step_seconds_median'] * 1e3:.0f} ms){_stalls(run.get('step_stalls') or {})}", flush=True)
     return run
+
+
+def _stalls(stalls: dict[str, list[float]]) -> str:
+    """What the window's steps spent on host work that is not training, e.g. "; in the window: gc 0.41 s
+    (max 0.38 s in a step), 1 compiled graph, 0 attention tunings"."""
+    if not stalls:
+        return ""
+    gc_seconds = stalls.get("gc_seconds", [0.0])
+    return (f"; in the window: gc {sum(gc_seconds):.2f} s (max {max(gc_seconds):.2f} s in a step), "
+            f"{sum(stalls.get('compiled_graphs', [])):.0f} compiled graphs, "
+            f"{sum(stalls.get('attention_tunings', [])):.0f} attention tunings")
 
 
 def _run_echoing(command: list[str], env: dict, timeout: float | None, keep: int = 40) -> tuple[int, list[str]]:

@@ -146,6 +146,15 @@ def _check(q, k, v, q_offsets, kv_offsets, activation):
                              "or pass bf16 q, k, v to train")
 
 
+def tuning_runs() -> int:
+    """How often a kernel has tuned its launch (compiling its candidates) in this process: 0 without Triton."""
+    try:
+        from kernels.triton import triton_jagged_attention as triton_kernels
+    except ImportError:
+        return 0
+    return triton_kernels.tuning_runs()
+
+
 def _register_kernels() -> None:
     try:
         from kernels.triton import triton_jagged_attention as triton_kernels

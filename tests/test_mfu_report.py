@@ -88,6 +88,11 @@ def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
     assert all(len(v) == STEPS and all(x > 0 for x in v) for v in measures.values())
     assert all(c >= t for c, t in zip(measures["attention_cost"], measures["tokens"]))  # (L + 1)^2 >= L + 1
     assert report["model_flops"] == pytest.approx(sum(report["step_flops"]))
+    # what stalls a step from the host, per timed step: nothing here, the collector being off between its
+    # scheduled collections (every 50 steps), nothing compiled (compile "none"), no attention kernel on a CPU
+    stalls = report["step_stalls"]
+    assert stalls == {"gc_seconds": [0.0] * STEPS, "compiled_graphs": [0.0] * STEPS,
+                      "attention_tunings": [0.0] * STEPS}
     # MFU over the window's wall time (the mean step), which holds every step's own time and what runs
     # between steps; the median step's figure beside it.
     assert report["seconds"] >= sum(report["step_seconds"])

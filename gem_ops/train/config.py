@@ -46,6 +46,9 @@ class TrainConfig:
     # Before the first step: one zero-loss pass per history-length bucket, so that kernel tuning and compiling
     # happen there rather than in whichever later step first reaches a bucket (warm_up.py; MFU windows set it)
     warm_up_lengths: bool = False
+    # Python's garbage collector: off while steps run, a full collection of what the run made every gc_every
+    # steps, between steps (gc_schedule.py); 0: automatic collection, pauses landing inside whichever step
+    gc_every: int = 50
     prefetch_batches: int = 1  # batches loaded ahead in a background thread while a step runs; 0: none
     eval_every: int = 0  # steps between evaluations (on the validation day when there is one); 0: only at the end
     # The newest days of the training examples held out: early stopping and calibration read them
@@ -77,6 +80,8 @@ class TrainConfig:
             allowed = self.choices(name)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.gc_every < 0:
+            raise ValueError(f"TrainConfig.gc_every must be >= 0 (0: Python's automatic collection), got {self.gc_every}")
         if self.prefetch_batches < 0:
             raise ValueError(f"TrainConfig.prefetch_batches must be >= 0, got {self.prefetch_batches}")
         if self.early_stopping_min_steps < 0:

@@ -45,6 +45,7 @@ from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_in
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
+from gem_ops.train.gc_schedule import CollectionSchedule
 from gem_ops.train.gradients import dense_gradient_norm, divergence_message, nonfinite_gradients
 from gem_ops.train.history_cuts import history_caps
 from gem_ops.train.initialization import init_output_biases
@@ -282,6 +283,8 @@ class Trainer:
         self.module.train()
         if config.warm_up_lengths and self.start < end:
             self.say(f"warmed up at history lengths {self.warm_up_lengths()}")
+        collection = CollectionSchedule(config.gc_every)
+        collection.start()
         result.started = time.perf_counter()
         try:
             for step in range(self.start, end):
@@ -336,6 +339,7 @@ class Trainer:
                     self.reporter.step(step, self.total, metrics)
                 for hook in step_hooks:
                     hook(step, value)
+                collection.after_step(step)
                 if len(pending) >= config.log_every or step + 1 == self.total:
                     self.tracker.log_metrics_by_step(pending)
                     pending.clear()
@@ -352,6 +356,7 @@ class Trainer:
                     pending.clear()
                     self.save(step + 1)
         finally:
+            collection.stop()
             inputs.close()  # an early stop leaves no loads running
             timer.remove()
         self.tracker.log_metrics_by_step(pending)  # an early stop's last steps

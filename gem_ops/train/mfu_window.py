@@ -23,6 +23,8 @@ from gem_ops.metrics.mfu import MFUReport, device_name, measured_matmul_flops, p
 from gem_ops.metrics.overlap import communication_overlap, device_kernels
 from gem_ops.model.config import ModelConfig
 from gem_ops.train.config import TrainConfig
+from gem_ops.train.gc_schedule import CollectionPauses
+from kernels.jagged_attention import tuning_runs
 
 # What the CUDA profiler lists with device time that is no GPU work: a kernel launch that waited for
 # room in a full launch queue. Left out of every phase, module and busy figure.
@@ -63,7 +65,7 @@ class MFUWindow:
         """Around the training run: yields the step hook to give the engine; `profile` (rank 0's) turns on
         the profiler and the module scopes."""
         observer = WindowObserver(self, profile and self.profile_steps > 0, device)
-        with observer.profiler as observer.prof, observer.scopes:
+        with observer.profiler as observer.prof, observer.scopes, observer.pauses:
             try:
                 yield observer
             finally:
@@ -96,6 +98,8 @@ class MFUWindow:
             step_measures={m: list(v[first:last]) for m, v in result.balance.mean.items()},
             settings={"model": model_config.to_dict(), "train": train_config.to_dict(),
                       "window": dataclasses.asdict(self), "world_size": result.world_size})
+        report.step_stalls = {name: [b - a for a, b in zip(totals[first:last], totals[first + 1 : last + 1])]
+                              for name, totals in observer.stall_totals().items()}
         if observer.alloc_retries:
             report.settings["allocator_retries_in_window"] = observer.alloc_retries[last - 1] - (
                 observer.alloc_retries[first - 1] if first else 0)
@@ -111,6 +115,9 @@ class WindowObserver:
         self.window, self.profiling, self.device = window, profiling, device
         self.prof = None
         self.alloc_retries: list[int] = []  # the allocator's count after each step (CUDA)
+        # What can stall a step from the host, as running totals: before the first step, then after each
+        self.pauses = CollectionPauses()
+        self.stalls: list[tuple[float, int, int]] = [self._stall_counts()]
         self.scopes = contextlib.ExitStack()
         self.profiler = contextlib.nullcontext()
         if profiling:
@@ -120,7 +127,19 @@ class WindowObserver:
             self.profiler = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(
                 wait=window.warmup_steps + window.steps, warmup=1, active=window.profile_steps, repeat=1))
 
+    def _stall_counts(self) -> tuple[float, int, int]:
+        from torch._dynamo.utils import counters
+
+        return self.pauses.seconds, counters["stats"]["unique_graphs"], tuning_runs()
+
+    def stall_totals(self) -> dict[str, list[float]]:
+        """Running totals, before the first step and after each: seconds in garbage collection, graphs
+        compiled by torch.compile, attention-kernel tunings."""
+        names = ("gc_seconds", "compiled_graphs", "attention_tunings")
+        return {name: [float(row[i]) for row in self.stalls] for i, name in enumerate(names)}
+
     def __call__(self, step: int, loss: float) -> None:
+        self.stalls.append(self._stall_counts())
         if self.device.type == "cuda":  # a step that found no free block freed the cache and retried: a sync
             self.alloc_retries.append(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self.prof is not None:

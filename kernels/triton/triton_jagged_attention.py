@@ -944,6 +944,8 @@ class _TunedLaunch:
     the dict of all arguments its hooks take) costs tens of microseconds per launch, which short batches, whose
     kernels take little longer, pay on every step (benchmarks/jagged_attention.py --overhead, host columns)."""
 
+    runs = 0  # autotuner runs in this process, every kernel: tuning_runs()
+
     def __init__(self, tuner, descriptors: tuple[tuple[str, str, str | None], ...]):
         self.tuner, self.descriptors = tuner, descriptors
         self.chosen: dict = {}
@@ -952,6 +954,7 @@ class _TunedLaunch:
         config = self.chosen.get(key)
         # (the configs may be swapped, e.g. by a test that runs each one)
         if config is None or not any(config is c for c in self.tuner.configs):
+            _TunedLaunch.runs += 1
             self.tuner[grid](*args, **constexprs)
             self.chosen[key] = self.tuner.best_config
             return
@@ -960,6 +963,11 @@ class _TunedLaunch:
             if isinstance(descriptors.get(name), TensorDescriptor):
                 descriptors[name].block_shape = [sizes[rows]] if cols is None else [sizes[rows], sizes[cols]]
         self.tuner.fn[grid](*args, **constexprs, **config.all_kwargs())
+
+
+def tuning_runs() -> int:
+    """The attention kernels' autotuner runs so far in this process (a new key's first launch each)."""
+    return _TunedLaunch.runs
 
 
 _launch_forward = _TunedLaunch(_forward_kernel, _KV_DESCRIPTORS)

@@ -1,0 +1,60 @@
+"""Python's garbage collector on a schedule while training runs, and a record of its pauses.
+
+Left automatic, a full collection starts inside whichever step happens to cross the allocation threshold and walks
+every tracked object (modules, compiled graphs and their guards, the loader's frames): a pause of a large fraction
+of a second in the middle of a forward, where the device then waits. Training objects either live for the whole
+run or die within a step, so: one collection before the first step, everything alive then frozen (never walked
+again), automatic collection off, and a full collection of what is newer every `every` steps, between steps."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+
+class CollectionSchedule:
+    """`start()` before the first step, `after_step(step)` after each, `stop()` at the end (an exception's
+    too). every=0 leaves the collector as it was (automatic)."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self._was_enabled = gc.isenabled()
+
+    def start(self) -> None:
+        if self.every:
+            self._was_enabled = gc.isenabled()
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+
+    def after_step(self, step: int) -> None:
+        if self.every and (step + 1) % self.every == 0:
+            gc.collect()
+
+    def stop(self) -> None:
+        if self.every:
+            gc.unfreeze()
+            if self._was_enabled:
+                gc.enable()
+
+
+class CollectionPauses:
+    """Seconds spent in garbage collection since entering (any generation, scheduled or automatic)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._began: float | None = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self._began = None
+
+    def __enter__(self) -> CollectionPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)

@@ -1,0 +1,103 @@
+"""Python's garbage collector on the training schedule: no automatic collection inside a step, a collection of
+what the run made every gc_every steps, the collector as it was afterwards."""
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+
+from gem_ops.data.synthetic import STRONG_SIGNAL
+from gem_ops.model.config import model_config
+from gem_ops.train.config import TrainConfig
+from gem_ops.train.engine import train
+from gem_ops.train.gc_schedule import CollectionPauses, CollectionSchedule
+from tests.training_data import learnable_data
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+@pytest.fixture
+def collector_restored():
+    enabled = gc.isenabled()
+    yield
+    gc.unfreeze()
+    (gc.enable if enabled else gc.disable)()
+
+
+def test_a_cycle_made_during_the_steps_lives_until_the_scheduled_collection(collector_restored):
+    gc.enable()
+    schedule = CollectionSchedule(every=3)
+    schedule.start()
+    try:
+        assert not gc.isenabled() and gc.get_freeze_count() > 0  # what lived before is frozen
+        cycle = weakref.ref(_Cycle())
+        for step in range(2):
+            schedule.after_step(step)
+            assert cycle() is not None  # no collection between the scheduled ones
+        schedule.after_step(2)
+        assert cycle() is None
+    finally:
+        schedule.stop()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_every_zero_leaves_automatic_collection_alone(collector_restored):
+    gc.enable()
+    schedule = CollectionSchedule(every=0)
+    schedule.start()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    schedule.after_step(0)
+    schedule.stop()
+    assert gc.isenabled()
+
+
+def test_a_collector_off_before_training_stays_off(collector_restored):
+    gc.disable()
+    schedule = CollectionSchedule(every=2)
+    schedule.start()
+    schedule.stop()
+    assert not gc.isenabled()
+
+
+def test_pauses_count_the_seconds_of_each_collection():
+    with CollectionPauses() as pauses:
+        garbage = [_Cycle() for _ in range(20_000)]
+        del garbage
+        gc.collect()
+    assert pauses.seconds > 0
+    seen = pauses.seconds
+    gc.collect()  # after leaving: no longer counted
+    assert pauses.seconds == seen
+
+
+def test_negative_gc_every_names_the_setting():
+    with pytest.raises(ValueError, match="TrainConfig.gc_every"):
+        TrainConfig(gc_every=-1)
+
+
+def test_the_engine_trains_with_automatic_collection_off_and_restores_it(tmp_path, collector_restored):
+    gc.enable()
+    small = dataclasses.replace(STRONG_SIGNAL, n_users=200)
+    data = learnable_data(tmp_path / "data", small, days=3, eval_days=1, max_history_len=16, sub_batch_size=16)
+    config = TrainConfig(max_steps=4, eval_max_examples=64, gc_every=2, warmup_steps=1)
+    before = weakref.ref(_Cycle())  # made before training: gone with the collection before the first step
+    enabled, alive_before, alive_made = [], [], []
+    made = []
+
+    def on_step(step, loss):
+        enabled.append(gc.isenabled())
+        alive_before.append(before() is not None)
+        if step == 0:
+            made.append(weakref.ref(_Cycle()))
+        alive_made.append(made[0]() is not None)
+
+    train(data.open(), data.plans[1], model_config("vertical", width=0.25, **{"sequence.max_history_len": 16}),
+          config, checkpoint_dir=tmp_path / "ckpt", step_hooks=[on_step])
+    assert enabled == [False] * 4
+    assert alive_before == [False] * 4
+    assert alive_made == [True, True, False, False]  # made in step 0, collected after step 1 (gc_every=2)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
