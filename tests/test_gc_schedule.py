@@ -63,6 +63,15 @@ def test_a_collector_off_before_training_stays_off(collector_restored):
     assert not gc.isenabled()
 
 
+def test_objects_a_caller_froze_stay_frozen(collector_restored):
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    schedule = CollectionSchedule(every=2)
+    schedule.start()
+    schedule.stop()
+    assert gc.get_freeze_count() == frozen
+
+
 def test_pauses_count_the_seconds_of_each_collection():
     with CollectionPauses() as pauses:
         garbage = [_Cycle() for _ in range(20_000)]
@@ -84,13 +93,12 @@ def test_the_engine_trains_with_automatic_collection_off_and_restores_it(tmp_pat
     small = dataclasses.replace(STRONG_SIGNAL, n_users=200)
     data = learnable_data(tmp_path / "data", small, days=3, eval_days=1, max_history_len=16, sub_batch_size=16)
     config = TrainConfig(max_steps=4, eval_max_examples=64, gc_every=2, warmup_steps=1)
-    before = weakref.ref(_Cycle())  # made before training: gone with the collection before the first step
-    enabled, alive_before, alive_made = [], [], []
+    enabled, frozen, alive_made = [], [], []
     made = []
 
     def on_step(step, loss):
         enabled.append(gc.isenabled())
-        alive_before.append(before() is not None)
+        frozen.append(gc.get_freeze_count() > 0)  # what lived before the first step: not walked by collections
         if step == 0:
             made.append(weakref.ref(_Cycle()))
         alive_made.append(made[0]() is not None)
@@ -98,6 +106,6 @@ def test_the_engine_trains_with_automatic_collection_off_and_restores_it(tmp_pat
     train(data.open(), data.plans[1], model_config("vertical", width=0.25, **{"sequence.max_history_len": 16}),
           config, checkpoint_dir=tmp_path / "ckpt", step_hooks=[on_step])
     assert enabled == [False] * 4
-    assert alive_before == [False] * 4
+    assert frozen == [True] * 4
     assert alive_made == [True, True, False, False]  # made in step 0, collected after step 1 (gc_every=2)
     assert gc.isenabled() and gc.get_freeze_count() == 0

@@ -3,8 +3,9 @@
 Left automatic, a full collection starts inside whichever step happens to cross the allocation threshold and walks
 every tracked object (modules, compiled graphs and their guards, the loader's frames): a pause of a large fraction
 of a second in the middle of a forward, where the device then waits. Training objects either live for the whole
-run or die within a step, so: one collection before the first step, everything alive then frozen (never walked
-again), automatic collection off, and a full collection of what is newer every `every` steps, between steps."""
+run or die within a step, so: everything alive before the first step frozen (never walked while training runs; no
+collection first, which would cost a pause of its own per training), automatic collection off, and a full
+collection of what is newer every `every` steps, between steps."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ class CollectionSchedule:
     def __init__(self, every: int):
         self.every = every
         self._was_enabled = gc.isenabled()
+        self._froze = False
 
     def start(self) -> None:
         if self.every:
             self._was_enabled = gc.isenabled()
-            gc.collect()
-            gc.freeze()
+            # A caller's own frozen objects (e.g. a server that froze before forking) stay its business.
+            self._froze = gc.get_freeze_count() == 0
+            if self._froze:
+                gc.freeze()
             gc.disable()
 
     def after_step(self, step: int) -> None:
@@ -33,7 +37,8 @@ class CollectionSchedule:
 
     def stop(self) -> None:
         if self.every:
-            gc.unfreeze()
+            if self._froze:
+                gc.unfreeze()
             if self._was_enabled:
                 gc.enable()
 
