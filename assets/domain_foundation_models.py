@@ -23,6 +23,8 @@ from gem_ops.transfer.user_representations import read_user_representations
 class DomainFoundationModelsConfig(StudentTrainingConfig):
     preset: str = "domain_fm"
     registered_model_prefix: str = Field("domain_fm", description="Each domain's model registers as <prefix>_<domain>.")
+    teacher_gate: bool = Field(True, description="A domain's vertical models learn from GEM instead of the domain's "
+                               "FM where the FM does not rank the FM's held-out day better than GEM (AUC).")
 
 
 def fm_predictions_path(lake: LakeResource, day: str, domain: str):
@@ -43,7 +45,8 @@ def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFo
     gem = Teacher(load_model_version(client, identity["name"], identity["version"]), gem_predictions, identity,
                   read_user_representations(identity["representations"]))
     window = TransferWindows.of_teacher(identity)
-    settings = DomainModelSettings(**config.student_settings(), prefix=config.registered_model_prefix)
+    settings = DomainModelSettings(**config.student_settings(), prefix=config.registered_model_prefix,
+                                   teacher_gate=config.teacher_gate)
     summary, skipped, reports = {}, {}, {}
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())

@@ -79,6 +79,7 @@ ABLATIONS = {
 ALL_VARIANTS = {**VARIANTS, **ABLATIONS}
 GUARDED = ("direct", "direct_serving", "direct_serving_summary", "hierarchical", "hierarchical_serving")
 TEACHERS = ("gem", "stale_gem", "fm", "fm_before")
+GATE = "fm_held_out_day"  # a row's record of the teacher gate, not a model
 
 
 def synthetic_source(ad_quality_drift: float = 0.0):
@@ -138,6 +139,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
     from gem_ops.transfer.hierarchy import (
         DomainData,
         as_teacher,
+        choose_domain_teacher,
         students_examples,
         train_domain_foundation_model,
         train_vertical_model,
@@ -194,8 +196,10 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
     rows = {}
     for domain in domains:
         part = DomainData.of(logs, domain, window)
+        gate = None
         if "fm" in needed:
             teachers["fm"] = train_fm(part, "fm")
+            gate = choose_domain_teacher(logs, part, teachers["fm"].predictions, gem.predictions)
         if "fm_before" in needed:  # the FM's knowledge of the verticals' days is out of sample
             teachers["fm_before"] = train_fm(replace(part, foundation=np.setdiff1d(part.foundation, part.train)),
                                              "fm_before")
@@ -205,6 +209,9 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
             row = {who: _figures(prediction_report(logs, teachers[who].predictions, part.eval, config), task)
                    for who in TEACHERS if who in teachers}
             row["calibration_if_rate_held"] = calibration_if_rate_held(logs, part, task)
+            if gate is not None:  # the FM against GEM on the FM's held-out day: who would teach (TeacherChoice)
+                row[GATE] = {"fm_auc": gate.fm_auc, "gem_auc": gate.gem_auc,
+                             "fm_teaches": float(gate.teacher == "domain_fm")}
             for variant in args.variants:
                 teacher, transfer = ALL_VARIANTS[variant]
                 run = train_vertical_model(logs, part, task, vm_base, settings(args.student_epochs, args.student_eval_every),
@@ -235,6 +242,16 @@ def with_guarded(row: dict) -> dict:
         mine = row[variant].get("validation_ne", math.nan)
         out[f"{variant}_guarded"] = row["alone"] if alone < mine else row[variant]  # NaN compares False
     return out
+
+
+def with_gated(row: dict) -> dict:
+    """The seed's figures and `hierarchical_serving_gated`: what the teacher gate (domain_foundation_models'
+    default) trains, the hierarchical student where the FM beat GEM on its held-out day, else GEM's direct one
+    (the same training as direct_serving)."""
+    if GATE not in row or not {"hierarchical_serving", "direct_serving"} <= set(row):
+        return row
+    chosen = "hierarchical_serving" if row[GATE]["fm_teaches"] else "direct_serving"
+    return {**row, "hierarchical_serving_gated": row[chosen]}
 
 
 def calibration_if_rate_held(logs, part, task: str) -> float:
@@ -268,18 +285,19 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
     the protocol's comparisons."""
     out = {}
     for key in seeds[0]["verticals"]:
-        rows = [with_validated_pair(with_guarded(s["verticals"][key]), validated_pair) for s in seeds]
+        rows = [with_validated_pair(with_gated(with_guarded(s["verticals"][key])), validated_pair) for s in seeds]
         per = {who: {m: _spread([r[who][m] for r in rows]) for m in rows[0][who]}
                for who in rows[0] if who != "calibration_if_rate_held"}
         teacher, alone = per["gem"]["auc"], per["alone"]["auc"]
         real_gap = teacher["mean"] - alone["mean"] > max(teacher["spread"], alone["spread"])
         gap = {v: ((per[v]["auc"]["mean"] - alone["mean"]) / (teacher["mean"] - alone["mean"]) if real_gap else None)
-               for v in per if v not in (*TEACHERS, "alone")}
+               for v in per if v not in (*TEACHERS, GATE, "alone")}
         out[key] = {"figures": per, "gap_real": real_gap, "gap_closed_auc": gap,
                     "hierarchical_not_worse_than_alone": {
                         v: per[v]["auc"]["mean"] >= alone["mean"] - max(per[v]["auc"]["spread"], alone["spread"])
                         for v in ("hierarchical", "hierarchical_serving", "hierarchical_guarded",
-                                  "hierarchical_serving_guarded", "hierarchical_serving_fm_before") if v in per},
+                                  "hierarchical_serving_guarded", "hierarchical_serving_fm_before",
+                                  "hierarchical_serving_gated") if v in per},
                     "full_over_plain_distillation": {
                         full: gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
                         for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"),
@@ -305,6 +323,7 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("validated_tables", "distillation_serving"),
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
                         ("hierarchical", "alone"), ("hierarchical_serving", "alone"),
+                        ("hierarchical_serving_gated", "alone"),
                         ("hierarchical_serving_fm_before", "alone"),
                         ("hierarchical_serving_fm_before", "hierarchical_serving")) if with_ in per and without in per},
                     "calibration_if_rate_held": seeds[0]["verticals"][key].get("calibration_if_rate_held", math.nan)}

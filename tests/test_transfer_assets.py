@@ -81,13 +81,23 @@ def test_domain_models_and_verticals_carry_their_lineage(transferred):
     for domain in DOMAINS:
         fm = client.get_model_version(f"domain_fm_{domain}", fms[domain]["version"])
         assert fm.tags["teacher.model_name"] == MODEL_NAME and fm.tags["teacher.model_version"] == gem_version
+        # The teacher gate: the FM teaches its verticals only where it ranks its held-out day better than GEM.
+        gate = fms[domain]["held_out_day"]
+        assert fms[domain]["verticals_learn_from"] == gate["teacher"] == (
+            "domain_fm" if gate["fm_auc"] > gate["gem_auc"] else "gem")
+        assert gate["held_out_examples"] > 0
+        assert client.get_run(fm.run_id).data.tags["verticals_learn_from"] == gate["teacher"]
     verticals = _materialization(transferred["first"], "vertical_models").metadata["models"].value
     assert "vertical_feed_click" in verticals and "vertical_search_click" in verticals
     for name, entry in verticals.items():
         tags = client.get_model_version(name, entry["version"]).tags
         domain = name.split("_")[1]
-        assert tags["transfer.mode"] == "hierarchical" and tags["teacher.model_name"] == f"domain_fm_{domain}"
-        assert tags["teacher.teacher.model_name"] == MODEL_NAME and tags["teacher.teacher.model_version"] == gem_version
+        assert tags["transfer.mode"] == "hierarchical"
+        if fms[domain]["verticals_learn_from"] == "domain_fm":
+            assert tags["teacher.model_name"] == f"domain_fm_{domain}"
+            assert tags["teacher.teacher.model_name"] == MODEL_NAME and tags["teacher.teacher.model_version"] == gem_version
+        else:  # the predictions its verticals read are GEM's own
+            assert tags["teacher.model_name"] == MODEL_NAME and tags["teacher.model_version"] == gem_version
         assert entry["promoted"] and tags["promotion.decision"] == "promoted"
         assert entry["shared_tables"] in ("fixed", "trained")  # "auto": both trained, the better on validation kept
         # One evaluation everywhere: the figures reported are the ones the promotion judged, with their count.
@@ -129,7 +139,9 @@ def test_a_domain_too_small_to_train_is_skipped_and_the_others_train(transferred
     small, large = sorted(DOMAINS, key=sizes.get)
     assert sizes[small] < sizes[large]
     sized = {**STUDENT, "sub_batch_size": int(sizes[small]) + 1, "max_steps": 2}
-    config = {"domain_foundation_models": {"config": {**sized, "preset": "domain_fm", "width": 0.5, "domains": DOMAINS}},
+    # With the teacher gate off, the FM teaches its verticals whatever it scores.
+    config = {"domain_foundation_models": {"config": {**sized, "preset": "domain_fm", "width": 0.5, "domains": DOMAINS,
+                                                      "teacher_gate": False}},
               "vertical_models": {"config": {**sized, "domains": DOMAINS, "mode": "hierarchical", "min_positives": 1}}}
     result = dg.materialize([domain_foundation_models, vertical_models], run_config={"ops": config},
                             resources=transferred["resources"], instance=transferred["instance"],
@@ -141,9 +153,13 @@ def test_a_domain_too_small_to_train_is_skipped_and_the_others_train(transferred
         skipped = meta["skipped"].value  # domains, and (vertical_models) objectives too few positives left out
         assert [k for k in skipped if "/" not in k] == [small] and skipped[small].startswith(why)
         assert all(k.startswith(f"{large}/") and "min_positives" in v for k, v in skipped.items() if "/" in k)
-    assert set(_materialization(result, "domain_foundation_models").metadata["models"].value) == {large}
+    fms = _materialization(result, "domain_foundation_models").metadata["models"].value
+    assert set(fms) == {large} and "verticals_learn_from" not in fms[large]
     trained = _materialization(result, "vertical_models").metadata["models"].value
     assert trained and all(f"_{large}_" in name for name in trained)
+    for name, entry in trained.items():
+        tags = transferred["client"].get_model_version(name, entry["version"]).tags
+        assert tags["teacher.model_name"] == f"domain_fm_{large}" and tags["teacher.teacher.model_name"] == MODEL_NAME
 
 
 def test_a_day_with_a_single_labelled_event_skips_every_student_with_its_counts(transferred, tmp_path):
@@ -203,9 +219,11 @@ def test_a_vertical_with_representation_transfer_serves_without_its_teachers(tra
     name = "vertical_feed_click"
     version = current_version(client, name, CHAMPION)
     tags = client.get_model_version(name, version).tags
-    teachers = [(tags["teacher.model_name"], tags["teacher.model_version"]),
-                (tags["teacher.teacher.model_name"], tags["teacher.teacher.model_version"])]
-    for teacher, teacher_version in teachers:  # the domain FM and GEM: gone
+    # its teacher and that one's teacher: the domain FM and GEM, or GEM alone where the teacher gate kept it
+    teachers = [(tags[f"{p}model_name"], tags[f"{p}model_version"]) for p in ("teacher.", "teacher.teacher.")
+                if f"{p}model_name" in tags]
+    assert MODEL_NAME in {name for name, _ in teachers}
+    for teacher, teacher_version in teachers:  # gone
         shutil.rmtree(urlparse(client.get_model_version(teacher, teacher_version).source).path)
 
     mlflow.set_tracking_uri(transferred["uri"])

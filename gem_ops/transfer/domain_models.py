@@ -4,8 +4,9 @@ models."""
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlflow.tracking import MlflowClient
@@ -14,7 +15,13 @@ from gem_ops.data.loader import SequenceLogs
 from gem_ops.metrics.quality import flat_metrics
 from gem_ops.tracking import RunTracker
 from gem_ops.transfer.config import StudentSettings
-from gem_ops.transfer.hierarchy import DomainData, as_teacher, train_domain_foundation_model
+from gem_ops.transfer.hierarchy import (
+    DomainData,
+    TeacherChoice,
+    as_teacher,
+    choose_domain_teacher,
+    train_domain_foundation_model,
+)
 from gem_ops.transfer.knowledge import write_predictions
 from gem_ops.transfer.registry import lineage_tags, model_identity, register_student
 from gem_ops.transfer.student import Teacher
@@ -24,6 +31,8 @@ from gem_ops.transfer.user_representations import representations_path, write_us
 @dataclass(frozen=True)
 class DomainModelSettings(StudentSettings):
     prefix: str = "domain_fm"  # registered as <prefix>_<domain>
+    # The domain's verticals learn from GEM where the FM does not beat it on the FM's held-out day (TeacherChoice)
+    teacher_gate: bool = True
 
 
 @dataclass(frozen=True)
@@ -32,18 +41,21 @@ class DomainModel:
     version: str
     train_examples: int
     report: dict[str, dict[str, float]]  # the final eval report, per domain/task group
+    teaches: dict[str, Any] = field(default_factory=dict)  # TeacherChoice.to_dict(): who teaches the verticals
 
     def summary(self) -> dict[str, Any]:
         return {"model": self.name, "version": self.version, "train_examples": self.train_examples,
-                **{g: round(self.report[g]["auc"], 4) for g in self.report if g.startswith("all/")}}
+                **{g: round(self.report[g]["auc"], 4) for g in self.report if g.startswith("all/")},
+                **({"verticals_learn_from": self.teaches["teacher"], "held_out_day": self.teaches} if self.teaches else {})}
 
 
 def domain_foundation_model(client: MlflowClient, tracker: RunTracker, logs: SequenceLogs, data: DomainData,
                             gem: Teacher, settings: DomainModelSettings, work_dir: str | os.PathLike,
                             predictions_path: str | os.PathLike, run_label: str) -> DomainModel:
-    """Trains, registers (in an MLflow run nested under `tracker`'s) and scores one domain's FM; its
-    predictions, with its identity and GEM's as their teacher, are written to `predictions_path`, and its
-    user representations beside them (`<name>.representations.parquet`)."""
+    """Trains, registers (in an MLflow run nested under `tracker`'s) and scores one domain's FM; the predictions
+    its verticals learn from are written to `predictions_path`: the FM's (its identity, GEM's as its teacher), or
+    GEM's where the teacher gate keeps GEM; the FM's user representations go beside them either way
+    (`<name>.representations.parquet`)."""
     name = f"{settings.prefix}_{data.domain}"
     tags = lineage_tags("direct", gem.identity) | {"domain": data.domain}
     with tracker.child(f"{data.domain} · {name} [{run_label}]", tags) as child:
@@ -57,8 +69,14 @@ def domain_foundation_model(client: MlflowClient, tracker: RunTracker, logs: Seq
                     "representations": str(representations)}
         teacher = as_teacher(fm, data, identity)
         write_user_representations(teacher.representations, representations)
-        write_predictions(teacher.predictions, predictions_path)
+        choice = (choose_domain_teacher(logs, data, teacher.predictions, gem.predictions) if settings.teacher_gate
+                  else TeacherChoice("domain_fm", math.nan, math.nan, 0))
+        write_predictions((teacher if choice.teacher == "domain_fm" else gem).predictions, predictions_path)
+        child.set_tags({"verticals_learn_from": choice.teacher})
+        child.log_metrics({f"held_out_day.{who}_auc": auc for who, auc in (("fm", choice.fm_auc), ("gem", choice.gem_auc))
+                           if math.isfinite(auc)})
         if fm.adapter_report:
             child.log_metrics(flat_metrics(fm.adapter_report["teacher"], "adapter.before")
                               | flat_metrics(fm.adapter_report["adapted"], "adapter.after"))
-    return DomainModel(name, version, int(data.foundation.size), fm.result.final_report)
+    return DomainModel(name, version, int(data.foundation.size), fm.result.final_report,
+                       choice.to_dict() if settings.teacher_gate else {})

@@ -3,6 +3,7 @@ models (one per domain and objective) learn from GEM directly or from their doma
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import describe_labels
 from gem_ops.transfer import windows
 from gem_ops.transfer.config import TransferConfig, TransferWindows
-from gem_ops.transfer.knowledge import score_examples
+from gem_ops.transfer.knowledge import TeacherPredictions, predictions_quality, score_examples
 from gem_ops.transfer.student import StudentRun, Teacher, train_student
 from gem_ops.transfer.user_representations import compute_user_representations
 
@@ -80,6 +81,41 @@ def as_teacher(run: StudentRun, data: DomainData, identity: dict[str, Any], devi
     table = compute_user_representations(run.model, run.data, data.all, identity, device=device)
     scores = score_examples(run.model, run.data, data.all, identity, representations=table, device=device)
     return Teacher(run.model.cpu(), scores, identity, table)
+
+
+@dataclass(frozen=True)
+class TeacherChoice:
+    """Which model teaches a domain's vertical models: its FM where the FM ranks the FM's held-out day (the newest
+    of its window, which neither it nor GEM trained on) better than GEM does, else GEM itself: a student of a
+    teacher worse than GEM inherits the loss."""
+
+    teacher: str  # "domain_fm" or "gem"
+    fm_auc: float  # mean over the objectives scored, on the held-out day
+    gem_auc: float
+    examples: int
+
+    def to_dict(self) -> dict[str, Any]:
+        def shown(auc: float) -> float | None:  # JSON metadata has no NaN (no objective with both labels)
+            return round(auc, 4) if math.isfinite(auc) else None
+
+        return {"teacher": self.teacher, "fm_auc": shown(self.fm_auc), "gem_auc": shown(self.gem_auc),
+                "held_out_examples": self.examples}
+
+
+def choose_domain_teacher(logs: SequenceLogs, data: DomainData, fm: TeacherPredictions,
+                          gem: TeacherPredictions) -> TeacherChoice:
+    """GEM or the domain FM as the teacher of the domain's verticals, by AUC on the FM's held-out day (AUC: GEM's
+    and the FM's calibrations, each fitted on that day, leave it alone). The FM wins only by being ahead."""
+    day = logs.column("timestamp")[data.foundation] // windows.MS_PER_DAY
+    held_out = np.intersect1d(np.intersect1d(data.foundation[day == day.max()], fm.example_index), gem.example_index)
+    tasks = tuple(t for t in windows.labelled_tasks(logs, held_out) if t in fm.objectives and t in gem.objectives)
+    if not tasks:
+        return TeacherChoice("gem", float("nan"), float("nan"), int(held_out.size))
+    groups = [f"{data.domain}/{t}" for t in tasks]
+    fm_report, gem_report = predictions_quality(logs, fm, held_out, tasks), predictions_quality(logs, gem, held_out, tasks)
+    fm_auc = float(np.mean([fm_report[g]["auc"] for g in groups]))
+    gem_auc = float(np.mean([gem_report[g]["auc"] for g in groups]))
+    return TeacherChoice("domain_fm" if fm_auc > gem_auc else "gem", fm_auc, gem_auc, int(held_out.size))
 
 
 def train_vertical_model(logs: SequenceLogs, data: DomainData, task: str, base: ModelConfig, train_config: TrainConfig,
