@@ -251,6 +251,10 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
                                      "step_stalls", "top_kernels")
                   if k in report}}
+    if run_variant(variant)[0] == "fp8" and run["peak_source"] == "spec":  # beside the bf16-peak figure
+        from gem_ops.metrics.mfu import FP8_PEAK_OVER_BF16
+
+        run["mfu_vs_fp8_peak"] = run["mfu_window_mean"] / FP8_PEAK_OVER_BF16
     measures = report.get("step_measures") or {}
     if len(measures.get("compute_seconds", ())) >= 3:  # what each step's forward costs per token and per pair
         from gem_ops.data.step_cost import fit_step_cost
@@ -260,7 +264,8 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                                      measures["attention_cost"]).to_dict()
         except ValueError as error:
             run["forward_step_cost"] = f"not fitted: {error}"
-    print(f"{shape_name}/{variant}: MFU {100 * run['mfu_window_mean']:.1f}% over the window (median step "
+    fp8_peak = f", {100 * run['mfu_vs_fp8_peak']:.1f}% against the FP8 peak" if "mfu_vs_fp8_peak" in run else ""
+    print(f"{shape_name}/{variant}: MFU {100 * run['mfu_window_mean']:.1f}% over the window{fp8_peak} (median step "
           f"{100 * run['mfu_median_step']:.1f}%), {run['model_tflops']:.0f} model TFLOP/s, "
           f"{run['samples_per_second']:.0f} samples/s, mean step {run['step_seconds_mean'] * 1e3:.0f} ms "
           f"(median {run['step_seconds_median'] * 1e3:.0f} ms){_stalls(run.get('step_stalls') or {})}", flush=True)

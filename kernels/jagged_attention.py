@@ -146,20 +146,21 @@ def _check(q, k, v, q_offsets, kv_offsets, activation):
                              "or pass bf16 q, k, v to train")
 
 
+_triton_kernels = None  # the Triton module, once registered
+
+
 def tuning_runs() -> int:
     """How often a kernel has tuned its launch (compiling its candidates) in this process: 0 without Triton."""
-    try:
-        from kernels.triton import triton_jagged_attention as triton_kernels
-    except ImportError:
-        return 0
-    return triton_kernels.tuning_runs()
+    return _triton_kernels.tuning_runs() if _triton_kernels is not None else 0
 
 
 def _register_kernels() -> None:
+    global _triton_kernels
     try:
         from kernels.triton import triton_jagged_attention as triton_kernels
     except ImportError:  # no Triton on this machine: the reference serves alone
         return
+    _triton_kernels = triton_kernels
     register_backend("triton", triton_kernels.triton_jagged_attention, triton_kernels.supports)
     register_op_backend("triton", OpBackend(triton_kernels.op_forward, triton_kernels.op_backward,
                                             triton_kernels.op_stats_shape))

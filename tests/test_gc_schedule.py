@@ -109,3 +109,25 @@ def test_the_engine_trains_with_automatic_collection_off_and_restores_it(tmp_pat
     assert frozen == [True] * 4
     assert alive_made == [True, True, False, False]  # made in step 0, collected after step 1 (gc_every=2)
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_an_mfu_window_records_what_stalled_each_step():
+    import torch
+
+    from gem_ops.train.mfu_window import MFUWindow
+
+    window = MFUWindow(steps=3, warmup_steps=0, profile_steps=0)
+    with window.observe(torch.device("cpu"), profile=False) as observer:
+        observer(0, 0.0)
+        compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+        compiled(torch.ones(3))  # in step 1: one new graph
+        observer(1, 0.0)
+        garbage = [_Cycle() for _ in range(20_000)]
+        del garbage
+        gc.collect()  # in step 2: a collection
+        observer(2, 0.0)
+    stalls = observer.step_stalls(0, 3)
+    assert stalls["compiled_graphs"] == [0.0, 1.0, 0.0]
+    assert stalls["gc_seconds"][2] > 0
+    assert stalls["attention_tunings"] == [0.0, 0.0, 0.0]  # no attention kernel ran
+    assert observer.step_stalls(1, 3)["compiled_graphs"] == [1.0, 0.0]

@@ -36,6 +36,8 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("L4", 121e12),
     ("A10G", 70e12),
 )
+# Every device with FP8 tensor cores (Hopper, Ada, Blackwell) lists a dense FP8 peak of twice its bf16 one.
+FP8_PEAK_OVER_BF16 = 2.0
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":

@@ -81,7 +81,8 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.gc_every < 0:
-            raise ValueError(f"TrainConfig.gc_every must be >= 0 (0: Python's automatic collection), got {self.gc_every}")
+            raise ValueError(f"TrainConfig.gc_every must be >= 0 (0: Python's automatic collection), "
+                             f"got {self.gc_every}")
         if self.prefetch_batches < 0:
             raise ValueError(f"TrainConfig.prefetch_batches must be >= 0, got {self.prefetch_batches}")
         if self.early_stopping_min_steps < 0:

@@ -98,8 +98,7 @@ class MFUWindow:
             step_measures={m: list(v[first:last]) for m, v in result.balance.mean.items()},
             settings={"model": model_config.to_dict(), "train": train_config.to_dict(),
                       "window": dataclasses.asdict(self), "world_size": result.world_size})
-        report.step_stalls = {name: [b - a for a, b in zip(totals[first:last], totals[first + 1 : last + 1])]
-                              for name, totals in observer.stall_totals().items()}
+        report.step_stalls = observer.step_stalls(first, last)
         if observer.alloc_retries:
             report.settings["allocator_retries_in_window"] = observer.alloc_retries[last - 1] - (
                 observer.alloc_retries[first - 1] if first else 0)
@@ -132,11 +131,13 @@ class WindowObserver:
 
         return self.pauses.seconds, counters["stats"]["unique_graphs"], tuning_runs()
 
-    def stall_totals(self) -> dict[str, list[float]]:
-        """Running totals, before the first step and after each: seconds in garbage collection, graphs
-        compiled by torch.compile, attention-kernel tunings."""
+    def step_stalls(self, first: int, last: int) -> dict[str, list[float]]:
+        """Per step from `first` to `last` (excluded): seconds in garbage collection, graphs compiled by
+        torch.compile, attention-kernel tunings."""
         names = ("gc_seconds", "compiled_graphs", "attention_tunings")
-        return {name: [float(row[i]) for row in self.stalls] for i, name in enumerate(names)}
+        return {name: [float(after[i] - before[i]) for before, after in zip(self.stalls[first:last],
+                                                                           self.stalls[first + 1 : last + 1])]
+                for i, name in enumerate(names)}
 
     def __call__(self, step: int, loss: float) -> None:
         self.stalls.append(self._stall_counts())

@@ -15,13 +15,7 @@ from gem_ops.data.loader import SequenceLogs
 from gem_ops.metrics.quality import flat_metrics
 from gem_ops.tracking import RunTracker
 from gem_ops.transfer.config import StudentSettings
-from gem_ops.transfer.hierarchy import (
-    DomainData,
-    TeacherChoice,
-    as_teacher,
-    choose_domain_teacher,
-    train_domain_foundation_model,
-)
+from gem_ops.transfer.hierarchy import DomainData, as_teacher, choose_domain_teacher, train_domain_foundation_model
 from gem_ops.transfer.knowledge import write_predictions
 from gem_ops.transfer.registry import lineage_tags, model_identity, register_student
 from gem_ops.transfer.student import Teacher
@@ -46,7 +40,8 @@ class DomainModel:
     def summary(self) -> dict[str, Any]:
         return {"model": self.name, "version": self.version, "train_examples": self.train_examples,
                 **{g: round(self.report[g]["auc"], 4) for g in self.report if g.startswith("all/")},
-                **({"verticals_learn_from": self.teaches["teacher"], "held_out_day": self.teaches} if self.teaches else {})}
+                **({"verticals_learn_from": self.teaches["teacher"], "held_out_day": self.teaches}
+                   if self.teaches else {})}
 
 
 def domain_foundation_model(client: MlflowClient, tracker: RunTracker, logs: SequenceLogs, data: DomainData,
@@ -69,14 +64,17 @@ def domain_foundation_model(client: MlflowClient, tracker: RunTracker, logs: Seq
                     "representations": str(representations)}
         teacher = as_teacher(fm, data, identity)
         write_user_representations(teacher.representations, representations)
-        choice = (choose_domain_teacher(logs, data, teacher.predictions, gem.predictions) if settings.teacher_gate
-                  else TeacherChoice("domain_fm", math.nan, math.nan, 0))
-        write_predictions((teacher if choice.teacher == "domain_fm" else gem).predictions, predictions_path)
-        child.set_tags({"verticals_learn_from": choice.teacher})
-        child.log_metrics({f"held_out_day.{who}_auc": auc for who, auc in (("fm", choice.fm_auc), ("gem", choice.gem_auc))
-                           if math.isfinite(auc)})
+        choice = None
+        if settings.teacher_gate:
+            choice = choose_domain_teacher(logs, data, teacher.predictions, gem.predictions)
+        keeps_gem = choice is not None and choice.teacher == "gem"
+        write_predictions((gem if keeps_gem else teacher).predictions, predictions_path)
+        child.set_tags({"verticals_learn_from": "gem" if keeps_gem else "domain_fm"})
+        if choice is not None:
+            aucs = {"held_out_day.fm_auc": choice.fm_auc, "held_out_day.gem_auc": choice.gem_auc}
+            child.log_metrics({k: v for k, v in aucs.items() if math.isfinite(v)})
         if fm.adapter_report:
             child.log_metrics(flat_metrics(fm.adapter_report["teacher"], "adapter.before")
                               | flat_metrics(fm.adapter_report["adapted"], "adapter.after"))
     return DomainModel(name, version, int(data.foundation.size), fm.result.final_report,
-                       choice.to_dict() if settings.teacher_gate else {})
+                       choice.to_dict() if choice is not None else {})

@@ -112,9 +112,8 @@ def choose_domain_teacher(logs: SequenceLogs, data: DomainData, fm: TeacherPredi
     if not tasks:
         return TeacherChoice("gem", float("nan"), float("nan"), int(held_out.size))
     groups = [f"{data.domain}/{t}" for t in tasks]
-    fm_report, gem_report = predictions_quality(logs, fm, held_out, tasks), predictions_quality(logs, gem, held_out, tasks)
-    fm_auc = float(np.mean([fm_report[g]["auc"] for g in groups]))
-    gem_auc = float(np.mean([gem_report[g]["auc"] for g in groups]))
+    fm_auc, gem_auc = (float(np.mean([report[g]["auc"] for g in groups]))
+                       for report in (predictions_quality(logs, p, held_out, tasks) for p in (fm, gem)))
     return TeacherChoice("domain_fm" if fm_auc > gem_auc else "gem", fm_auc, gem_auc, int(held_out.size))
 
 
