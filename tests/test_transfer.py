@@ -3,6 +3,7 @@ the Student Adapter recalibrating a stale teacher, distillation and representati
 student, parameter sharing, and registry promotion with lineage on a real MLflow SQLite store."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -506,6 +507,54 @@ def test_auto_shared_tables_train_both_students_and_keep_the_lower_validation_ne
     recorded = client.get_run(parent).data
     assert recorded.params["shared_tables"] == kept
     assert recorded.metrics["shared_tables.validation_ne.trained"] == pytest.approx(scores[1])
+
+
+def test_a_student_killed_in_its_second_candidate_does_not_train_the_first_again(logs, stale_teacher, tmp_path,
+                                                                                  monkeypatch):
+    """freeze_shared="auto" trains two candidates in turn: a job killed while the second trains resumes it from
+    its checkpoint with the first candidate's finished record, keeps what an unbroken run keeps, and leaves no
+    checkpoints once the student is whole."""
+    import gem_ops.transfer.student as student
+
+    fresh, held_out = windows.student_examples(logs, WINDOWS, "feed"), windows.eval_examples(logs, "feed")
+    config = replace(QUICK, max_steps=8, validation_days=1, checkpoint_every=3)
+
+    def run(folder):
+        return train_student(logs, fresh, held_out, SMALL, ("click",), config, folder, TransferConfig(),
+                             stale_teacher, SHUFFLING)
+
+    unbroken = run(tmp_path / "unbroken")
+    real_train, trained = student.train, []
+
+    def second_killed_at_step_5(*args, **kwargs):
+        trained.append(Path(kwargs["checkpoint_dir"]).parent.name)
+        if len(trained) == 1:
+            return real_train(*args, **kwargs)
+
+        def on_step(step, loss):
+            if step == 5:
+                raise KeyboardInterrupt("killed")
+        return real_train(*args, step_hooks=[on_step], **kwargs)
+
+    monkeypatch.setattr(student, "train", second_killed_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "killed")
+    assert trained == ["fixed_tables", "trained_tables"]
+    assert (tmp_path / "killed" / "fixed_tables" / "checkpoints" / student.FINISHED_RESULT).exists()
+
+    trained.clear()
+    monkeypatch.setattr(student, "train", lambda *args, **kwargs: trained.append(
+        Path(kwargs["checkpoint_dir"]).parent.name) or real_train(*args, **kwargs))
+    resumed = run(tmp_path / "killed")
+    assert trained == ["trained_tables"], "the finished first candidate was trained again"
+    assert resumed.result.steps == 8
+    assert resumed.shared_tables["kept"] == unbroken.shared_tables["kept"]
+    assert resumed.shared_tables["validation_ne"]["fixed"] == unbroken.shared_tables["validation_ne"]["fixed"]
+    assert resumed.shared_tables["validation_ne"]["trained"] == pytest.approx(
+        unbroken.shared_tables["validation_ne"]["trained"], rel=1e-3)
+    for name, weights in resumed.model.state_dict().items():
+        torch.testing.assert_close(weights, unbroken.model.state_dict()[name], rtol=1e-3, atol=1e-4, msg=name)
+    assert not list((tmp_path / "killed").rglob("checkpoints"))
 
 
 def test_auto_shared_tables_without_validation_days_keep_the_teachers_tables():

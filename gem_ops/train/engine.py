@@ -117,6 +117,17 @@ class TrainResult:
     def samples_per_second(self) -> float:
         return self.samples / self.seconds if self.seconds else math.nan
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain data (JSON), for the record of a finished run."""
+        return {**asdict(self), "balance": self.balance.to_dict(),
+                "checkpoint": None if self.checkpoint is None else str(self.checkpoint),
+                "model_state_path": None if self.model_state_path is None else str(self.model_state_path)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainResult:
+        paths = {k: None if data[k] is None else Path(data[k]) for k in ("checkpoint", "model_state_path")}
+        return cls(**{**data, **paths, "balance": BalanceLog.from_dict(data["balance"])})
+
     def metadata(self) -> dict[str, Any]:
         """Final figures for run metadata (Dagster, logs)."""
         return {

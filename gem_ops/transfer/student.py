@@ -22,7 +22,8 @@ from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import RunTracker
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.engine import TrainResult, train, validation_ne
-from gem_ops.train.model_state import seeded_model
+from gem_ops.train.model_state import (load_model_state, model_from_state, model_state, save_model_state,
+                                      seeded_model)
 from gem_ops.transfer.adapter import adapt, fit_adapter
 from gem_ops.transfer.config import TransferConfig
 from gem_ops.transfer.knowledge import TeacherJoinedLogs, TeacherPredictions, predictions_quality
@@ -111,11 +112,8 @@ def train_student(
         data = TeacherJoinedLogs(logs, predictions, teacher.representations)
     choices = shared_table_choices(transfer, teacher is not None, train_config.validation_days > 0)
     tracker = tracker or RunTracker.disabled()
-    runs = []
-    for fixed in choices:
-        model = seeded_model(FeatureSpec.from_logs(logs), config, "cpu", train_config.seed)
-        if fixed is not None:
-            share_tables(model, teacher.model, transfer.shared_tables, fixed)
+    runs, folders = [], []
+    for i, fixed in enumerate(choices):
         training = {"model": config.to_dict(), "train": train_config.to_dict(),
                     "transfer": {**asdict(transfer), "freeze_shared": fixed}, "shuffling": asdict(shuffling),
                     "teacher": teacher.identity if teacher else None,
@@ -123,12 +121,23 @@ def train_student(
         label = "fixed" if fixed else "trained"
         folder = Path(work_dir) / f"{label}_tables" if len(choices) > 1 else work_dir
         checkpoints = resumable_checkpoints(folder, training)
-        # With two candidates each trains in a run of its own under the student's.
-        with (tracker.child(f"{label} shared tables") if len(choices) > 1 else contextlib.nullcontext(tracker)) as run:
-            model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices,
-                                  tracker=run, checkpoint_dir=checkpoints, device=device)  # one process: whole model
-        shutil.rmtree(checkpoints, ignore_errors=True)  # only a killed run resumes: a finished one is registered
+        folders.append(checkpoints)
+        finished = finished_candidate(checkpoints, device)  # a job killed during a later candidate keeps this one
+        if finished is not None:
+            model, result = finished
+        else:
+            model = seeded_model(FeatureSpec.from_logs(logs), config, "cpu", train_config.seed)
+            if fixed is not None:
+                share_tables(model, teacher.model, transfer.shared_tables, fixed)
+            # With two candidates each trains in a run of its own under the student's.
+            with (tracker.child(f"{label} shared tables") if len(choices) > 1 else contextlib.nullcontext(tracker)) as run:
+                model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices,
+                                      tracker=run, checkpoint_dir=checkpoints, device=device)  # one process: whole model
+            if i + 1 < len(choices):
+                record_finished_candidate(checkpoints, model, result)
         runs.append((kept_validation_ne(result, model.objectives), label, model, result))
+    for checkpoints in folders:  # only a killed job resumes: a finished student is registered
+        shutil.rmtree(checkpoints, ignore_errors=True)
     _, label, model, result = min(runs, key=lambda run: run[0])  # a tie keeps the first: fixed tables
     shared = {}
     if choices != (None,):
@@ -166,6 +175,25 @@ def resumable_checkpoints(work_dir: str | os.PathLike, training: dict[str, Any])
         with atomic_path(stamp) as tmp:
             tmp.write_text(text)
     return folder
+
+
+FINISHED_MODEL, FINISHED_RESULT = "finished_model.pt", "finished_result.json"
+
+
+def record_finished_candidate(checkpoints: Path, model: GEMModel, result: TrainResult) -> None:
+    """A trained candidate's weights and result beside its checkpoints (the result last: it marks the record whole)."""
+    save_model_state(model_state(model), checkpoints / FINISHED_MODEL)
+    with atomic_path(checkpoints / FINISHED_RESULT) as tmp:
+        tmp.write_text(json.dumps(result.to_dict()))
+
+
+def finished_candidate(checkpoints: Path, device: str) -> tuple[GEMModel, TrainResult] | None:
+    """The candidate a killed job had finished in this folder (resumable_checkpoints cleared any other
+    training's), else None."""
+    if not (checkpoints / FINISHED_RESULT).exists():
+        return None
+    result = TrainResult.from_dict(json.loads((checkpoints / FINISHED_RESULT).read_text()))
+    return model_from_state(load_model_state(checkpoints / FINISHED_MODEL), device), result
 
 
 def prediction_report(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray,
