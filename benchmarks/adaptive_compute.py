@@ -54,6 +54,11 @@ def main() -> None:
     parser.add_argument("--log", choices=("strong", "recurring"), default="strong",
                         help="the synthetic log: STRONG_SIGNAL, or RECURRING_SIGNAL (retargeting every other day, "
                              "each early item once: far history that only power users need)")
+    parser.add_argument("--retrieved-events", type=int, default=0,
+                        help="also train each seed's model with up to this many older events of the candidate's item "
+                             "before its recent ones (TrainConfig.retrieved_events) and score the retrieval policy: "
+                             "each fixed cap's recent events plus those, against the fixed cap of equal cost on both "
+                             "models (the other policies are left out of such a run)")
     parser.add_argument("--output-name", default="adaptive_compute", help="results/<name>.json")
     args = parser.parse_args()
 
@@ -102,20 +107,44 @@ def main() -> None:
             policies[f"adaptive_at_{c}"] = {**policy.to_dict(), "mean_budget_flops": float(budget)}
             caps[f"adaptive_at_{c}"] = policy.caps(eval_lengths)
         cost = {name: float(request_costs(costs, eval_lengths, c).mean()) for name, c in caps.items()}
-        for seed in args.seeds:
+
+        def trained(seed: int, retrieved_events: int = 0):
             train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
                                        eval_max_examples=1000, validation_days=1, seed=seed,
-                                       history_cut_share=args.history_cut_share)
-            cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_cut{args.history_cut_share:g}_v1.pt" \
+                                       history_cut_share=args.history_cut_share, retrieved_events=retrieved_events)
+            found = f"_found{retrieved_events}" if retrieved_events else ""
+            cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_cut{args.history_cut_share:g}{found}_v1.pt" \
                 if args.models_dir else None
             if cached is not None and cached.exists():
-                model, seconds = model_from_state(load_model_state(cached)), None
-            else:
-                torch.manual_seed(seed)
-                model, result = train(logs, data.plans[1], config, train_config)
-                seconds = round(result.seconds, 1)
-                if cached is not None:
-                    save_model_state(model_state(model), cached)
+                return model_from_state(load_model_state(cached)), None
+            torch.manual_seed(seed)
+            model, result = train(logs, data.plans[1], config, train_config)
+            if cached is not None:
+                save_model_state(model_state(model), cached)
+            return model, round(result.seconds, 1)
+
+        if args.retrieved_events:  # the fixed caps, the retrieval policy and the fixed caps of its costs only
+            for name in [n for n in caps if not n.startswith("fixed_")]:
+                del caps[name], cost[name], policies[name]
+            for c in FIXED_CAPS[:-1]:
+                found = np.array([m.size for m in logs.retrieve_matches(eval_indices, np.minimum(eval_lengths, c),
+                                                                        args.retrieved_events)])
+                cost[f"retrieved_at_{c}"] = float(costs[np.minimum(np.minimum(eval_lengths, c) + found, long_cap)].mean())
+                # The fixed cap of equal cost: the shortest whose mean cost is at least the policy's.
+                equal = int(np.argmax([request_costs(costs, eval_lengths, k).mean() >= cost[f"retrieved_at_{c}"]
+                                       for k in range(long_cap + 1)]))
+                policies[f"retrieved_at_{c}"] = {"cap": c, "retrieved_events": args.retrieved_events,
+                                                 "share_with_retrieved": float((found > 0).mean()),
+                                                 "fixed_cap_of_equal_cost": equal}
+                caps[f"fixed_{equal}"] = np.full(eval_lengths.shape, equal)
+                cost[f"fixed_{equal}"] = float(request_costs(costs, eval_lengths, equal).mean())
+        for seed in args.seeds:
+            if args.retrieved_events:
+                runs[seed] = _retrieval_run(trained, seed, args.retrieved_events, logs, eval_indices, caps, far)
+                print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()
+                                                    if isinstance(q, dict) and "all/click" in q), flush=True)
+                continue
+            model, seconds = trained(seed)
             held_losses = {cap: _request_losses(model, logs, held, cap) for cap in MENU_CAPS}
             seed_caps = dict(caps)
             for c in FIXED_CAPS[1:-1]:
@@ -136,10 +165,13 @@ def main() -> None:
             runs[seed]["train_seconds"] = seconds
             print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()
                                                 if n in seed_caps), flush=True)
-    for c in FIXED_CAPS[1:-1]:  # each seed fits its own bucketed and match-reach caps: their mean cost over the seeds
-        for kind in ("bucketed", "matched"):
+    for c in FIXED_CAPS[1:-1] if not args.retrieved_events else ():  # each seed fits its own bucketed and match-reach
+        for kind in ("bucketed", "matched"):  # caps: their mean cost over the seeds
             cost[f"{kind}_at_{c}"] = float(np.mean([p["mean_cost_flops"] for p in policies[f"{kind}_at_{c}"].values()]))
-    summary = _summary(runs, cost, args.seeds)
+    if args.retrieved_events:  # the same caps scored by the model that never retrieved
+        cost.update({f"plain_{name}": value for name, value in list(cost.items()) if name.startswith("fixed_")})
+    summary = _summary(runs, cost, args.seeds, {p: v["fixed_cap_of_equal_cost"] for p, v in policies.items()
+                                                 if p.startswith("retrieved_at_")})
     slice_runs = {s: runs[s]["far_match_slice"] for s in args.seeds}
     summary["far_match_slice"] = {name: {g: {m: {"mean": float(np.mean([slice_runs[s][name][g][m] for s in args.seeds])),
                                                  "std": float(np.std([slice_runs[s][name][g][m] for s in args.seeds], ddof=1))
@@ -154,6 +186,24 @@ def main() -> None:
                 "eval_candidate_met_before": float((eval_depths > 0).mean()),
                 "eval_candidate_met_only_beyond_64": float(far.mean()), "far_match_slice_examples": int(far.sum())}
     save(args.output_name, settings, {"policies": policies, "mean_cost_flops": cost, "runs": runs, **summary})
+
+
+def _retrieval_run(trained, seed: int, retrieved_events: int, logs, eval_indices, caps: dict, far) -> dict:
+    """One seed of a retrieval run: the model trained with retrieved events scores each fixed cap with them
+    (retrieved_at_<cap>) and without (fixed_<cap>); the model trained without scores the fixed caps (plain_fixed_<cap>)."""
+    model, seconds = trained(seed, retrieved_events)
+    plain, plain_seconds = trained(seed)
+    run = {name: _quality(model, logs, eval_indices, c) for name, c in caps.items()}
+    run |= {f"plain_{name}": _quality(plain, logs, eval_indices, c) for name, c in caps.items()}
+    for name in [n for n in caps if n.startswith("fixed_")]:
+        if int(name.split("_")[1]) in FIXED_CAPS[:-1]:
+            run[f"retrieved_at_{name.split('_')[1]}"] = _quality(model, logs, eval_indices, caps[name], retrieved_events)
+    run["far_match_slice"] = {**{f"fixed_{c}": _quality(plain, logs, eval_indices[far], np.full(far.sum(), c))
+                                 for c in FIXED_CAPS},
+                              "retrieved_at_64": _quality(model, logs, eval_indices[far], np.full(far.sum(), 64),
+                                                          retrieved_events)}
+    run["train_seconds"] = {"retrieval": seconds, "plain": plain_seconds}
+    return run
 
 
 def _request_losses(model, logs, indices, cap: int) -> np.ndarray:
@@ -173,8 +223,9 @@ def _request_losses(model, logs, indices, cap: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def _quality(model, logs, indices, caps) -> dict:
-    """AUC / NE per objective with each example's history cut to its cap (the same examples for every policy)."""
+def _quality(model, logs, indices, caps, retrieved_events: int = 0) -> dict:
+    """AUC / NE per objective with each example's history cut to its cap (the same examples for every policy),
+    and with up to `retrieved_events` older events of the candidate's item before them."""
     import torch
 
     from gem_ops.metrics.quality import quality_report
@@ -186,7 +237,7 @@ def _quality(model, logs, indices, caps) -> dict:
         for cap in np.unique(caps):
             chosen = indices[caps == cap]
             for start in range(0, chosen.size, 512):
-                batch = logs.batch(chosen[start : start + 512], int(cap))
+                batch = logs.batch(chosen[start : start + 512], int(cap), retrieved_events=retrieved_events)
                 x = model_input(batch, model.spec, model.config)
                 parts["logits"].append(model(x).float())
                 parts["labels"].append(x.labels)
@@ -197,7 +248,7 @@ def _quality(model, logs, indices, caps) -> dict:
     return {g: {m: float(v[m]) for m in METRICS} for g, v in report.items() if g.startswith("all/")}
 
 
-def _summary(runs: dict, cost: dict, seeds: list[int]) -> dict:
+def _summary(runs: dict, cost: dict, seeds: list[int], equal_caps: dict[str, int] | None = None) -> dict:
     """Mean ± standard deviation over seeds per policy, and each adaptive or bucketed policy minus the fixed cap of
     equal cost, paired by seed: it beats the fixed cap when the mean difference exceeds both policies' seed spreads."""
     policies = [name for name in cost]
@@ -209,16 +260,21 @@ def _summary(runs: dict, cost: dict, seeds: list[int]) -> dict:
     for p in policies:
         table.append(f"{p:<18} {cost[p] / 1e9:>10.4f} " + " ".join(
             f"{stats[p][g][m]['mean']:>13.4f} ± {stats[p][g][m]['std']:.4f}" for g in groups for m in METRICS))
-    for p in (p for p in policies if p.startswith(("adaptive_at_", "bucketed_at_", "matched_at_"))):
-        fixed = "fixed_" + p.split("_at_")[1]
-        versus[p] = {}
+    # Each policy against the fixed cap of its cost; a retrieval policy against that cap on both models too.
+    pairs = [(p, "fixed_" + p.split("_at_")[1]) for p in policies
+             if p.startswith(("adaptive_at_", "bucketed_at_", "matched_at_"))]
+    for p, cap in (equal_caps or {}).items():
+        pairs += [(p, f"fixed_{cap}"), (p, f"plain_fixed_{cap}")]
+    for p, fixed in pairs:
+        versus.setdefault(p, {})
         for g in groups:
             for m in METRICS:
                 diffs = [runs[s][p][g][m] - runs[s][fixed][g][m] for s in seeds]
                 better = np.mean(diffs) if m == "auc" else -np.mean(diffs)  # NE: lower is better
                 spread = max(stats[p][g][m]["std"], stats[fixed][g][m]["std"])
-                versus[p][f"{g}.{m}"] = {"mean_difference": float(np.mean(diffs)), "per_seed": diffs,
-                                         "seed_spread": spread, "beats_by_more_than_spread": bool(better > spread)}
+                key = f"{g}.{m}" if not equal_caps or p not in equal_caps else f"{g}.{m} vs {fixed}"
+                versus[p][key] = {"mean_difference": float(np.mean(diffs)), "per_seed": diffs,
+                                  "seed_spread": spread, "beats_by_more_than_spread": bool(better > spread)}
     return {"stats": stats, "adaptive_minus_fixed": versus, "table": table}
 
 

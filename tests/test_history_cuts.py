@@ -49,3 +49,24 @@ def test_training_reads_the_cut_histories(data):  # noqa: F811
     _, again = train(logs, plan, TINY, dataclasses.replace(CONFIG, max_steps=3, history_cut_share=1.0))
     assert sum(cut.step_flops) < sum(whole.step_flops)  # fewer history tokens in every step
     assert cut.losses == pytest.approx(again.losses, rel=1e-5) and cut.losses != pytest.approx(whole.losses, rel=1e-5)
+
+
+def test_training_and_its_evaluation_read_the_retrieved_events(data, monkeypatch):  # noqa: F811
+    """With retrieved_events the engine's steps and its evaluation ask the loader for the candidate's older
+    events beyond the cut histories: more history tokens in the steps than the cuts alone leave."""
+    from gem_ops.data.loader import SequenceLogs
+    from gem_ops.train.engine import train
+
+    logs, plan = data.open(), data.plans[1]
+    asked, real_batch = [], SequenceLogs.batch
+    monkeypatch.setattr(SequenceLogs, "batch", lambda self, *args, retrieved_events=0, **kwargs: asked.append(
+        retrieved_events) or real_batch(self, *args, retrieved_events=retrieved_events, **kwargs))
+    _, cut = train(logs, plan, TINY, dataclasses.replace(CONFIG, max_steps=3, history_cut_share=1.0))
+    assert set(asked) == {0}
+    asked.clear()  # (the label-rate and warm-up batches read no retrieval: no history, or shapes only)
+    _, found = train(logs, plan, TINY, dataclasses.replace(CONFIG, max_steps=3, history_cut_share=1.0,
+                                                           retrieved_events=4))
+    assert asked.count(4) >= 3 + 1  # the 3 steps and the evaluation's batches
+    assert sum(found.step_flops) > sum(cut.step_flops)
+    with pytest.raises(ValueError, match="retrieved_events"):
+        dataclasses.replace(CONFIG, retrieved_events=-1)

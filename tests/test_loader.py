@@ -102,3 +102,30 @@ def test_candidate_depth_is_how_far_back_the_user_last_met_the_item_beyond_any_c
     # Item 1 last seen 4 events before its ad (beyond the 2 kept); 8 never; 6 two events back (the ads between).
     assert logs.candidate_depths(rows).tolist() == [4, 0, 3]
     assert logs.batch(rows[:1]).history_item_id.tolist() == [5, 6]  # the cap does not bound the lookup
+
+
+def test_retrieved_events_put_the_candidate_s_older_matches_before_the_recent_ones(tmp_path):
+    # Item 1 viewed at positions 0 and 3, item 6 at 6; ads of 1, 8 and 6 follow the seven views.
+    views = [(9, 0, 10 * i, item, "feed", "organic_view", None, None) for i, item in enumerate([1, 2, 3, 1, 4, 5, 6])]
+    ads = [(9, 1, 0, 1, "feed", "ad_impression", 1, 0), (9, 1, 10, 8, "feed", "ad_impression", 0, 0),
+           (9, 1, 20, 6, "feed", "ad_impression", 0, 0)]
+    logs = build(hand_events(views + ads), tmp_path / "seq", max_history_len=4)[1]
+    rows = np.array([example_by_item(logs, item) for item in (1, 8, 6)])
+    plain = logs.batch(rows, history_caps=np.array([2, 2, 2]))
+    found = logs.batch(rows, history_caps=np.array([2, 2, 2]), retrieved_events=1)
+    # Item 1's latest view beyond its 2 recent events comes first; 8 has none; 6's view lies beyond its 2 (1, 8).
+    assert per_example(found) == [[1, 5, 6], [6, 1], [6, 1, 8]]
+    assert per_example(plain) == [[5, 6], [6, 1], [1, 8]]
+    both = logs.batch(rows[:1], history_caps=np.array([2]), retrieved_events=5)
+    assert per_example(both) == [[1, 1, 5, 6]]  # oldest first, as a history runs
+    ages = both.history_age_seconds.tolist()
+    assert ages == sorted(ages, reverse=True)
+    # The model's longest history bounds the whole: a retrieved event takes the oldest recent one's place.
+    assert per_example(logs.batch(rows[:1], retrieved_events=5)) == [[1, 4, 5, 6]]
+    with pytest.raises(ValueError, match="retrieved_events"):
+        logs.retrieve_matches(rows, np.array([2, 2, 2]), -1)
+
+
+def per_example(batch) -> list[list[int]]:
+    offsets = batch.history_offsets.tolist()
+    return [batch.history_item_id[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]

@@ -119,18 +119,25 @@ class SequenceLogs:
         return np.minimum(self._examples["history_end"], limit)
 
     def batch(self, indices: np.ndarray | list[int], max_history_len: int | None = None,
-              history_caps: np.ndarray | None = None) -> SequenceBatch:
+              history_caps: np.ndarray | None = None, retrieved_events: int = 0) -> SequenceBatch:
         """Gathers the examples at `indices`; histories keep their most recent `max_history_len` events, and with
-        `history_caps` (one per index) at most that many each."""
+        `history_caps` (one per index) at most that many each. With `retrieved_events`, up to that many older
+        events of the candidate's item, from beyond those recent ones, come before them (retrieve_matches)."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.n_examples):
             raise IndexError(f"example index out of range [0, {self.n_examples}) in {self.path}")
         ex = self._examples
+        limit = self.max_history_len if max_history_len is None else min(max_history_len, self.max_history_len)
         lengths = self.history_lengths(max_history_len)[idx].astype(np.int64)
         if history_caps is not None:
             if np.shape(history_caps) != idx.shape:
                 raise ValueError(f"history_caps must hold one cap per index ({idx.size}), got shape {np.shape(history_caps)}")
             lengths = np.minimum(lengths, np.maximum(np.asarray(history_caps, dtype=np.int64), 0))
+        retrieved = None
+        if retrieved_events:
+            retrieved = self.retrieve_matches(idx, lengths, retrieved_events)
+            # Within the model's longest history: a retrieved event takes the place of the oldest recent one.
+            lengths = np.minimum(lengths, limit - np.array([r.size for r in retrieved], dtype=np.int64))
         return SequenceBatch(
             example_index=torch.from_numpy(idx),
             timestamp=torch.from_numpy(ex["timestamp"][idx]),
@@ -145,8 +152,23 @@ class SequenceLogs:
             ),
             labels=torch.from_numpy(self._label_values[idx]),
             label_mask=torch.from_numpy(self._label_mask[idx]),
-            **self._histories(ex["user_row"][idx], lengths, ex["history_end"][idx], ex["timestamp"][idx]),
+            **self._histories(ex["user_row"][idx], lengths, ex["history_end"][idx], ex["timestamp"][idx], retrieved),
         )
+
+    def retrieve_matches(self, indices: np.ndarray, recent: np.ndarray, most: int) -> list[np.ndarray]:
+        """Per example: the timeline positions of the (up to `most`) latest events of its candidate's item older
+        than its `recent` most recent events, oldest first: the hard search of retrieval-based long-history
+        models, a per-user index lookup on a server, which puts far history in front of the model at the cost
+        of a few events instead of all between."""
+        if most < 0:
+            raise ValueError(f"retrieved_events must be >= 0, got {most}")
+        rows, ends, items = (self._examples[c][indices] for c in ("user_row", "history_end", "item_id"))
+        starts, timeline_items = self.timeline_offsets[rows], self._timeline["item_id"]
+        found = []
+        for start, end, keep, item in zip(starts, ends, recent, items):
+            older = start + np.flatnonzero(timeline_items[start : start + end - keep] == item)
+            found.append(older[-most:] if most else older[:0])
+        return found
 
     def candidate_depths(self, indices: np.ndarray | list[int]) -> np.ndarray:
         """For each example, how many events back its candidate item last appears in the user's whole history
@@ -188,14 +210,21 @@ class SequenceLogs:
             **self._histories(user_rows, np.minimum(ends, limit), ends, request_ms),
         )
 
-    def _histories(self, user_rows: np.ndarray, lengths: np.ndarray, ends: np.ndarray,
-                   request_ms: np.ndarray) -> dict[str, torch.Tensor]:
-        """The jagged history fields of requests: each one's `lengths` timeline events before its `ends`."""
+    def _histories(self, user_rows: np.ndarray, lengths: np.ndarray, ends: np.ndarray, request_ms: np.ndarray,
+                   retrieved: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+        """The jagged history fields of requests: each one's `lengths` timeline events before its `ends`, after
+        its `retrieved` timeline positions when given."""
         end = self.timeline_offsets[user_rows] + ends
         offsets = np.zeros(lengths.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         # Flat positions of every history event: each request's run [end - length, end).
         positions = np.repeat(end - lengths - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+        if retrieved is not None:
+            runs = np.split(positions, offsets[1:-1])
+            positions = np.concatenate([np.concatenate([r, run]) for r, run in zip(retrieved, runs)] or [positions])
+            lengths = lengths + np.array([r.size for r in retrieved], dtype=np.int64)
+            offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
         request_ts = np.repeat(request_ms, lengths)
         t = self._timeline
         return {
