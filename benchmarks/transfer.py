@@ -275,8 +275,11 @@ def with_validated_pair(row: dict, pair: tuple[str, str] | None) -> dict:
     student whose validation NE is lower, as freeze_shared="auto" keeps it (the same two trainings)."""
     if not pair or not all(v in row for v in pair):
         return row
+    from gem_ops.transfer.student import kept_tables
+
     fixed, trained = (row[v] for v in pair)
-    kept = fixed if fixed["validation_ne"] <= trained["validation_ne"] else trained
+    kept = fixed if kept_tables({"fixed": fixed["validation_ne"], "trained": trained["validation_ne"]}) == "fixed" \
+        else trained
     return {**row, "validated_tables": {**kept, "kept_fixed_tables": float(kept is fixed)}}
 
 

@@ -583,3 +583,17 @@ def test_kept_validation_ne_is_the_best_evaluations_pooled_ne():
     assert kept_validation_ne(result, ("click", "conversion")) == pytest.approx(0.85)
     assert kept_validation_ne(result, ("click",)) == pytest.approx(0.8)
     assert kept_validation_ne(TrainResult(steps=0, samples=0, seconds=0.0, losses=[]), ("click",)) == float("inf")
+
+
+def test_the_student_and_the_benchmark_keep_the_same_shared_tables_candidate():
+    """The lower validation NE is kept, a tie keeps the teacher's tables fixed: in the student and in the transfer
+    benchmark's summary of a fixed/trained pair of variants alike."""
+    from benchmarks.transfer import with_validated_pair
+    from gem_ops.transfer.student import kept_tables
+
+    for fixed, trained, kept in ((0.9, 0.8, "trained"), (0.8, 0.9, "fixed"), (0.8, 0.8, "fixed")):
+        assert kept_tables({"trained": trained, "fixed": fixed}) == kept
+        row = {"a": {"validation_ne": fixed, "auc": 1.0}, "b": {"validation_ne": trained, "auc": 2.0}}
+        validated = with_validated_pair(row, ("a", "b"))["validated_tables"]
+        assert validated["kept_fixed_tables"] == float(kept == "fixed")
+        assert validated["auc"] == (1.0 if kept == "fixed" else 2.0)

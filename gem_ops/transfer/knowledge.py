@@ -160,8 +160,9 @@ class TeacherJoinedLogs:
     def __len__(self) -> int:
         return len(self.logs)
 
-    def batch(self, indices, max_history_len: int | None = None, history_caps: np.ndarray | None = None) -> SequenceBatch:
-        batch = self.logs.batch(indices, max_history_len, history_caps)
+    def batch(self, indices, max_history_len: int | None = None, history_caps: np.ndarray | None = None,
+              retrieved_events: int = 0) -> SequenceBatch:
+        batch = self.logs.batch(indices, max_history_len, history_caps, retrieved_events)
         rows = self._row[np.asarray(indices, dtype=np.int64)]
         if (rows < 0).any():
             missing = np.asarray(indices)[rows < 0][:5].tolist()

@@ -138,10 +138,11 @@ def train_student(
         runs.append((kept_validation_ne(result, model.objectives), label, model, result))
     for checkpoints in folders:  # only a killed job resumes: a finished student is registered
         shutil.rmtree(checkpoints, ignore_errors=True)
-    _, label, model, result = min(runs, key=lambda run: run[0])  # a tie keeps the first: fixed tables
+    scores = {who: score for score, who, _, _ in runs}
+    _, label, model, result = next(run for run in runs if run[1] == kept_tables(scores))
     shared = {}
     if choices != (None,):
-        shared = {"kept": label, "validation_ne": {who: score for score, who, _, _ in runs}}
+        shared = {"kept": label, "validation_ne": scores}
         tracker.log_params({"shared_tables": label})
     if len(runs) > 1:
         tracker.log_metrics({f"shared_tables.validation_ne.{who}": score for who, score in shared["validation_ne"].items()}
@@ -157,6 +158,12 @@ def shared_table_choices(transfer: TransferConfig, has_teacher: bool, validated:
     if transfer.freeze_shared == "auto":
         return (True, False) if validated else (True,)
     return (transfer.freeze_shared,)
+
+
+def kept_tables(validation_ne: dict[str, float]) -> str:
+    """Which shared-tables candidate a student keeps ("fixed" or "trained"): the lower validation NE, a tie
+    keeping the teacher's tables fixed."""
+    return min(validation_ne, key=lambda who: (validation_ne[who], who != "fixed"))
 
 
 def kept_validation_ne(result: TrainResult, objectives) -> float:
