@@ -16,6 +16,11 @@ candidate the user met only beyond 64 events are also scored alone at every fixe
 AUC / NE per objective, mean ± standard deviation over seeds, the paired adaptive-minus-fixed differences,
 and the mean cost of each, to benchmarks/results/adaptive_compute.json.
 
+With --retrieved-events K the run is of another kind: each seed trains one model whose histories also carry up
+to K older events of the candidate's item from beyond their recent ones (TrainConfig.retrieved_events) and one
+plain model, and the retrieval policy (each fixed cap's recent events plus the retrieved ones, whose number, and
+cost, varies by request) is scored against the fixed cap of equal mean cost on both models.
+
     python benchmarks/adaptive_compute.py [--seeds 0 1 2] [--epochs 1] [--max-steps N] [--models-dir DIR]
 
 --models-dir keeps each seed's trained model there and reuses it when run again (same settings).

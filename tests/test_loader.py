@@ -122,6 +122,7 @@ def test_retrieved_events_put_the_candidate_s_older_matches_before_the_recent_on
     assert ages == sorted(ages, reverse=True)
     # The model's longest history bounds the whole: a retrieved event takes the oldest recent one's place.
     assert per_example(logs.batch(rows[:1], retrieved_events=5)) == [[1, 4, 5, 6]]
+    assert per_example(logs.batch(rows[:1], max_history_len=1, retrieved_events=5)) == [[1]]
     with pytest.raises(ValueError, match="retrieved_events"):
         logs.retrieve_matches(rows, np.array([2, 2, 2]), -1)
 

@@ -135,7 +135,7 @@ class SequenceLogs:
             lengths = np.minimum(lengths, np.maximum(np.asarray(history_caps, dtype=np.int64), 0))
         retrieved = None
         if retrieved_events:
-            retrieved = self.retrieve_matches(idx, lengths, retrieved_events)
+            retrieved = self.retrieve_matches(idx, lengths, min(retrieved_events, limit))
             # Within the model's longest history: a retrieved event takes the place of the oldest recent one.
             lengths = np.minimum(lengths, limit - np.array([r.size for r in retrieved], dtype=np.int64))
         return SequenceBatch(
