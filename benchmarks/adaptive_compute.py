@@ -77,7 +77,8 @@ def main() -> None:
     from gem_ops.data.sequence_logs import SequenceLogsConfig
     from gem_ops.data.synthetic import RECURRING_SIGNAL, STRONG_SIGNAL
     from gem_ops.model.config import FeatureSpec, model_config
-    from gem_ops.serving.adaptive import fit_bucketed_policy, fit_match_policy, fit_policy, history_costs, request_costs
+    from gem_ops.serving.adaptive import (fit_bucketed_policy, fit_match_policy, fit_policy, fixed_cap_of_cost,
+                                          history_costs, request_costs, retrieval_costs)
     from gem_ops.train.batches import newest_days
     from gem_ops.train.config import TrainConfig
     from gem_ops.train.engine import train
@@ -134,10 +135,8 @@ def main() -> None:
             for c in FIXED_CAPS[:-1]:
                 found = np.array([m.size for m in logs.retrieve_matches(eval_indices, np.minimum(eval_lengths, c),
                                                                         args.retrieved_events)])
-                cost[f"retrieved_at_{c}"] = float(costs[np.minimum(np.minimum(eval_lengths, c) + found, long_cap)].mean())
-                # The fixed cap of equal cost: the shortest whose mean cost is at least the policy's.
-                equal = int(np.argmax([request_costs(costs, eval_lengths, k).mean() >= cost[f"retrieved_at_{c}"]
-                                       for k in range(long_cap + 1)]))
+                cost[f"retrieved_at_{c}"] = float(retrieval_costs(costs, eval_lengths, c, found).mean())
+                equal = fixed_cap_of_cost(costs, eval_lengths, cost[f"retrieved_at_{c}"])
                 policies[f"retrieved_at_{c}"] = {"cap": c, "retrieved_events": args.retrieved_events,
                                                  "share_with_retrieved": float((found > 0).mean()),
                                                  "fixed_cap_of_equal_cost": equal}

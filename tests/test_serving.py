@@ -154,6 +154,28 @@ def test_the_bucketed_policy_spends_history_where_held_out_loss_falls_and_never_
         BucketedHistoryPolicy((32, 16), (16, 64, 256))
 
 
+def test_retrieved_history_costs_what_its_lookup_finds_and_is_judged_against_a_cap_of_at_least_its_cost():
+    from gem_ops.serving.adaptive import fixed_cap_of_cost, history_costs, request_costs, retrieval_costs
+
+    config = model_config("gem", width=0.5, blocks=2,
+                          **{"sequence.max_history_len": 1024, "sequence.first_level_tokens": 32})
+    costs = history_costs(config, SPEC)
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.lognormal(3.5, 1.5, 5000).astype(int), 3000)
+    found = np.where(rng.random(5000) < 0.3, rng.integers(1, 9, 5000), 0)  # up to 8 retrieved, for 30% of them
+    for cap in (16, 64, 256):
+        spent = retrieval_costs(costs, lengths, cap, found)
+        plain = request_costs(costs, lengths, cap)
+        assert np.all(spent[found == 0] == plain[found == 0]) and np.all(spent[found > 0] > plain[found > 0])
+        assert spent.max() <= costs[cap + 8]  # the bound a request's compute budget holds
+        equal = fixed_cap_of_cost(costs, lengths, spent.mean())
+        assert request_costs(costs, lengths, equal).mean() >= spent.mean()
+        assert request_costs(costs, lengths, equal - 1).mean() < spent.mean()  # the shortest such cap
+    assert retrieval_costs(costs, np.array([1020]), 1024, np.array([8]))[0] == costs[1024]  # the model's bound
+    with pytest.raises(ValueError, match="no fixed cap"):
+        fixed_cap_of_cost(costs, lengths, costs[1024] * 2)
+
+
 def test_the_adaptive_policy_spends_the_long_cap_on_long_histories_within_its_mean_budget():
     from gem_ops.serving.adaptive import fit_policy, history_costs, request_costs
 

@@ -7,6 +7,8 @@ and only a long history can show the patterns that span months. Two policies:
 - BucketedHistoryPolicy gives each band of history lengths its own cap, chosen on held-out requests: the
   caps that minimise the held-out log loss at the budget (a multiple-choice knapsack, solved by dynamic
   programming over the budget), so a band whose users gain from more history gets it.
+- Retrieved history (retrieval_costs) reads each fixed cap's recent events plus the older events of the candidate's
+  item a lookup finds: a request spends more only where its candidate has a past beyond the cap.
 - MatchReachPolicy keys on the candidate instead of the user: a candidate whose item the user last met deeper
   in the history than a base cap reads down to that event; every other candidate reads the base cap. Which
   requests gain from a long history is told by such a far match far better than by the history's length.
@@ -37,6 +39,23 @@ def history_costs(config: ModelConfig, spec: FeatureSpec, max_len: int | None = 
 def request_costs(costs: np.ndarray, lengths: np.ndarray, caps: np.ndarray | int) -> np.ndarray:
     """Each request's cost per candidate: its history cut to its cap."""
     return costs[np.minimum(np.minimum(lengths, caps), len(costs) - 1)]
+
+
+def retrieval_costs(costs: np.ndarray, lengths: np.ndarray, cap: int, found: np.ndarray) -> np.ndarray:
+    """Each request's cost per candidate when it reads its `cap` most recent events and the `found` older events
+    of its candidate's item retrieved before them (SequenceLogs.retrieve_matches): what a request spends varies
+    with what its lookup finds, never above cap + the retrieved events' bound."""
+    return costs[np.minimum(np.minimum(lengths, cap) + np.asarray(found), len(costs) - 1)]
+
+
+def fixed_cap_of_cost(costs: np.ndarray, lengths: np.ndarray, mean_cost: float) -> int:
+    """The shortest fixed cap whose mean cost per candidate over `lengths` is at least `mean_cost`: the fixed cap
+    a policy of that mean cost is judged against (given at least as much compute)."""
+    means = np.array([request_costs(costs, lengths, cap).mean() for cap in range(len(costs))])
+    if means[-1] < mean_cost:
+        raise ValueError(f"no fixed cap up to {len(costs) - 1} costs {mean_cost:.4g} FLOPs on average "
+                         f"(the longest: {means[-1]:.4g})")
+    return int(np.argmax(means >= mean_cost))
 
 
 @dataclass(frozen=True)
