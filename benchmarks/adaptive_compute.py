@@ -103,7 +103,8 @@ def main() -> None:
         eval_lengths = user_lengths[eval_indices]
         held = newest_days(logs, data.plans[1], 1)  # held out of training: what the bucketed policy is fitted on
         # How far back each candidate was last met in its user's whole history (0: never): the match-reach policy's key.
-        eval_depths, held_depths = logs.candidate_depths(eval_indices), logs.candidate_depths(held)
+        eval_depths = logs.candidate_depths(eval_indices)
+        held_depths = logs.candidate_depths(held) if not args.retrieved_events else None  # match-reach's only
         far = (eval_depths > 64) & (eval_depths <= long_cap)
         # Every policy's caps on the eval examples: the fixed ones, and the adaptive one at each fixed cap's cost.
         caps = {f"fixed_{c}": np.full(eval_lengths.shape, c) for c in FIXED_CAPS}
@@ -199,9 +200,8 @@ def _retrieval_run(trained, seed: int, retrieved_events: int, logs, eval_indices
     plain, plain_seconds = trained(seed)
     run = {name: _quality(model, logs, eval_indices, c) for name, c in caps.items()}
     run |= {f"plain_{name}": _quality(plain, logs, eval_indices, c) for name, c in caps.items()}
-    for name in [n for n in caps if n.startswith("fixed_")]:
-        if int(name.split("_")[1]) in FIXED_CAPS[:-1]:
-            run[f"retrieved_at_{name.split('_')[1]}"] = _quality(model, logs, eval_indices, caps[name], retrieved_events)
+    for c in FIXED_CAPS[:-1]:
+        run[f"retrieved_at_{c}"] = _quality(model, logs, eval_indices, caps[f"fixed_{c}"], retrieved_events)
     run["far_match_slice"] = {**{f"fixed_{c}": _quality(plain, logs, eval_indices[far], np.full(far.sum(), c))
                                  for c in FIXED_CAPS},
                               "retrieved_at_64": _quality(model, logs, eval_indices[far], np.full(far.sum(), 64),

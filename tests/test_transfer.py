@@ -345,6 +345,14 @@ def test_a_shared_table_reaches_a_narrower_student_through_its_projection(logs):
         torch.testing.assert_close(folded.eval()(x), student(x), atol=1e-5, rtol=1e-4)
 
 
+def killed_at(step: int) -> list:
+    """Training step hooks that stop the job at `step` as a kill would (no chance to clean up)."""
+    def on_step(at, loss):
+        if at == step:
+            raise KeyboardInterrupt("killed")
+    return [on_step]
+
+
 def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_path):
     feed = list(logs.surfaces).index("feed")
     fresh = windows.student_examples(logs, WINDOWS, "feed")
@@ -378,10 +386,7 @@ def test_killed_student_resumes_from_its_checkpoint(logs, stale_teacher, tmp_pat
     real_train = student.train
 
     def killed_at_step_7(*args, **kwargs):
-        def on_step(step, loss):
-            if step == 7:
-                raise KeyboardInterrupt("killed")
-        return real_train(*args, step_hooks=[on_step], **kwargs)
+        return real_train(*args, step_hooks=killed_at(7), **kwargs)
 
     monkeypatch.setattr(student, "train", killed_at_step_7)
     with pytest.raises(KeyboardInterrupt):
@@ -528,13 +533,7 @@ def test_a_student_killed_in_its_second_candidate_does_not_train_the_first_again
 
     def second_killed_at_step_5(*args, **kwargs):
         trained.append(Path(kwargs["checkpoint_dir"]).parent.name)
-        if len(trained) == 1:
-            return real_train(*args, **kwargs)
-
-        def on_step(step, loss):
-            if step == 5:
-                raise KeyboardInterrupt("killed")
-        return real_train(*args, step_hooks=[on_step], **kwargs)
+        return real_train(*args, **kwargs, **({"step_hooks": killed_at(5)} if len(trained) == 2 else {}))
 
     monkeypatch.setattr(student, "train", second_killed_at_step_5)
     with pytest.raises(KeyboardInterrupt):
