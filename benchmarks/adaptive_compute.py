@@ -17,7 +17,7 @@ AUC / NE per objective, mean ± standard deviation over seeds, the paired adapti
 and the mean cost of each, to benchmarks/results/adaptive_compute.json.
 
 With --retrieved-events K the run is of another kind: each seed trains one model whose histories also carry up
-to K older events of the candidate's item from beyond their recent ones (TrainConfig.retrieved_events) and one
+to K older events of the candidate's item from beyond their recent ones (sequence.retrieved_events) and one
 plain model, and the retrieval policy (each fixed cap's recent events plus the retrieved ones, whose number, and
 cost, varies by request) is scored against the fixed cap of equal mean cost on both models.
 
@@ -29,6 +29,7 @@ cost, varies by request) is scored against the fixed cap of equal mean cost on b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -61,7 +62,7 @@ def main() -> None:
                              "each early item once: far history that only power users need)")
     parser.add_argument("--retrieved-events", type=int, default=0,
                         help="also train each seed's model with up to this many older events of the candidate's item "
-                             "before its recent ones (TrainConfig.retrieved_events) and score the retrieval policy: "
+                             "before its recent ones (sequence.retrieved_events) and score the retrieval policy: "
                              "each fixed cap's recent events plus those, against the fixed cap of equal cost on both "
                              "models (the other policies are left out of such a run)")
     parser.add_argument("--output-name", default="adaptive_compute", help="results/<name>.json")
@@ -118,14 +119,16 @@ def main() -> None:
         def trained(seed: int, retrieved_events: int = 0):
             train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
                                        eval_max_examples=1000, validation_days=1, seed=seed,
-                                       history_cut_share=args.history_cut_share, retrieved_events=retrieved_events)
+                                       history_cut_share=args.history_cut_share)
             found = f"_found{retrieved_events}" if retrieved_events else ""
             cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_cut{args.history_cut_share:g}{found}_v1.pt" \
                 if args.models_dir else None
             if cached is not None and cached.exists():
                 return model_from_state(load_model_state(cached)), None
             torch.manual_seed(seed)
-            model, result = train(logs, data.plans[1], config, train_config)
+            retrieving = dataclasses.replace(config, sequence=dataclasses.replace(config.sequence,
+                                                                                  retrieved_events=retrieved_events))
+            model, result = train(logs, data.plans[1], retrieving, train_config)
             if cached is not None:
                 save_model_state(model_state(model), cached)
             return model, round(result.seconds, 1)
@@ -229,7 +232,7 @@ def _request_losses(model, logs, indices, cap: int) -> np.ndarray:
 
 def _quality(model, logs, indices, caps, retrieved_events: int = 0) -> dict:
     """AUC / NE per objective with each example's history cut to its cap (the same examples for every policy),
-    and with up to `retrieved_events` older events of the candidate's item before them."""
+    and with up to `retrieved_events` older events of the candidate's item before those."""
     import torch
 
     from gem_ops.metrics.quality import quality_report
@@ -241,7 +244,11 @@ def _quality(model, logs, indices, caps, retrieved_events: int = 0) -> dict:
         for cap in np.unique(caps):
             chosen = indices[caps == cap]
             for start in range(0, chosen.size, 512):
-                batch = logs.batch(chosen[start : start + 512], int(cap), retrieved_events=retrieved_events)
+                rows = chosen[start : start + 512]
+                # The cap bounds the recent events; retrieved ones come on top (as the model trained and a server
+                # sends them: retrieval_costs), within the model's longest history.
+                batch = logs.batch(rows, model.config.sequence.max_history_len, np.full(rows.size, int(cap)),
+                                   retrieved_events=retrieved_events)
                 x = model_input(batch, model.spec, model.config)
                 parts["logits"].append(model(x).float())
                 parts["labels"].append(x.labels)

@@ -64,9 +64,11 @@ def test_training_and_its_evaluation_read_the_retrieved_events(data, monkeypatch
     _, cut = train(logs, plan, TINY, dataclasses.replace(CONFIG, max_steps=3, history_cut_share=1.0))
     assert set(asked) == {0}
     asked.clear()  # (the label-rate and warm-up batches read no retrieval: no history, or shapes only)
-    _, found = train(logs, plan, TINY, dataclasses.replace(CONFIG, max_steps=3, history_cut_share=1.0,
-                                                           retrieved_events=4))
+    retrieving = dataclasses.replace(TINY, sequence=dataclasses.replace(TINY.sequence, retrieved_events=4))
+    model, found = train(logs, plan, retrieving, dataclasses.replace(CONFIG, max_steps=3, history_cut_share=1.0))
     assert asked.count(4) >= 3 + 1  # the 3 steps and the evaluation's batches
     assert sum(found.step_flops) > sum(cut.step_flops)
-    with pytest.raises(ValueError, match="retrieved_events"):
-        dataclasses.replace(CONFIG, retrieved_events=-1)
+    assert model.config.sequence.retrieved_events == 4  # a part of the model: served with them too
+    for wrong in (-1, TINY.sequence.max_history_len + 1):
+        with pytest.raises(ValueError, match="sequence.retrieved_events"):
+            dataclasses.replace(TINY, sequence=dataclasses.replace(TINY.sequence, retrieved_events=wrong))

@@ -78,6 +78,10 @@ class SequenceConfig:
     summary_tokens: int = 2  # non-sequence summary tokens prepended to each sequence (read back as CLS)
     branches: tuple[str, ...] = ("all", "engaged")
     """Parallel sequences: "all" events, "engaged" (events with a positive label), or "event_type:<name>"."""
+    # Up to this many older events of the candidate's own item, from beyond the recent events, come before them
+    # (SequenceLogs.retrieve_matches; a server's per-(user, item) index lookup): far history at the cost of a few
+    # events, within max_history_len. Part of the model's inputs: trained, evaluated and served with them.
+    retrieved_events: int = 0
 
     def level_tokens(self, block: int) -> int:
         return max(self.min_level_tokens, self.first_level_tokens // self.shrink**block)
@@ -109,6 +113,9 @@ class ModelConfig:
     distillation_head: Literal["auxiliary", "serving"] = "auxiliary"
 
     def __post_init__(self):
+        if not 0 <= self.sequence.retrieved_events <= self.sequence.max_history_len:
+            raise ValueError("ModelConfig sequence.retrieved_events must be within [0, sequence.max_history_len "
+                             f"{self.sequence.max_history_len}], got {self.sequence.retrieved_events}")
         if self.distillation_head not in ("auxiliary", "serving"):
             raise ValueError("ModelConfig.distillation_head must be 'auxiliary' or 'serving', got "
                              f"{self.distillation_head!r}")

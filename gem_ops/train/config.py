@@ -26,10 +26,6 @@ class TrainConfig:
     # maximum, drawn per step from the seed): a model then meets at training the shorter histories a server
     # gives it under a compute budget (adaptive history caps), not only full ones. 0: every history whole
     history_cut_share: float = 0.0
-    # Up to this many older events of the candidate's own item, from beyond each history's recent events,
-    # placed before them in training and evaluation (SequenceLogs.retrieve_matches): far history at the cost of
-    # a few events. 0: histories are their recent events only
-    retrieved_events: int = 0
     # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: bf16 autocast with the large linear layers in FP8
     # (fp8_recipe; CUDA GPUs with FP8 tensor cores only; see train/acceleration.py)
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
@@ -99,8 +95,6 @@ class TrainConfig:
                              "and eval_every >= 1 (how often)")
         if not 0 <= self.history_cut_share <= 1:
             raise ValueError(f"TrainConfig.history_cut_share must be within [0, 1], got {self.history_cut_share}")
-        if self.retrieved_events < 0:
-            raise ValueError(f"TrainConfig.retrieved_events must be >= 0, got {self.retrieved_events}")
         if not 0 <= self.weight_average_decay < 1:
             raise ValueError(f"TrainConfig.weight_average_decay must be within [0, 1), got {self.weight_average_decay}")
         if not 0 <= self.min_lr_ratio <= 1:

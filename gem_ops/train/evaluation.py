@@ -18,13 +18,15 @@ from gem_ops.train.config import TrainConfig
 
 @torch.no_grad()
 def predict_logits(model: GEMModel, logs: SequenceLogs, indices: list[np.ndarray], device: torch.device,
-                   precision: str = "auto", retrieved_events: int = 0) -> dict[str, torch.Tensor]:
+                   precision: str = "auto", retrieved_events: int | None = None) -> dict[str, torch.Tensor]:
     """Logits, labels, masks and domains of the given batches of example indices, in batch order (histories
-    with up to `retrieved_events` older events of the candidate's item, as the model trained)."""
+    with up to `retrieved_events` older events of the candidate's item; default: as the model trained)."""
     was_training = model.training
     model.eval()
     parts: dict[str, list[torch.Tensor]] = {"logits": [], "labels": [], "label_mask": [], "surface": [], "example_index": []}
     max_len = model.config.sequence.max_history_len
+    if retrieved_events is None:
+        retrieved_events = model.config.sequence.retrieved_events
     for batch_indices in indices:
         batch = logs.batch(batch_indices, max_len, retrieved_events=retrieved_events)
         x = model_input(batch, model.spec, model.config, with_level_sizes=True)
@@ -62,7 +64,7 @@ def gathered_predictions(model: GEMModel, logs: SequenceLogs, config: TrainConfi
     if len(batches) > 1 and len(batches[-1]) < world:
         batches[-2:] = [np.concatenate(batches[-2:])]  # a slice for every rank
     mine = [np.array_split(b, world)[rank] for b in batches if len(b) >= world]
-    out = predict_logits(model, logs, mine, device, config.precision, config.retrieved_events)
+    out = predict_logits(model, logs, mine, device, config.precision)
     if world > 1:
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(out, gathered, dst=0)
