@@ -12,12 +12,19 @@ once the 1-minute load average is below --max-load (the machine is shared).
 
     python benchmarks/serving.py [--requests 30] [--formats exported_program aot_inductor] [--threads 2]
     python benchmarks/serving.py --device cuda      # eager on the GPU (scores copied back: the server's latency)
+    python benchmarks/serving.py --retrieved-events 8   # serving_retrieved.json: recent events plus retrieved ones
+
+With --retrieved-events K the run measures only what retrieval costs a server: the long-history model trained
+to read up to K retrieved older events of each candidate's item (sequence.retrieved_events) at history caps 16
+and 64 with every candidate's K slots full (the most a request can cost), side by side with the same model
+without retrieval at those caps and at cap + K.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 import tempfile
 from pathlib import Path
 
@@ -43,6 +50,7 @@ def main() -> None:
                         "artifacts are CPU programs), saved as serving_cuda.json")
     parser.add_argument("--fixed-cap", type=int, default=256, help="the fixed cap the adaptive policy matches in cost "
                         "(its short cap: a quarter of it)")
+    parser.add_argument("--retrieved-events", type=int, default=0, help="measure retrieval's cost only (see above)")
     args = parser.parse_args()
 
     import torch
@@ -65,6 +73,11 @@ def main() -> None:
     models = {"vertical": seeded_model(SPEC, model_config("vertical", teacher_representation_dim=64)).eval(),
               "long_history": seeded_model(SPEC, model_config("gem", width=0.5, blocks=2, **{
                   "sequence.max_history_len": 1024, "sequence.first_level_tokens": 32})).eval()}
+    if args.retrieved_events:
+        long = models["long_history"].config
+        models = {"long_history": models["long_history"],
+                  "long_history_retrieving": seeded_model(SPEC, replace(long, sequence=replace(
+                      long.sequence, retrieved_events=args.retrieved_events))).eval()}
     models = {name: model.to(device) for name, model in models.items()}
 
     def eager(model):
@@ -98,6 +111,12 @@ def main() -> None:
             for score in scorers[name].values() if device.type == "cuda" else ():
                 warm_up_latency(score, lambda n, length, model=model: example_request(model, n, length, 0),
                                 [0, *length_buckets(full)], CANDIDATES)
+        if args.retrieved_events:
+            results = {"retrieved": _retrieval_latency(models, scorers, args.retrieved_events, timed),
+                       "export_seconds": results["export_seconds"], "loads": results["loads"]}
+            save("serving_retrieved", {**vars(args), "models": {n: m.config.to_dict() for n, m in models.items()},
+                                       "torch_threads": torch.get_num_threads(), "device": device.type}, results)
+            return
         # 1. The vertical at its full history: eager against exported, 1 / 100 / 1000 candidates.
         vertical = models["vertical"]
         full = vertical.config.sequence.max_history_len
@@ -136,6 +155,28 @@ def main() -> None:
     save(name, {**vars(args), "candidates": CANDIDATES, "history_sweep": HISTORY_SWEEP,
                 "models": {n: m.config.to_dict() for n, m in models.items()},
                 "torch_threads": torch.get_num_threads(), "device": device.type}, results)
+
+
+def _retrieval_latency(models: dict, scorers: dict, k: int, timed) -> dict:
+    """Per cap (16, 64): the plain model at cap and at cap + k, and the retrieving model at cap with every
+    candidate's k retrieved slots full; 1 and 100 candidates, each scoring path."""
+    from gem_ops.serving.export import example_request
+
+    out = {}
+    for cap in (16, 64):
+        def full_slots(n, seed, cap=cap):
+            request = example_request(models["long_history_retrieving"], n, cap, seed)
+            request["retrieved_count"].fill_(k)
+            return request
+
+        runs = {f"fixed_{cap}": ("long_history", lambda n, seed, cap=cap: example_request(models["long_history"], n, cap, seed)),
+                f"fixed_{cap + k}": ("long_history",
+                                      lambda n, seed, cap=cap: example_request(models["long_history"], n, cap + k, seed)),
+                f"retrieved_at_{cap}": ("long_history_retrieving", full_slots)}
+        for label, (model, request_of) in runs.items():
+            out[label] = {mode: timed(score, request_of, (1, SWEEP_CANDIDATES)) for mode, score in scorers[model].items()}
+            print(f"{label}: " + "; ".join(f"{m} {_line(f)}" for m, f in out[label].items()), flush=True)
+    return out
 
 
 def _line(figures: dict) -> str:

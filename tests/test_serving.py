@@ -12,13 +12,14 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from gem_ops.model.config import model_config
+from gem_ops.model.config import FeatureSpec, model_config
+from gem_ops.serving.client import ServingClient
 from gem_ops.serving.export import example_request, export_serving
 from gem_ops.serving.latency import LatencySettings
 from gem_ops.serving.registry import SERVING, download_serving_artifact, serve_champion
 from gem_ops.serving.request import request_batch
 from gem_ops.tracking import RunTracker
-from gem_ops.train.mlflow_model import batch_to_frame, log_model
+from gem_ops.train.mlflow_model import batch_to_frame, log_model, predict_frame
 from gem_ops.train.model_state import seeded_model
 from gem_ops.transfer.registry import CHAMPION, set_alias
 from tests.model_inputs import SPEC
@@ -30,9 +31,10 @@ MAX_HISTORY = 16
 SHAPES = [(1, 0), (3, 1), (5, 7), (40, MAX_HISTORY), (2, 3 * MAX_HISTORY)]
 
 
-def _model(seed: int):
+def _model(seed: int, retrieved_events: int = 0):
     config = model_config("vertical", width=0.5, teacher_representation_dim=REPRESENTATION,
-                          **{"sequence.max_history_len": MAX_HISTORY, "sequence.first_level_tokens": 8})
+                          **{"sequence.max_history_len": MAX_HISTORY, "sequence.first_level_tokens": 8,
+                             "sequence.retrieved_events": retrieved_events})
     model = seeded_model(SPEC, config, seed=seed)
     with torch.no_grad():  # every weight away from its start (the representation's projection starts at zero)
         for p in model.parameters():
@@ -83,6 +85,72 @@ def test_the_exported_artifact_scores_as_the_registered_pyfunc_without_the_proje
     for (n, _), got, want in zip(SHAPES, served, expected):
         assert got.shape == (n,)
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_with_retrieved_events_serves_them_per_candidate_as_its_pyfunc_scores_them(registry, tmp_path):
+    """Each candidate's own retrieved events before the shared history: the exported artifact (dense, a mask per
+    candidate) scores as the registered pyfunc (GEMModel's jagged path, with the retrieved_* columns), up to
+    full slots and past the model's longest history, where retrieved events displace the oldest recent ones."""
+    model = _model(0, retrieved_events=3)
+    client = registry["client"]
+    run = client.create_run(registry["experiment"]).info.run_id
+    example = batch_to_frame(request_batch(_request(model, 2, 3, 0), SPEC), SPEC)
+    assert {"retrieved_item_id", "retrieved_surface", "retrieved_item_category"} <= set(example.columns)
+    version = log_model(client, run, model, example, "vertical_retrieving")
+    served = ServingClient(export_serving(model, tmp_path / "serving").folder)
+    manifest = served.manifest
+    assert manifest["retrieved_events"] == 3 and [i["name"] for i in manifest["inputs"]][-7:] == [
+        "retrieved_item_id", "retrieved_surface", "retrieved_event_type", "retrieved_action",
+        "retrieved_age_seconds", "retrieved_item_features", "retrieved_count"]
+    mlflow.set_tracking_uri(registry["uri"])
+    pyfunc = mlflow.pyfunc.load_model(f"models:/vertical_retrieving/{version}")
+    counts = set()
+    for seed, (n, length) in enumerate(SHAPES):
+        request = _request(model, n, length, seed)
+        counts |= set(request["retrieved_count"].tolist())
+        expected = pyfunc.predict(batch_to_frame(request_batch(request, SPEC), SPEC))["p_click"].to_numpy()
+        np.testing.assert_allclose(served.score(request)["p_click"].numpy(), expected, rtol=1e-5, atol=1e-6)
+        # The retrieved events count: the same request without them scores otherwise.
+        none = dict(request, retrieved_count=torch.zeros_like(request["retrieved_count"]))
+        assert not np.allclose(served.score(none)["p_click"].numpy(), expected, rtol=1e-4) or not request["retrieved_count"].any()
+    assert {0, 3} <= counts  # empty and full slots among the requests
+    with pytest.raises(ValueError, match="retrieved_count"):
+        served.score({k: v for k, v in _request(model, 2, 3, 0).items() if k != "retrieved_count"})
+    frame = batch_to_frame(request_batch(_request(model, 2, 3, 0), SPEC), SPEC)
+    with pytest.raises(mlflow.exceptions.MlflowException, match=r"missing inputs \['retrieved_item_id'\]"):
+        pyfunc.predict(frame.drop(columns=["retrieved_item_id"]))  # the signature's check
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['retrieved_item_id'"):
+        predict_frame(model, frame.drop(columns=["retrieved_item_id"]))
+    with pytest.raises(ValueError, match="trained without retrieved events"):
+        predict_frame(registry["models"][0], frame)
+
+
+def test_the_client_retrieves_from_a_users_history_what_the_training_data_gave_the_model(tmp_path):
+    """ServingClient.retrieve on the request of a user's whole history gives each candidate the events
+    SequenceLogs.batch gave it in training: the history cap's recent events, its item's older ones first."""
+    from gem_ops.serving.client import retrieve
+    from gem_ops.serving.request import request_of_example
+    from tests.event_log_builders import build, example_by_item, hand_events
+
+    views = [(9, 0, 10 * i, item, "feed", "organic_view", None, None) for i, item in enumerate([1, 2, 3, 1, 4, 5, 1, 6])]
+    ads = [(9, 1, 0, 1, "feed", "ad_impression", 1, 0), (9, 1, 10, 8, "feed", "ad_impression", 0, 0),
+           (9, 1, 20, 6, "feed", "ad_impression", 0, 0)]
+    logs = build(hand_events(views + ads), tmp_path / "seq", max_history_len=64)[1]
+    spec = FeatureSpec.from_logs(logs)
+    rows = np.array([example_by_item(logs, item) for item in (1, 8, 6)])
+    whole = logs.batch(rows)
+    for limit, cap, k in [(64, 2, 1), (64, 2, 5), (4, 3, 2), (4, None, 5), (1, None, 5), (64, 0, 2)]:
+        caps = None if cap is None else np.full(rows.size, cap)
+        trained = logs.batch(rows, limit, caps, retrieved_events=k)
+        for i in range(rows.size):
+            served = request_batch(retrieve(request_of_example(whole, i), min(k, limit), limit, cap), spec)
+            if served.history_lengths[0] > limit:  # the model's cut (predict_frame's, the graph's mask)
+                from gem_ops.train.mlflow_model import _cut_histories
+                served = _cut_histories(served, limit)
+            a, b = (int(trained.history_offsets[i]), int(trained.history_offsets[i + 1]))
+            for name in ("history_item_id", "history_action", "history_age_seconds", "history_surface"):
+                assert getattr(served, name).tolist() == getattr(trained, name)[a:b].tolist(), (limit, cap, k, i, name)
+            assert served.retrieved_lengths.tolist() == trained.retrieved_lengths[i : i + 1].tolist()
 
 
 def test_the_latency_gate_refuses_a_champion_slower_than_the_budget(registry, tmp_path):

@@ -39,6 +39,8 @@ class SequenceBatch:
     teacher_representation: torch.Tensor | None = None
     # name -> [N]: each history event's item feature (item_category, ...); -1 where the item has none
     history_item_features: dict[str, torch.Tensor] = field(default_factory=dict)
+    # [B]: how many of each history's first events were retrieved (sequence.retrieved_events), when any were asked
+    retrieved_lengths: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -153,6 +155,8 @@ class SequenceLogs:
             labels=torch.from_numpy(self._label_values[idx]),
             label_mask=torch.from_numpy(self._label_mask[idx]),
             **self._histories(ex["user_row"][idx], lengths, ex["history_end"][idx], ex["timestamp"][idx], retrieved),
+            retrieved_lengths=(None if retrieved is None else
+                               torch.from_numpy(np.array([r.size for r in retrieved], dtype=np.int64))),
         )
 
     def retrieve_matches(self, indices: np.ndarray, recent: np.ndarray, most: int) -> list[np.ndarray]:

@@ -6,7 +6,9 @@ serving artifact as serving_client.py, so it runs where the project's code is no
     scores = client.score(request)  # {"p_click": tensor [N], ...}
 
 A request is a dict of tensors (serving.json's "inputs" lists names, dtypes and shapes): one user's surface,
-history (most recent event last) and looked-up representation, and N candidates with their features.
+history (most recent event last) and looked-up representation, and N candidates with their features. A model
+trained with retrieved events (serving.json's "retrieved_events" K > 0) also takes, per candidate, up to K older
+events of the candidate's own item from beyond the history sent: `retrieve` finds them in a longer history.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class ServingClient:
         self.outputs = list(self.manifest["outputs"])
         self.programs = {name: _load(self.folder / file, self.manifest["format"])
                          for name, file in self.manifest["programs"].items()}
+
+    def retrieve(self, request: dict[str, torch.Tensor], history_cap: int | None = None) -> dict[str, torch.Tensor]:
+        """The request (its history the user's whole, or as much of it as known) cut to its `history_cap` most
+        recent events, with each candidate's retrieved older events as this artifact's model takes them."""
+        return retrieve(request, self.manifest.get("retrieved_events", 0), self.manifest["max_history_len"], history_cap)
 
     @torch.no_grad()
     def score(self, request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -59,7 +66,36 @@ def _twice(name: str, value: torch.Tensor) -> torch.Tensor:
     return torch.cat([value, value]) if name in CANDIDATE_INPUTS else value
 
 
-CANDIDATE_INPUTS = ("item_id", "sparse_features", "dense_features")
+HISTORY_FIELDS = ("item_id", "surface", "event_type", "action", "age_seconds", "item_features")
+# Per candidate: its retrieved events [N, K] (slots from retrieved_count on are padding), oldest first.
+RETRIEVED_INPUTS = (*(f"retrieved_{f}" for f in HISTORY_FIELDS), "retrieved_count")
+CANDIDATE_INPUTS = ("item_id", "sparse_features", "dense_features", *RETRIEVED_INPUTS)
+
+
+def retrieve(request: dict[str, torch.Tensor], retrieved_events: int, max_history_len: int,
+             history_cap: int | None = None) -> dict[str, torch.Tensor]:
+    """`request` with its history cut to the most recent min(history_cap, max_history_len) events and, for
+    each candidate, the latest `retrieved_events` (K) events of its item among the older ones, oldest first,
+    as retrieved_* [N, K] tensors (the hard search of retrieval-based long-history models; the training
+    data's SequenceLogs.retrieve_matches). A server answers it from a per-(user, item) index; here it is a
+    scan of the history the request holds."""
+    history = {f: request[f"history_{f}"] for f in HISTORY_FIELDS}
+    length = history["item_id"].shape[0]
+    keep = min(length, max_history_len, length if history_cap is None else max(history_cap, 0))
+    older = history["item_id"][: length - keep]
+    match = older.unsqueeze(0) == request["item_id"].unsqueeze(1)  # [N, older]
+    from_end = match.flip(1).long().cumsum(1).flip(1)  # 1 at each candidate's latest match
+    count = match.sum(1).clamp(max=retrieved_events)
+    rows, columns = (match & (from_end <= retrieved_events)).nonzero(as_tuple=True)
+    position = torch.zeros(match.shape[0], retrieved_events, dtype=torch.int64)
+    position[rows, count[rows] - from_end[rows, columns]] = columns
+    out = {k: v for k, v in request.items() if not k.startswith("retrieved_")}
+    for f, values in history.items():
+        out[f"history_{f}"] = values[length - keep :]
+        padded = values[position] if older.numel() else values.new_zeros((*position.shape, *values.shape[1:]))
+        out[f"retrieved_{f}"] = padded
+    out["retrieved_count"] = count
+    return out
 
 
 def _load(path: Path, kind: str):

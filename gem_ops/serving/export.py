@@ -19,7 +19,7 @@ from gem_ops.data.atomic import atomic_path
 from gem_ops.model.gem import GEMModel
 from gem_ops.serving import client
 from gem_ops.serving.graph import ServingGraph
-from gem_ops.serving.request import REQUEST_INPUTS
+from gem_ops.serving.request import REQUEST_INPUTS, request_inputs
 
 FORMATS = ("exported_program", "aot_inductor")
 MAX_CANDIDATES = 1 << 16
@@ -76,23 +76,25 @@ def manifest(model: GEMModel, format: str, files: dict[str, str]) -> dict:
     return {
         "format": format, "programs": files, "torch_version": torch.__version__,
         "inputs": [{"name": name, "dtype": str(dtype).removeprefix("torch."), "shape": shape}
-                   for name, (dtype, shape) in REQUEST_INPUTS.items()],
+                   for name, (dtype, shape) in request_inputs(config.sequence.retrieved_events).items()],
         "outputs": [f"p_{task}" for task in model.objectives],
         "surfaces": list(spec.surfaces), "event_types": list(spec.event_types),
         "sparse_features": list(spec.sparse_features), "dense_features": list(spec.dense_features),
         "history_item_features": list(spec.history_item_features),
         "representation_dim": config.teacher_representation_dim,
         "max_history_len": config.sequence.max_history_len,
+        "retrieved_events": config.sequence.retrieved_events,
         "max_candidates": MAX_CANDIDATES,
     }
 
 
 def example_request(model: GEMModel, candidates: int, history: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A random request of the model's shapes (ids in their ranges)."""
+    """A random request of the model's shapes (ids in their ranges; for a model with retrieved events, each
+    candidate's retrieved events of its own item, from none to all of its slots)."""
     g = torch.Generator().manual_seed(seed)
     spec = model.spec
     ids = lambda high, *shape: torch.randint(0, high, shape, generator=g)  # noqa: E731
-    return {
+    request = {
         "surface": ids(len(spec.surfaces)), "user_id": ids(10**9, 1), "item_id": ids(10**6, candidates),
         "sparse_features": ids(100, candidates, len(spec.sparse_features)),
         "dense_features": torch.rand(candidates, len(spec.dense_features), generator=g) * 10,
@@ -102,6 +104,18 @@ def example_request(model: GEMModel, candidates: int, history: int, seed: int = 
         "history_item_features": ids(100, history, len(spec.history_item_features)) - 1,
         "representation": torch.randn(model.config.teacher_representation_dim, generator=g),
     }
+    k = model.config.sequence.retrieved_events
+    if k:
+        request |= {
+            "retrieved_item_id": request["item_id"].unsqueeze(1).expand(candidates, k).clone(),
+            "retrieved_surface": ids(len(spec.surfaces), candidates, k),
+            "retrieved_event_type": ids(len(spec.event_types), candidates, k),
+            "retrieved_action": ids(spec.n_actions, candidates, k),
+            "retrieved_age_seconds": torch.rand(candidates, k, generator=g) * 1e7,
+            "retrieved_item_features": ids(100, candidates, k, len(spec.history_item_features)) - 1,
+            "retrieved_count": ids(k + 1, candidates),
+        }
+    return request
 
 
 def _check_compiled(graph: ServingGraph, folder: Path) -> None:
@@ -114,7 +128,7 @@ def _check_compiled(graph: ServingGraph, folder: Path) -> None:
     for length in lengths:
         request = example_request(graph.model, 3, length, seed=length)
         with torch.no_grad():
-            expected = graph(*(request[name] for name in REQUEST_INPUTS))
+            expected = graph(*(request[name] for name in _inputs(graph)))
         try:
             got = torch.stack(list(served.score(request).values()), 1)
             wrong = not torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
@@ -129,12 +143,17 @@ def _check_compiled(graph: ServingGraph, folder: Path) -> None:
 def _program(graph: ServingGraph, history: int, dynamic_history: bool) -> torch.export.ExportedProgram:
     candidates = Dim("candidates", min=2, max=MAX_CANDIDATES)
     events = Dim("history", min=0, max=MAX_HISTORY) if dynamic_history else None
+    names = _inputs(graph)
     shapes = {name: {0: candidates} if name in CANDIDATE_INPUTS else
-              {0: events} if name in HISTORY_INPUTS and dynamic_history else None for name in REQUEST_INPUTS}
+              {0: events} if name in HISTORY_INPUTS and dynamic_history else None for name in names}
     request = example_request(graph.model, 4, history)
     # Sizes 0 and 1 are not singled out while tracing (see SHORT_HISTORIES); candidates start at 2 (the client
     # pads a single one).
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
-        return torch.export.export(graph, tuple(request[name] for name in REQUEST_INPUTS),
-                                   dynamic_shapes=tuple(shapes[name] for name in REQUEST_INPUTS),
+        return torch.export.export(graph, tuple(request[name] for name in names),
+                                   dynamic_shapes=tuple(shapes[name] for name in names),
                                    prefer_deferred_runtime_asserts_over_guards=True)
+
+
+def _inputs(graph: ServingGraph) -> list[str]:
+    return list(request_inputs(graph.retrieved_events))

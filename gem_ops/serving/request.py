@@ -6,10 +6,13 @@ representation: request_batch writes it that way, so both are scored on the same
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from gem_ops.data.loader import SequenceBatch
 from gem_ops.model.config import FeatureSpec
+from gem_ops.serving.client import HISTORY_FIELDS
 
 # Name -> (dtype, shape in words); the exported program takes them positionally in this order.
 REQUEST_INPUTS: dict[str, tuple[torch.dtype, str]] = {
@@ -26,6 +29,18 @@ REQUEST_INPUTS: dict[str, tuple[torch.dtype, str]] = {
     "history_item_features": (torch.int64, "[L, F] the events' item features, in history_item_features order"),
     "representation": (torch.float32, "[H] the looked-up user representation (H 0 without one)"),
 }
+# A model with sequence.retrieved_events K > 0 takes these after them: each candidate's retrieved events.
+RETRIEVED_REQUEST_INPUTS: dict[str, tuple[torch.dtype, str]] = {
+    **{f"retrieved_{f}": (REQUEST_INPUTS[f"history_{f}"][0], "[N, K, F]" if f == "item_features" else "[N, K]")
+       for f in HISTORY_FIELDS},
+    "retrieved_count": (torch.int64, "[N] how many of each candidate's K slots hold an event, oldest first (the "
+                        "rest: padding)"),
+}
+
+
+def request_inputs(retrieved_events: int) -> dict[str, tuple[torch.dtype, str]]:
+    """The inputs of a request to a model with `retrieved_events` (its sequence.retrieved_events), in order."""
+    return {**REQUEST_INPUTS, **(RETRIEVED_REQUEST_INPUTS if retrieved_events else {})}
 
 
 def request_of_example(batch: SequenceBatch, row: int, candidates: SequenceBatch | None = None,
@@ -59,8 +74,11 @@ def request_of_example(batch: SequenceBatch, row: int, candidates: SequenceBatch
 
 
 def request_batch(request: dict[str, torch.Tensor], spec: FeatureSpec) -> SequenceBatch:
-    """The request as a loader batch of N examples sharing the user, surface, history and representation."""
+    """The request as a loader batch of N examples sharing the user, surface, history and representation
+    (each candidate's retrieved events first, when the request has them)."""
     n, length = request["item_id"].shape[0], request["history_item_id"].shape[0]
+    if "retrieved_count" in request:
+        return _with_retrieved(request, spec)
     repeat = lambda key: request[key].repeat(n)  # noqa: E731
     rep = request["representation"]
     return SequenceBatch(
@@ -91,3 +109,26 @@ def _rows(batch: SequenceBatch, rows: list[int]) -> SequenceBatch:
         dense_features=batch.dense_features[index], labels=batch.labels[index], label_mask=batch.label_mask[index],
         history_offsets=torch.zeros(len(rows) + 1, dtype=torch.int64), history_item_id=empty, history_surface=empty,
         history_event_type=empty, history_action=empty, history_age_seconds=empty.float())
+
+
+def _with_retrieved(request: dict[str, torch.Tensor], spec: FeatureSpec) -> SequenceBatch:
+    """request_batch of a request with retrieved events: candidate i's history is its retrieved_count[i]
+    retrieved events, then the request's history."""
+    count = request["retrieved_count"].long()
+    n, k, length = count.shape[0], request["retrieved_item_id"].shape[1], request["history_item_id"].shape[0]
+    slots = torch.arange(k).unsqueeze(0) < count.unsqueeze(1)  # [N, K]
+
+    def per_candidate(field: str) -> torch.Tensor:
+        retrieved, recent = request[f"retrieved_{field}"], request[f"history_{field}"]
+        recent = recent.unsqueeze(0).expand(n, *recent.shape)
+        # Row-major [N, K + L] with the unused slots dropped: each candidate's events back to back.
+        return torch.cat([retrieved, recent], 1)[torch.cat([slots, slots.new_ones(n, length)], 1)]
+
+    batch = request_batch({key: value for key, value in request.items() if not key.startswith("retrieved_")}, spec)
+    events = {f: per_candidate(f) for f in HISTORY_FIELDS}
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(count + length, 0)
+    return replace(batch, history_offsets=offsets, retrieved_lengths=count,
+                   **{f"history_{f}": events[f] for f in HISTORY_FIELDS if f != "item_features"},
+                   history_item_features={name: events["item_features"][:, i]
+                                          for i, name in enumerate(spec.history_item_features)})

@@ -121,7 +121,7 @@ def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: TrainResult, 
     """Rank 0: curves, eval report and (when named) the packaged model from the exported full state."""
     if not tracker.enabled:
         return None
-    from gem_ops.train.mlflow_model import INPUT_EXAMPLE_ROWS, batch_to_frame, log_model
+    from gem_ops.train.mlflow_model import INPUT_EXAMPLE_ROWS, input_example, log_model
     from gem_ops.train.model_state import load_model_state, model_from_state
     from gem_ops.train.plots import loss_curves
 
@@ -133,8 +133,7 @@ def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: TrainResult, 
     model = model_from_state(load_model_state(result.model_state_path))
     eval_rows = logs.split_indices("eval")
     rows = eval_rows[:INPUT_EXAMPLE_ROWS] if len(eval_rows) else np.arange(min(INPUT_EXAMPLE_ROWS, len(logs)))
-    example = logs.batch(rows, model.config.sequence.max_history_len)
-    return log_model(tracker.client, tracker.run_id, model, batch_to_frame(example, model.spec), registered_name)
+    return log_model(tracker.client, tracker.run_id, model, input_example(logs, rows, model), registered_name)
 
 
 def run_page_views(result: TrainResult) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 
 Input: one row per request with user_id, item_id, surface, the sparse and dense feature columns, and
 the history as list columns (history_item_id, history_surface, history_event_type, history_action,
-history_age_seconds), most recent event last. Output: p_<objective> for every objective.
+history_age_seconds, history_<item feature>), most recent event last. A model trained with retrieved events
+(sequence.retrieved_events) also takes the row's retrieved older events of its item as the same list columns
+named retrieved_* (oldest first; gem_ops.serving.client.retrieve finds them). Output: p_<objective> for every
+objective.
 The package holds the weights, the feature spec and the model config, and the project's code, so
 `mlflow.pyfunc.load_model("models:/gem@champion")` works from any checkout-free environment with the
 pinned dependencies.
@@ -34,17 +37,38 @@ from gem_ops.train.model_state import load_model_state, model_from_state, model_
 MODEL_STATE = "model_state"
 INPUT_EXAMPLE_ROWS = 4  # eval requests saved with the model as its input example
 HISTORY_COLUMNS = ("history_item_id", "history_surface", "history_event_type", "history_action", "history_age_seconds")
+RETRIEVED_PREFIX = "retrieved_"
 # A student with representation transfer also takes its teacher's representation of the request.
 TEACHER_REPRESENTATION = "teacher_representation"
 
 
+def input_example(data, indices: np.ndarray, model: GEMModel) -> pd.DataFrame:
+    """The request table of the first INPUT_EXAMPLE_ROWS examples at `indices` of `data` (logs), as the model reads
+    them (its history length and retrieved events): the example a logged model carries."""
+    sequence = model.config.sequence
+    return batch_to_frame(data.batch(indices[:INPUT_EXAMPLE_ROWS], sequence.max_history_len,
+                                     retrieved_events=sequence.retrieved_events), model.spec)
+
+
 def batch_to_frame(batch: SequenceBatch, spec: FeatureSpec) -> pd.DataFrame:
-    """A loader batch as the pyfunc's request table (categories as their names)."""
+    """A loader batch as the pyfunc's request table (categories as their names; a batch's retrieved events in
+    the retrieved_* columns)."""
     offsets = batch.history_offsets.numpy()
     surfaces, event_types = np.array(spec.surfaces), np.array(spec.event_types)
+    retrieved = None if batch.retrieved_lengths is None else offsets[:-1] + batch.retrieved_lengths.numpy()
 
-    def split(values: np.ndarray) -> list[list[Any]]:
-        return [values[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+    def events(prefix: str, starts: np.ndarray, ends: np.ndarray) -> dict[str, list[list[Any]]]:
+        def split(values: np.ndarray) -> list[list[Any]]:
+            return [values[a:b].tolist() for a, b in zip(starts, ends)]
+
+        return {
+            f"{prefix}item_id": split(batch.history_item_id.numpy()),
+            f"{prefix}surface": split(surfaces[batch.history_surface.numpy()]),
+            f"{prefix}event_type": split(event_types[batch.history_event_type.numpy()]),
+            f"{prefix}action": split(batch.history_action.numpy()),
+            f"{prefix}age_seconds": split(batch.history_age_seconds.numpy()),
+            **{f"{prefix}{name}": split(batch.history_item_features[name].numpy()) for name in spec.history_item_features},
+        }
 
     frame = {
         "user_id": batch.user_id.numpy(),
@@ -52,33 +76,42 @@ def batch_to_frame(batch: SequenceBatch, spec: FeatureSpec) -> pd.DataFrame:
         "surface": surfaces[batch.surface.numpy()],
         **{name: batch.sparse_features[name].numpy() for name in spec.sparse_features},
         **{name: batch.dense_features[:, i].numpy() for i, name in enumerate(spec.dense_features)},
-        "history_item_id": split(batch.history_item_id.numpy()),
-        "history_surface": split(surfaces[batch.history_surface.numpy()]),
-        "history_event_type": split(event_types[batch.history_event_type.numpy()]),
-        "history_action": split(batch.history_action.numpy()),
-        "history_age_seconds": split(batch.history_age_seconds.numpy()),
-        **{f"history_{name}": split(batch.history_item_features[name].numpy()) for name in spec.history_item_features},
+        **events("history_", offsets[:-1] if retrieved is None else retrieved, offsets[1:]),
+        **({} if retrieved is None else events(RETRIEVED_PREFIX, offsets[:-1], retrieved)),
     }
     if batch.teacher_representation is not None:
         frame[TEACHER_REPRESENTATION] = batch.teacher_representation.float().numpy().tolist()
     return pd.DataFrame(frame)
 
 
-def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec) -> SequenceBatch:
-    """The request table back to a batch; unknown surface or event-type names are an error naming the column."""
-    item_columns = [f"history_{name}" for name in spec.history_item_features]
-    missing = [c for c in ("user_id", "item_id", "surface", *spec.sparse_features, *spec.dense_features, *HISTORY_COLUMNS,
-                           *item_columns) if c not in frame.columns]
+def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec, retrieved: bool = False) -> SequenceBatch:
+    """The request table back to a batch (with `retrieved`, each row's retrieved_* events before its history);
+    unknown surface or event-type names are an error naming the column."""
+    columns = [*HISTORY_COLUMNS, *(f"history_{name}" for name in spec.history_item_features)]
+    retrieved_columns = [RETRIEVED_PREFIX + c.removeprefix("history_") for c in columns]
+    missing = [c for c in ("user_id", "item_id", "surface", *spec.sparse_features, *spec.dense_features, *columns,
+                           *(retrieved_columns if retrieved else ())) if c not in frame.columns]
     if missing:
-        raise ValueError(f"request table lacks column(s) {missing}")
+        raise ValueError(f"request table lacks column(s) {missing}"
+                         + (" (this model reads retrieved events: gem_ops.serving.client.retrieve)" if retrieved else ""))
+    if not retrieved and any(c in frame.columns for c in retrieved_columns):
+        raise ValueError(f"request table has retrieved_* columns, but this model was trained without retrieved events "
+                         f"(sequence.retrieved_events 0): drop {[c for c in retrieved_columns if c in frame.columns]}")
     lengths = np.array([len(h) for h in frame["history_item_id"]], dtype=np.int64)
+    found = (np.array([len(h) for h in frame[retrieved_columns[0]]], dtype=np.int64) if retrieved
+             else np.zeros(len(frame), dtype=np.int64))
     offsets = np.zeros(len(frame) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    np.cumsum(found + lengths, out=offsets[1:])
 
     def flat(column: str, dtype) -> np.ndarray:
-        values = [v for row in frame[column] for v in row]
-        if len(values) != offsets[-1]:
-            raise ValueError(f"request column '{column}': list lengths differ from history_item_id's")
+        """The column's events and, before each row's, its retrieved ones."""
+        retrieved_column = RETRIEVED_PREFIX + column.removeprefix("history_")
+        values = [v for i, row in enumerate(frame[column]) for v in
+                  (list(frame[retrieved_column].iloc[i]) + list(row) if retrieved else row)]
+        for name, counts in ((column, lengths), *(((retrieved_column, found),) if retrieved else ())):
+            if [len(row) for row in frame[name]] != counts.tolist():
+                raise ValueError(f"request column '{name}': list lengths differ from "
+                                 f"{name.split('_')[0]}_item_id's")
         return np.asarray(values, dtype=dtype)
 
     def codes(column: str, vocabulary: tuple[str, ...], values) -> np.ndarray:
@@ -104,14 +137,14 @@ def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec) -> SequenceBatch:
         label_mask=torch.zeros(n, t, dtype=torch.bool),
         history_offsets=t_(offsets),
         history_item_id=t_(flat("history_item_id", np.int64)),
-        history_surface=t_(codes("history_surface", spec.surfaces, [v for r in frame["history_surface"] for v in r])),
-        history_event_type=t_(codes("history_event_type", spec.event_types,
-                                    [v for r in frame["history_event_type"] for v in r])),
+        history_surface=t_(codes("history_surface", spec.surfaces, flat("history_surface", object))),
+        history_event_type=t_(codes("history_event_type", spec.event_types, flat("history_event_type", object))),
         teacher_representation=(torch.tensor(np.stack([np.asarray(r, np.float32) for r in frame[TEACHER_REPRESENTATION]]))
                                 if TEACHER_REPRESENTATION in frame.columns and n else None),
         history_action=t_(flat("history_action", np.int64)),
         history_age_seconds=t_(flat("history_age_seconds", np.float32)),
         history_item_features={name: t_(flat(f"history_{name}", np.int64)) for name in spec.history_item_features},
+        retrieved_lengths=t_(found) if retrieved else None,
     )
 
 
@@ -125,7 +158,7 @@ class GEMPyfunc(mlflow.pyfunc.PythonModel):
 
 @torch.no_grad()
 def predict_frame(model: GEMModel, frame: pd.DataFrame) -> pd.DataFrame:
-    batch = frame_to_batch(frame, model.spec)
+    batch = frame_to_batch(frame, model.spec, retrieved=model.config.sequence.retrieved_events > 0)
     limit = model.config.sequence.max_history_len
     if batch.size and int(batch.history_lengths.max()) > limit:
         batch = _cut_histories(batch, limit)
@@ -186,11 +219,16 @@ def _requirements() -> list[str]:
 
 
 def _cut_histories(batch: SequenceBatch, limit: int) -> SequenceBatch:
-    """Each request's most recent `limit` history events, as training saw them."""
+    """Each request's most recent history events, as training saw them: `limit` of them, less its retrieved
+    events, which it keeps."""
     from gem_ops.model.jagged import positions_from_end, select
 
     rows = torch.arange(batch.history_item_id.numel())
-    rows, offsets = select(rows, batch.history_offsets, positions_from_end(batch.history_offsets, rows.numel()) < limit)
+    offsets, lengths = batch.history_offsets, batch.history_lengths
+    found = torch.zeros_like(lengths) if batch.retrieved_lengths is None else batch.retrieved_lengths
+    of_row = torch.repeat_interleave(found, lengths)
+    retrieved = rows - torch.repeat_interleave(offsets[:-1], lengths) < of_row
+    rows, offsets = select(rows, offsets, retrieved | (positions_from_end(offsets, rows.numel()) < limit - of_row))
     values = {f: getattr(batch, f)[rows] for f in HISTORY_COLUMNS}
     features = {name: v[rows] for name, v in batch.history_item_features.items()}
     return SequenceBatch(**{**batch.__dict__, **values, "history_offsets": offsets, "history_item_features": features})

@@ -228,11 +228,9 @@ def register_student(client: MlflowClient, run_id: str, model: GEMModel, data, e
                      name: str, tags: dict[str, str], alias: str | None = None) -> str:
     """Logs a student's pyfunc (its input example carries the teacher columns it reads) and registers a
     version with its lineage tags (and alias)."""
-    from gem_ops.train.mlflow_model import INPUT_EXAMPLE_ROWS, batch_to_frame, log_model
+    from gem_ops.train.mlflow_model import input_example, log_model
 
-    example = batch_to_frame(data.batch(example_indices[:INPUT_EXAMPLE_ROWS], model.config.sequence.max_history_len),
-                             model.spec)
-    version = log_model(client, run_id, model, example, name, version_tags=tags)
+    version = log_model(client, run_id, model, input_example(data, example_indices, model), name, version_tags=tags)
     if alias:
         set_alias(client, name, alias, version)
     return version
