@@ -251,6 +251,10 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
                                      "step_stalls", "top_kernels")
                   if k in report}}
+    if run.get("top_kernels"):  # where the profiled steps' device time went, by kind of kernel
+        from gem_ops.metrics.kernels import time_by_kind
+
+        run["kernel_time_by_kind"] = time_by_kind(run["top_kernels"])
     if run_variant(variant)[0] == "fp8" and run["peak_source"] == "spec":  # beside the bf16-peak figure
         from gem_ops.metrics.mfu import FP8_PEAK_OVER_BF16
 

@@ -75,3 +75,24 @@ def test_device_busy_time_of_a_real_profile_leaves_out_idle_time_inside_scopes()
     top = top_device_operators(prof.key_averages(), steps=1)
     assert top and "step" not in {row["name"] for row in top} and sum(row["ms"] for row in top) < 10
     assert not any(row["name"].startswith("aten::") for row in top)  # kernels, not the ops that launched them
+
+
+def test_device_time_by_kind_sorts_a_profile_s_kernels_and_covers_all_of_their_time():
+    from gem_ops.metrics.kernels import kind_of, time_by_kind
+
+    rows = [{"name": "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopB_TNN", "ms": 60.0, "calls": 10},
+            {"name": "_dkdv_kernel", "ms": 20.0, "calls": 4}, {"name": "_forward_kernel", "ms": 5.0, "calls": 4},
+            {"name": "triton_per_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_130", "ms": 4.0, "calls": 1},
+            {"name": "triton_poi_fused_gelu_gelu_backward_7", "ms": 3.0, "calls": 1},
+            {"name": "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>", "ms": 2.0,
+             "calls": 3},
+            {"name": "void at::native::(anonymous namespace)::compute_grad_weight<float>", "ms": 1.0, "calls": 2},
+            {"name": "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda", "ms": 1.0, "calls": 2},
+            {"name": "some_new_kernel", "ms": 4.0, "calls": 1}]
+    kinds = time_by_kind(rows)
+    assert [kind_of(r["name"]) for r in rows] == ["gemm", "attention_backward", "attention_forward", "compiled_norm",
+                                                 "compiled_activation", "eager_elementwise", "embedding",
+                                                 "copy_and_fill", "other"]
+    assert list(kinds)[:2] == ["gemm", "attention_backward"]  # largest first
+    assert sum(v["ms"] for v in kinds.values()) == sum(r["ms"] for r in rows)
+    assert sum(v["share"] for v in kinds.values()) == pytest.approx(1.0) and kinds["gemm"]["share"] == 0.6

@@ -233,8 +233,9 @@ def module_scopes() -> Iterator[None]:
             handle.remove()
 
 
-def top_device_operators(averages, steps: int, limit: int = 20) -> list[dict]:
-    """The kernels (and copies) with the most device time, per step, from a profile's key_averages()."""
+def top_device_operators(averages, steps: int, limit: int | None = None) -> list[dict]:
+    """The kernels (and copies) with the most device time, per step, from a profile's key_averages(); all of
+    them by default, so that a breakdown by kind (gem_ops.metrics.kernels) covers the whole busy time."""
     rows = sorted((a for a in averages if a.device_type == torch.autograd.DeviceType.CUDA
                    and a.self_device_time_total > 0 and not getattr(a, "is_user_annotation", False)),
                   key=lambda a: a.self_device_time_total, reverse=True)[:limit]
