@@ -19,7 +19,7 @@ from gem_ops.serving.latency import LatencySettings
 from gem_ops.serving.registry import SERVING, download_serving_artifact, serve_champion
 from gem_ops.serving.request import request_batch
 from gem_ops.tracking import RunTracker
-from gem_ops.train.mlflow_model import batch_to_frame, log_model, predict_frame
+from gem_ops.train.mlflow_model import batch_to_frame, input_example, log_model, predict_frame
 from gem_ops.train.model_state import seeded_model
 from gem_ops.transfer.registry import CHAMPION, set_alias
 from tests.model_inputs import SPEC
@@ -151,6 +151,14 @@ def test_the_client_retrieves_from_a_users_history_what_the_training_data_gave_t
             for name in ("history_item_id", "history_action", "history_age_seconds", "history_surface"):
                 assert getattr(served, name).tolist() == getattr(trained, name)[a:b].tolist(), (limit, cap, k, i, name)
             assert served.retrieved_lengths.tolist() == trained.retrieved_lengths[i : i + 1].tolist()
+    # The example a logged model carries reads as the model trains: its retrieved events in retrieved_* columns.
+    model = seeded_model(spec, model_config("vertical", width=0.5, **{"sequence.max_history_len": 4,
+                                                                      "sequence.first_level_tokens": 4,
+                                                                      "sequence.retrieved_events": 2}))
+    example = input_example(logs, rows, model)
+    assert example["retrieved_item_id"].map(list).tolist() == [[1, 1], [], []]  # 6 is among the 4 recent events
+    assert example["history_item_id"].map(len).tolist() == [2, 4, 4]  # within 4 with the retrieved ones
+    assert predict_frame(model, example)["p_click"].between(0, 1).all()
 
 
 def test_the_latency_gate_refuses_a_champion_slower_than_the_budget(registry, tmp_path):
