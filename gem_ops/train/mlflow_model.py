@@ -106,8 +106,8 @@ def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec, retrieved: bool = Fal
     def flat(column: str, dtype) -> np.ndarray:
         """The column's events and, before each row's, its retrieved ones."""
         retrieved_column = RETRIEVED_PREFIX + column.removeprefix("history_")
-        values = [v for i, row in enumerate(frame[column]) for v in
-                  (list(frame[retrieved_column].iloc[i]) + list(row) if retrieved else row)]
+        rows = zip(frame[retrieved_column], frame[column]) if retrieved else (((), row) for row in frame[column])
+        values = [v for before, row in rows for part in (before, row) for v in part]
         for name, counts in ((column, lengths), *(((retrieved_column, found),) if retrieved else ())):
             if [len(row) for row in frame[name]] != counts.tolist():
                 raise ValueError(f"request column '{name}': list lengths differ from "
