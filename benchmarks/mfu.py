@@ -249,7 +249,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
                                      "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds", "communication",
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
-                                     "step_stalls", "top_kernels")
+                                     "step_stalls", "top_kernels", "eager_operators")
                   if k in report}}
     if run.get("top_kernels"):  # where the profiled steps' device time went, by kind of kernel
         from gem_ops.metrics.kernels import time_by_kind

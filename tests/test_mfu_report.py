@@ -115,6 +115,31 @@ def test_host_waits_on_a_full_launch_queue_are_not_device_time():
     assert device_time(phase) == 90.0
 
 
+def test_eager_operators_name_their_shapes_and_the_project_line_that_ran_them():
+    """The history tokens' eager sum in GEMEmbeddings.forward is found by op, shape and source line."""
+    import torch
+
+    from gem_ops.model.config import model_config
+    from gem_ops.model.features import model_input
+    from gem_ops.train.mfu_window import eager_operators
+    from gem_ops.train.model_state import seeded_model
+    from tests.model_inputs import SPEC, random_batch
+
+    config = model_config("gem", width=0.5, blocks=1)
+    model = seeded_model(SPEC, config)
+    x = model_input(random_batch([30, 7, 0, 12]), SPEC, config)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                with_stack=True) as prof:
+        model.loss(x)[0].backward()
+    rows = eager_operators(prof, steps=1, device=torch.device("cpu"), limit=1000)
+    dim = config.embedding.sequence_dim
+    sums = [r for r in rows if r["name"] == "aten::add" and r["input_shapes"].startswith(f"[[49, {dim}], [49, {dim}]")]
+    in_forward = [r for r in sums if "embeddings.py" in r["caller"]]
+    assert in_forward and in_forward[0]["calls"] == len(model.embeddings.history_keys) - 1, sums
+    assert any(r["caller"] == "EmbeddingBackward0" for r in rows)  # backward ops: their autograd node
+    assert all(r["ms"] >= 0 and r["calls"] > 0 for r in rows)
+
+
 def test_mfu_benchmark_runs_compile_settings_side_by_side_against_the_first():
     """`--precisions bf16@dense bf16@model`: each run's engine command carries its own compile setting, and each
     variant is compared with the first (loss after the same steps, samples/s ratio, per repeat)."""

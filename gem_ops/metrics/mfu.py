@@ -142,6 +142,8 @@ class MFUReport:
     profile_table: str = ""
     # the kernels and copies with the most device time per profiled step: name, milliseconds, calls (GPU only)
     top_kernels: list[dict[str, Any]] = field(default_factory=list)
+    # ATen ops by input shapes and calling line, with the device time they launched per profiled step (GPU only)
+    eager_operators: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
 

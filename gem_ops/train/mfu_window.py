@@ -123,8 +123,10 @@ class WindowObserver:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(
-                wait=window.warmup_steps + window.steps, warmup=1, active=window.profile_steps, repeat=1))
+            # Shapes and stacks name the tensors of the ops run outside compiled code (profiled steps only).
+            self.profiler = torch.profiler.profile(
+                activities=activities, record_shapes=True, with_stack=True, schedule=torch.profiler.schedule(
+                    wait=window.warmup_steps + window.steps, warmup=1, active=window.profile_steps, repeat=1))
 
     def _stall_counts(self) -> tuple[float, int, int]:
         from torch._dynamo.utils import counters
@@ -178,6 +180,7 @@ class WindowObserver:
         report.profile_table = averages.table(sort_by=sort_by, row_limit=25)
         if device.type == "cuda":
             report.top_kernels = top_device_operators(averages, steps)
+            report.eager_operators = eager_operators(prof, steps, device)
 
 
 @contextlib.contextmanager
@@ -241,6 +244,42 @@ def top_device_operators(averages, steps: int, limit: int | None = None) -> list
                   key=lambda a: a.self_device_time_total, reverse=True)[:limit]
     return [{"name": a.key[:120], "ms": a.self_device_time_total / 1e3 / max(1, steps), "calls": a.count / max(1, steps)}
             for a in rows]
+
+
+def eager_operators(profile, steps: int, device: torch.device, limit: int = 40) -> list[dict]:
+    """The ATen ops that launched the most device time themselves (CPU time on a CPU), by input shapes and the
+    first line of project code that called them: what runs outside compiled graphs (Inductor's kernels have no
+    ATen op). Needs a profile recorded with shapes and stacks."""
+    rows = {}
+    for event in profile.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or not event.name.startswith("aten::"):
+            continue
+        ms = (event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total) / 1e3
+        if ms <= 0:
+            continue
+        caller = _caller(event)
+        key = (event.name, str(event.input_shapes)[:160], caller)
+        row = rows.setdefault(key, {"name": key[0], "input_shapes": key[1], "caller": caller, "ms": 0.0, "calls": 0})
+        row["ms"] += ms / max(1, steps)
+        row["calls"] += 1 / max(1, steps)
+    return sorted(rows.values(), key=lambda row: row["ms"], reverse=True)[:limit]
+
+
+def _caller(event) -> str:
+    """The first project frame on the stack of the op or of its nearest recorded parent; in the backward
+    (autograd's thread, no Python stack) the autograd node that ran it."""
+    while event is not None:  # Python frames are events of their own, named "path(line): function"
+        frame = next((f for f in [event.name, *(event.stack or ())] if _project_frame(f)), None)
+        if frame:
+            return frame
+        if event.name.startswith("autograd::engine::evaluate_function"):
+            return event.name.split(": ", 1)[-1]
+        event = event.cpu_parent
+    return ""
+
+
+def _project_frame(name: str) -> bool:
+    return ".py(" in name and ("gem_ops/" in name or "kernels/" in name)
 
 
 def scope_seconds(profile, device: torch.device, scopes: tuple[str, ...], steps: int) -> dict[str, float]:
