@@ -289,7 +289,38 @@ def test_a_second_compile_of_the_step_loads_aotautograds_cached_graphs(tmp_path,
 def test_compile_model_wraps_gems_step():
     model = seeded_model(SPEC, model_config("gem", width=0.5, blocks=2, **SMALL_TABLES))
     applied = prepare_for_training(model, TrainConfig(compile="model"), "cpu")
-    assert applied["compile"] == ["dense_loss_sums"] and isinstance(model.dense_loss_sums, functools.partial)
+    assert applied["compile"] == ["dense_loss_sums", "embeddings.history_tokens"]
+    assert isinstance(model.dense_loss_sums, functools.partial)
+    assert isinstance(model.embeddings.history_tokens, functools.partial)
+
+
+def test_compiled_history_tokens_match_eager_and_give_every_part_one_gradient():
+    """The sum of each event's embeddings, its norm and the cast to the autocast dtype, compiled as one graph: the
+    eager result and gradients, and the parts' gradients one tensor (no copy per part)."""
+    config = model_config("gem", width=0.5, blocks=1, **SMALL_TABLES)
+    model = seeded_model(SPEC, config)
+    eager = model.embeddings.history_tokens
+    compile_model_step(model)
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(37, config.embedding.sequence_dim, generator=g) for _ in model.embeddings.history_keys]
+    d_out = torch.randn(37, config.embedding.sequence_dim, generator=g)
+    results = []
+    for tokens in (eager, model.embeddings.history_tokens):
+        # Not leaves, as lookups are not: what reaches each part (a leaf's gradient is a copy of its own)
+        inputs = [p.clone().requires_grad_().clone() for p in parts]
+        grads = []
+        for x in inputs:
+            x.register_hook(grads.append)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = tokens(*inputs)
+        assert out.dtype == torch.bfloat16
+        out.backward(d_out.to(out.dtype))
+        results.append((out.float(), grads))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+    assert len(got_grads) == len(parts) and len({grad.data_ptr() for grad in got_grads}) == 1
 
 
 def test_compile_model_names_the_setting_for_a_model_without_a_step():

@@ -250,6 +250,38 @@ def test_fp8_forward_matches_reference_on_cpu_interpreter(case):
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_q_k_v_sliced_from_one_projection_reach_the_kernels_without_a_copy_on_cpu_interpreter(monkeypatch):
+    """A fused projection's q, k and v ([tokens, heads, dim] views with a token stride of 3 x heads x dim) are read in
+    place, through pointers and descriptors, forward and backward, with the results of contiguous copies."""
+    from kernels.jagged_attention_op import jagged_attention_op
+    from kernels.triton import triton_jagged_attention as kernel
+
+    torch.manual_seed(0)
+    offsets = _offsets([5, 0, 23, 9], "cpu")
+    fused = torch.randn(int(offsets[-1]), 3 * 2 * 16)
+    q, k, v = fused.view(-1, 3, 2, 16).unbind(1)
+    assert not q.is_contiguous() and all(kernel._rows_packed(x) for x in (q, k, v))
+    pointers = []
+    forward = kernel._forward
+    monkeypatch.setattr(kernel, "_forward", lambda p, *qkv, **kw: pointers.append([x.data_ptr() for x in qkv[:3]]) or
+                        forward(p, *qkv, **kw))
+    d_out = torch.randn(q.shape[0], 2, 16)
+    for activation in ("softmax", "silu"):
+        views = [x.detach().requires_grad_() for x in (q, k, v)]
+        copies = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+        got = jagged_attention(*views, offsets, offsets, causal=True, activation=activation, backend="triton")
+        want = jagged_attention(*copies, offsets, offsets, causal=True, activation=activation, backend="triton")
+        assert pointers[0] == [x.data_ptr() for x in views]
+        for a, b in zip([got, *torch.autograd.grad(got, views, d_out)], [want, *torch.autograd.grad(want, copies, d_out)]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        out, _ = jagged_attention_op(q, k, v, offsets, offsets, True, activation, 0.25, "triton")
+        assert pointers[2] == [x.data_ptr() for x in (q, k, v)]
+        torch.testing.assert_close(out, jagged_attention_op(*(x.contiguous() for x in (q, k, v)), offsets, offsets, True,
+                                                            activation, 0.25, "triton")[0], rtol=1e-5, atol=1e-5)
+        pointers.clear()
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
 def test_tile_cache_is_never_stale_on_cpu_interpreter():
     """Cached tile lists serve the same unmodified offsets tensor only: not one edited in place, nor another."""
     from kernels.triton import triton_jagged_attention as kernel
@@ -538,14 +570,14 @@ def test_compiled_caller_runs_the_kernels_on_gpu():
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
-                          + len(FP8_CASES) + len(TILE_TABLE_CASES) + 2 + _default_count(NAN_INTERPRETER_CASES))
+                          + len(FP8_CASES) + len(TILE_TABLE_CASES) + 3 + _default_count(NAN_INTERPRETER_CASES))
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_every_interpreter_case():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
-                          + len(TILE_TABLE_CASES) + 2 + len(NAN_CASES), markers="")
+                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES), markers="")
 
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory on Hopper

@@ -87,8 +87,16 @@ class GEMEmbeddings(nn.Module):
         pooled = torch.stack([self._at_width(key, by_key[key]) for key in self.pooled_keys], dim=1)
         seq = self._sequence_lookups(x.sequence)
         candidate = self._at_width(F.CANDIDATE_ITEM, seq[F.CANDIDATE_ITEM].values())
-        history = sum(self._at_width(key, seq[key].values()) for key in self.history_keys)  # item + context of each event
-        return pooled, candidate, self.history_norm(history)
+        return pooled, candidate, self.history_tokens(*(self._at_width(key, seq[key].values()) for key in self.history_keys))
+
+    def history_tokens(self, *parts: torch.Tensor) -> torch.Tensor:
+        """[N, ds]: each event's item and context embeddings summed and normed, in the autocast dtype under
+        autocast (what the sequence layers read). Compiled with the step (acceleration.compile_model_step), the
+        sum, the norm and the cast are one kernel and the parts' gradient is one tensor, not an eager add per part."""
+        history = self.history_norm(sum(parts))
+        if torch.is_autocast_enabled(history.device.type):
+            history = history.to(torch.get_autocast_dtype(history.device.type))
+        return history
 
     def _sequence_lookups(self, ids: KeyedJaggedTensor) -> dict:
         if not self.sequence_other:

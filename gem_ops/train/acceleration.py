@@ -140,7 +140,12 @@ def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", f
     _cache_custom_autograd_functions()
     compiled = torch.compile(model.dense_loss_sums, dynamic=True, backend=backend, fullgraph=fullgraph)
     model.dense_loss_sums = functools.partial(_size_oblivious, compiled)
-    return ["dense_loss_sums"]
+    # The history tokens' sum and norm run inside the embeddings' forward (an FSDP2 unit of its own on some
+    # paths, so not within the step's graph): a graph of their own, one kernel for the sum, norm and cast.
+    embeddings = model.embeddings
+    tokens = torch.compile(embeddings.history_tokens, dynamic=True, backend=backend, fullgraph=True)
+    embeddings.history_tokens = functools.partial(_size_oblivious, tokens)
+    return ["dense_loss_sums", "embeddings.history_tokens"]
 
 
 def _cache_custom_autograd_functions() -> None:

@@ -1006,7 +1006,19 @@ def _use_tma(p: _Problem, *tensors) -> bool:
         return False  # descriptor coordinates are int32
     if not INTERPRETING and not (tensors[0].is_cuda and _has_tma(tensors[0].device.index or 0)):
         return False
-    return all(x.shape[0] > 0 and x.is_contiguous() and x.data_ptr() % 16 == 0 for x in tensors)
+    return all(x.shape[0] > 0 and _rows_packed(x) and (x.stride(0) * x.element_size()) % 16 == 0
+               and x.data_ptr() % 16 == 0 for x in tensors)
+
+
+def _rows_packed(x: torch.Tensor) -> bool:
+    """Whether each token's heads lie side by side ([tokens, heads, dim] with any token stride): what the kernels
+    read, through pointers or as a [tokens, heads * dim] descriptor. The q, k and v sliced from one fused
+    projection are, and need no copy."""
+    return x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1)
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    return x if _rows_packed(x) else x.contiguous()
 
 
 def _descriptor(x: torch.Tensor, tma: bool):
@@ -1015,7 +1027,7 @@ def _descriptor(x: torch.Tensor, tma: bool):
     if not tma:
         return x
     width = x.shape[1] * x.shape[2]
-    return TensorDescriptor(x, [x.shape[0], width], [width, 1], [16, x.shape[2]])
+    return TensorDescriptor(x, [x.shape[0], width], [x.stride(0), 1], [16, x.shape[2]])
 
 
 def _flat_descriptor(x: torch.Tensor, tma: bool):
@@ -1097,7 +1109,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale=None):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = _packed(q), _packed(k), _packed(v)
         problem = _Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale)
         out, stats = _forward(problem, q, k, v, descale)
         ctx.save_for_backward(q, k, v, out, stats)
@@ -1130,7 +1142,7 @@ def _check_dims(q, v) -> None:
 # batch's (torch 2.11-2.13 restride saved activations to the forward's concrete strides).
 def op_forward(q, k, v, q_offsets, kv_offsets, causal, activation, scale):
     _check_dims(q, v)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _packed(q), _packed(k), _packed(v)
     out, stats = _forward(_Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale), q, k, v)
     return out, q.new_empty(0, dtype=torch.float32) if stats is None else stats.view(-1)
 
