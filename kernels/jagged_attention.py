@@ -154,6 +154,11 @@ def tuning_runs() -> int:
     return _triton_kernels.tuning_runs() if _triton_kernels is not None else 0
 
 
+def compiled_variants() -> int:
+    """Kernel binaries (specialisations) the attention's Triton kernels hold in this process: 0 without Triton."""
+    return _triton_kernels.compiled_variants() if _triton_kernels is not None else 0
+
+
 def _register_kernels() -> None:
     global _triton_kernels
     try:

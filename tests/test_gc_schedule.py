@@ -130,4 +130,5 @@ def test_an_mfu_window_records_what_stalled_each_step():
     assert stalls["compiled_graphs"] == [0.0, 1.0, 0.0]
     assert stalls["gc_seconds"][2] > 0
     assert stalls["attention_tunings"] == [0.0, 0.0, 0.0]  # no attention kernel ran
+    assert stalls["attention_compiles"] == [0.0, 0.0, 0.0]
     assert observer.step_stalls(1, 3)["compiled_graphs"] == [1.0, 0.0]

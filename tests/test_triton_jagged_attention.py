@@ -281,6 +281,30 @@ def test_q_k_v_sliced_from_one_projection_reach_the_kernels_without_a_copy_on_cp
         pointers.clear()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_views_off_the_16_byte_line_compile_no_new_kernel_variant_on_gpu():
+    """q, k, v sliced from one projection run in place; one that starts off Triton's 16-byte alignment is copied,
+    so a batch whose view lands there costs no compile of a new specialisation inside a step."""
+    from kernels.jagged_attention import compiled_variants
+
+    torch.manual_seed(0)
+    offsets = _offsets([50, 0, 230, 90], "cuda")
+    fused = torch.randn(int(offsets[-1]) * 3 * 4 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+
+    def run(start: int) -> torch.Tensor:
+        q, k, v = fused[start:start + int(offsets[-1]) * 3 * 256].view(-1, 3, 4, 64).unbind(1)
+        out = jagged_attention(q, k, v, offsets, offsets, causal=True, activation="softmax", backend="triton")
+        torch.cuda.synchronize()
+        return out
+
+    aligned = run(0)
+    variants = compiled_variants()
+    shifted = run(1)  # every view 2 bytes past the line
+    assert compiled_variants() == variants
+    assert torch.isfinite(shifted).all() and not torch.equal(shifted, aligned)
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
 def test_tile_cache_is_never_stale_on_cpu_interpreter():
     """Cached tile lists serve the same unmodified offsets tensor only: not one edited in place, nor another."""

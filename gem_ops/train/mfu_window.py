@@ -24,7 +24,7 @@ from gem_ops.metrics.overlap import communication_overlap, device_kernels
 from gem_ops.model.config import ModelConfig
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.gc_schedule import CollectionPauses
-from kernels.jagged_attention import tuning_runs
+from kernels.jagged_attention import compiled_variants, tuning_runs
 
 # What the CUDA profiler lists with device time that is no GPU work: a kernel launch that waited for
 # room in a full launch queue. Left out of every phase, module and busy figure.
@@ -128,15 +128,16 @@ class WindowObserver:
                 activities=activities, record_shapes=True, with_stack=True, schedule=torch.profiler.schedule(
                     wait=window.warmup_steps + window.steps, warmup=1, active=window.profile_steps, repeat=1))
 
-    def _stall_counts(self) -> tuple[float, int, int]:
+    def _stall_counts(self) -> tuple[float, int, int, int]:
         from torch._dynamo.utils import counters
 
-        return self.pauses.seconds, counters["stats"]["unique_graphs"], tuning_runs()
+        return self.pauses.seconds, counters["stats"]["unique_graphs"], tuning_runs(), compiled_variants()
 
     def step_stalls(self, first: int, last: int) -> dict[str, list[float]]:
         """Per step from `first` to `last` (excluded): seconds in garbage collection, graphs compiled by
-        torch.compile, attention-kernel tunings."""
-        names = ("gc_seconds", "compiled_graphs", "attention_tunings")
+        torch.compile, attention-kernel tunings, attention-kernel binaries compiled or loaded (a tuning compiles
+        its candidates; without one, a new specialisation of a tuned kernel)."""
+        names = ("gc_seconds", "compiled_graphs", "attention_tunings", "attention_compiles")
         return {name: [float(after[i] - before[i]) for before, after in zip(self.stalls[first:last],
                                                                            self.stalls[first + 1 : last + 1])]
                 for i, name in enumerate(names)}

@@ -970,6 +970,15 @@ def tuning_runs() -> int:
     return _TunedLaunch.runs
 
 
+def compiled_variants() -> int:
+    """Kernel binaries the attention's Triton functions hold in this process, every device: one per
+    specialisation (dtypes, constexprs, the alignment of pointers, integers equal to 1 or divisible by 16), so a
+    rise outside a tuning run is a compile (or a load from Triton's disk cache) for a new specialisation."""
+    functions = [f.fn if isinstance(f, triton.runtime.Autotuner) else f for f in globals().values()
+                 if isinstance(f, (triton.runtime.JITFunction, triton.runtime.Autotuner))]
+    return sum(len(caches[0]) for f in functions for caches in getattr(f, "device_caches", {}).values())  # none interpreted
+
+
 _launch_forward = _TunedLaunch(_forward_kernel, _KV_DESCRIPTORS)
 _launch_dq = _TunedLaunch(_dq_kernel, _KV_DESCRIPTORS)
 _launch_dkdv = _TunedLaunch(_dkdv_kernel, _Q_DESCRIPTORS)
@@ -1018,7 +1027,12 @@ def _rows_packed(x: torch.Tensor) -> bool:
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
-    return x if _rows_packed(x) else x.contiguous()
+    """x itself where its rows are packed and it starts 16-byte aligned, else a contiguous copy: Triton compiles a
+    kernel variant per alignment of its pointer arguments, and a view that starts off the line in one batch only
+    would compile one inside a training step."""
+    if _rows_packed(x) and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _descriptor(x: torch.Tensor, tma: bool):
@@ -1072,7 +1086,7 @@ def _backward(p: _Problem, q, k, v, out, stats, d_out):
     # dq is summed over key blocks in fp32 when the dk/dv kernel adds into it atomically.
     dq = torch.zeros_like(q, dtype=torch.float32) if atomic else torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    d_out = d_out.contiguous()
+    d_out = _packed(d_out)
     stats = d_out if p.silu else stats  # never read when SILU
     stats_stride, delta_offset = (0, 0) if p.silu else (p.stats_stride, stats.stride(0))
     _backward_prologue(p, out, d_out, stats, dq, dk, dv, zero_dq=not atomic)
