@@ -744,6 +744,24 @@ def test_kernels_compile_when_integer_arguments_are_one():
 
 
 @pytest.mark.skipif(INTERPRETING, reason="needs no interpreter")
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter does not specialise")
+def test_kernels_compile_no_variant_per_batch_size():
+    """Every integer argument that a batch's sizes set is left unspecialised (Triton would otherwise compile a variant
+    per class: equal to 1, divisible by 16), so no new batch compiles a kernel inside a step."""
+    import triton
+
+    from kernels.triton import triton_jagged_attention as kernel
+
+    functions = {name: getattr(kernel, name) for name in ("_tile_table_kernel", "_forward_kernel",
+                                                          "_backward_prologue_kernel", "_dq_kernel", "_dkdv_kernel")}
+    for name, function in functions.items():
+        jit = function.fn if isinstance(function, triton.runtime.Autotuner) else function  # it wraps the JIT function
+        arguments = [p.name for p in jit.params]
+        unspecialised = {p.name for p in jit.params if p.do_not_specialize}
+        batch = {"num_seqs", "total_q", "total_kv", "stats_stride", "delta_offset"} & set(arguments)
+        assert batch and unspecialised == batch, (name, unspecialised, batch)
+
+
 def test_tuned_launch_tunes_once_per_key_then_calls_the_chosen_config():
     """The autotuner runs on a new key (or when its configs are swapped); later launches with that key call the
     kernel with the chosen config directly, with the descriptors' blocks set as the config's pre-hook sets them."""

@@ -296,7 +296,21 @@ def _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, queries):
     return tl.where(queries, q_lens, kv_lens).to(tl.int32)
 
 
-@triton.jit
+# Integer arguments that change with the batch: Triton would compile a variant of a kernel per value class of each
+# (equal to 1, divisible by 16), and a batch that met a new class inside a training step stalled it for a compile.
+_BATCH_INTEGERS = ("num_seqs", "total_q", "total_kv", "stats_stride", "delta_offset")
+
+
+def _batch_integers(fn) -> list[str]:
+    return [name for name in _BATCH_INTEGERS if name in fn.__code__.co_varnames[:fn.__code__.co_argcount]]
+
+
+def _jit(fn):
+    """triton.jit with no specialisation on the batch's integers (_BATCH_INTEGERS)."""
+    return triton.jit(fn, do_not_specialize=_batch_integers(fn))
+
+
+@_jit
 def _tile_table_kernel(q_offsets_ptr, kv_offsets_ptr, part_info_ptr, tiles_ptr, index_ptr, num_seqs, num_parts, width,
                        CAUSAL: tl.constexpr, TILES: tl.constexpr, SEQS: tl.constexpr):
     """One sequence's tiles of one part, each written straight to its slot in the heaviest-first order: its rank
@@ -602,7 +616,7 @@ def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_ba
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench,
                  prune_configs_by={"early_config_prune": _pruner("forward")})
-@triton.jit
+@_jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, stats_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
     descale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stats_stride,
@@ -656,7 +670,7 @@ def _forward_kernel(
 # Backward: the per-query statistics both backward kernels read
 
 
-@triton.jit
+@_jit
 def _backward_prologue_kernel(out_ptr, do_ptr, stats_ptr, dq_ptr, dk_ptr, dv_ptr, q_offsets_ptr, kv_offsets_ptr,
                               tiles_ptr, tile_index_ptr, stride_ot, stride_oh, stride_dot, stride_doh, stats_stride,
                               delta_offset, total_q, total_kv, num_seqs, HEAD_DIM: tl.constexpr,
@@ -723,7 +737,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_ba
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench,
                  prune_configs_by={"early_config_prune": _pruner("dq")})
-@triton.jit
+@_jit
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, stats_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
     tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -829,7 +843,7 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, q_co
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA"], do_bench=_short_bench,
                  reset_to_zero=["dq_ptr"], prune_configs_by={"early_config_prune": _pruner("dkdv")})
-@triton.jit
+@_jit
 def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, stats_ptr, stats_desc, dk_ptr, dv_ptr, dq_ptr, dq_desc,
     q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
