@@ -57,14 +57,18 @@ def main() -> None:
     parser.add_argument("--models-dir", type=Path, default=None)
     parser.add_argument("--history-cut-share", type=float, default=0.0,
                         help="train on histories cut to random lengths for this share of examples (TrainConfig)")
-    parser.add_argument("--log", choices=("strong", "recurring"), default="strong",
+    parser.add_argument("--log", choices=("strong", "recurring", "movielens"), default="strong",
                         help="the synthetic log: STRONG_SIGNAL, or RECURRING_SIGNAL (retargeting every other day, "
-                             "each early item once: far history that only power users need)")
+                             "each early item once: far history that only power users need); or the bundled "
+                             "MovieLens sample replayed onto the same 14 days")
     parser.add_argument("--retrieved-events", type=int, default=0,
                         help="also train each seed's model with up to this many older events of the candidate's item "
                              "before its recent ones (sequence.retrieved_events) and score the retrieval policy: "
                              "each fixed cap's recent events plus those, against the fixed cap of equal cost on both "
                              "models (the other policies are left out of such a run)")
+    parser.add_argument("--retrieval-key", default="item",
+                        help="what a retrieved event shares with the candidate: item, or an item feature "
+                             "(item_category on the synthetic logs, item_genre on MovieLens)")
     parser.add_argument("--output-name", default="adaptive_compute", help="results/<name>.json")
     args = parser.parse_args()
 
@@ -73,6 +77,7 @@ def main() -> None:
     import torch
 
     from gem_ops.data.batch_shuffling import ShufflingConfig
+    from gem_ops.data.movielens import MOVIELENS_HISTORY_EVENT_TYPES
     from gem_ops.data.prepare import prepare_training_data
     from gem_ops.data.raw_event_logs import EventSource
     from gem_ops.data.sequence_logs import SequenceLogsConfig
@@ -90,9 +95,14 @@ def main() -> None:
                           **{"sequence.max_history_len": long_cap, "sequence.first_level_tokens": 32})
     runs, policies = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        synthetic = {"strong": STRONG_SIGNAL, "recurring": RECURRING_SIGNAL}[args.log]
-        data = prepare_training_data(EventSource("synthetic", synthetic), date(2026, 11, 14), 14, tmp,
-                                     SequenceLogsConfig(max_history_len=long_cap, eval_days=2),
+        if args.log == "movielens":  # ratings and sampled negatives; only the ratings form the timelines
+            source, history_types = EventSource("movielens", movielens_replay_days=14), MOVIELENS_HISTORY_EVENT_TYPES
+        else:
+            source = EventSource("synthetic", {"strong": STRONG_SIGNAL, "recurring": RECURRING_SIGNAL}[args.log])
+            history_types = None
+        data = prepare_training_data(source, date(2026, 11, 14), 14, tmp,
+                                     SequenceLogsConfig(max_history_len=long_cap, eval_days=2,
+                                                        history_event_types=history_types),
                                      ShufflingConfig(sub_batch_size=64, sub_batches_per_rank=4))
         logs = data.open()
         spec = FeatureSpec.from_logs(logs)
@@ -121,13 +131,14 @@ def main() -> None:
                                        eval_max_examples=1000, validation_days=1, seed=seed,
                                        history_cut_share=args.history_cut_share)
             found = f"_found{retrieved_events}" if retrieved_events else ""
+            found += f"_by_{args.retrieval_key}" if retrieved_events and args.retrieval_key != "item" else ""
             cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_cut{args.history_cut_share:g}{found}_v1.pt" \
                 if args.models_dir else None
             if cached is not None and cached.exists():
                 return model_from_state(load_model_state(cached)), None
             torch.manual_seed(seed)
-            retrieving = dataclasses.replace(config, sequence=dataclasses.replace(config.sequence,
-                                                                                  retrieved_events=retrieved_events))
+            retrieving = dataclasses.replace(config, sequence=dataclasses.replace(
+                config.sequence, retrieved_events=retrieved_events, retrieval_key=args.retrieval_key))
             model, result = train(logs, data.plans[1], retrieving, train_config)
             if cached is not None:
                 save_model_state(model_state(model), cached)
@@ -138,7 +149,7 @@ def main() -> None:
                 del caps[name], cost[name], policies[name]
             for c in FIXED_CAPS[:-1]:
                 found = np.array([m.size for m in logs.retrieve_matches(eval_indices, np.minimum(eval_lengths, c),
-                                                                        args.retrieved_events)])
+                                                                        args.retrieved_events, args.retrieval_key)])
                 cost[f"retrieved_at_{c}"] = float(retrieval_costs(costs, eval_lengths, c, found).mean())
                 equal = fixed_cap_of_cost(costs, eval_lengths, cost[f"retrieved_at_{c}"])
                 policies[f"retrieved_at_{c}"] = {"cap": c, "retrieved_events": args.retrieved_events,
@@ -169,7 +180,7 @@ def main() -> None:
                     "share_reaching_past_base": float((chosen > match.base_cap).mean())}
             runs[seed] = {name: _quality(model, logs, eval_indices, c) for name, c in seed_caps.items()}
             runs[seed]["far_match_slice"] = {f"fixed_{c}": _quality(model, logs, eval_indices[far], np.full(far.sum(), c))
-                                              for c in FIXED_CAPS}
+                                              for c in FIXED_CAPS} if far.any() else {}
             runs[seed]["train_seconds"] = seconds
             print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()
                                                 if n in seed_caps), flush=True)
@@ -187,7 +198,8 @@ def main() -> None:
                                          for g in slice_runs[args.seeds[0]][name]} for name in slice_runs[args.seeds[0]]}
     for line in summary["table"]:
         print(line)
-    settings = {**vars(args), "synthetic": {"strong": "STRONG_SIGNAL", "recurring": "RECURRING_SIGNAL"}[args.log], "days": 14, "eval_days": 2, "fixed_caps": FIXED_CAPS,
+    log = {"strong": "STRONG_SIGNAL", "recurring": "RECURRING_SIGNAL", "movielens": "MovieLens latest-small"}[args.log]
+    settings = {**vars(args), "log": log, "days": 14, "eval_days": 2, "fixed_caps": FIXED_CAPS,
                 "eval_examples": int(eval_indices.size), "model": config.to_dict(),
                 "eval_history_length_quantiles": {q: float(np.quantile(eval_lengths, q)) for q in (0.5, 0.9, 0.99)},
                 "eval_share_beyond_1024": float((eval_lengths > long_cap).mean()),
@@ -205,10 +217,9 @@ def _retrieval_run(trained, seed: int, retrieved_events: int, logs, eval_indices
     run |= {f"plain_{name}": _quality(plain, logs, eval_indices, c) for name, c in caps.items()}
     for c in FIXED_CAPS[:-1]:
         run[f"retrieved_at_{c}"] = _quality(model, logs, eval_indices, caps[f"fixed_{c}"], retrieved_events)
-    run["far_match_slice"] = {**{f"fixed_{c}": _quality(plain, logs, eval_indices[far], np.full(far.sum(), c))
-                                 for c in FIXED_CAPS},
-                              "retrieved_at_64": _quality(model, logs, eval_indices[far], np.full(far.sum(), 64),
-                                                          retrieved_events)}
+    run["far_match_slice"] = {} if not far.any() else {  # none on a log where no user meets an item twice
+        **{f"fixed_{c}": _quality(plain, logs, eval_indices[far], np.full(far.sum(), c)) for c in FIXED_CAPS},
+        "retrieved_at_64": _quality(model, logs, eval_indices[far], np.full(far.sum(), 64), retrieved_events)}
     run["train_seconds"] = {"retrieval": seconds, "plain": plain_seconds}
     return run
 
@@ -248,7 +259,7 @@ def _quality(model, logs, indices, caps, retrieved_events: int = 0) -> dict:
                 # The cap bounds the recent events; retrieved ones come on top (as the model trained and a server
                 # sends them: retrieval_costs), within the model's longest history.
                 batch = logs.batch(rows, model.config.sequence.max_history_len, np.full(rows.size, int(cap)),
-                                   retrieved_events=retrieved_events)
+                                   retrieved_events=retrieved_events, retrieval_key=model.config.sequence.retrieval_key)
                 x = model_input(batch, model.spec, model.config)
                 parts["logits"].append(model(x).float())
                 parts["labels"].append(x.labels)

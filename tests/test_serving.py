@@ -99,7 +99,8 @@ def test_a_model_with_retrieved_events_serves_them_per_candidate_as_its_pyfunc_s
     version = log_model(client, run, model, example, "vertical_retrieving")
     served = ServingClient(export_serving(model, tmp_path / "serving").folder)
     manifest = served.manifest
-    assert manifest["retrieved_events"] == 3 and [i["name"] for i in manifest["inputs"]][-7:] == [
+    assert manifest["retrieved_events"] == 3 and manifest["retrieval_key"] == "item"
+    assert [i["name"] for i in manifest["inputs"]][-7:] == [
         "retrieved_item_id", "retrieved_surface", "retrieved_event_type", "retrieved_action",
         "retrieved_age_seconds", "retrieved_item_features", "retrieved_count"]
     mlflow.set_tracking_uri(registry["uri"])
@@ -125,25 +126,34 @@ def test_a_model_with_retrieved_events_serves_them_per_candidate_as_its_pyfunc_s
         predict_frame(registry["models"][0], frame)
 
 
-def test_the_client_retrieves_from_a_users_history_what_the_training_data_gave_the_model(tmp_path):
+@pytest.mark.parametrize("key", ["item", "item_category"])
+def test_the_client_retrieves_from_a_users_history_what_the_training_data_gave_the_model(tmp_path, key):
     """ServingClient.retrieve on the request of a user's whole history gives each candidate the events
-    SequenceLogs.batch gave it in training: the history cap's recent events, its item's older ones first."""
-    from gem_ops.serving.client import retrieve
+    SequenceLogs.batch gave it in training: the history cap's recent events, the older ones that match it (on its
+    item, or on its category) first."""
+    import polars as pl
+
+    from gem_ops.serving.client import retrieval_columns, retrieve
     from gem_ops.serving.request import request_of_example
     from tests.event_log_builders import build, example_by_item, hand_events
 
     views = [(9, 0, 10 * i, item, "feed", "organic_view", None, None) for i, item in enumerate([1, 2, 3, 1, 4, 5, 1, 6])]
     ads = [(9, 1, 0, 1, "feed", "ad_impression", 1, 0), (9, 1, 10, 8, "feed", "ad_impression", 0, 0),
            (9, 1, 20, 6, "feed", "ad_impression", 0, 0)]
-    logs = build(hand_events(views + ads), tmp_path / "seq", max_history_len=64)[1]
+    events = hand_events(views + ads).with_columns(item_category=pl.col("item_id") % 3)
+    logs = build(events, tmp_path / "seq", max_history_len=64)[1]
     spec = FeatureSpec.from_logs(logs)
+    columns = retrieval_columns(key, list(spec.history_item_features), list(spec.sparse_features))
     rows = np.array([example_by_item(logs, item) for item in (1, 8, 6)])
     whole = logs.batch(rows)
+    if key == "item_category":  # item 8's category, 2: items 2 and 5 among the events before its 2 most recent
+        found = logs.batch(rows[1:2], 64, np.array([2]), retrieved_events=5, retrieval_key=key)
+        assert found.history_item_id[: int(found.retrieved_lengths[0])].tolist() == [2, 5]
     for limit, cap, k in [(64, 2, 1), (64, 2, 5), (4, 3, 2), (4, None, 5), (1, None, 5), (64, 0, 2)]:
         caps = None if cap is None else np.full(rows.size, cap)
-        trained = logs.batch(rows, limit, caps, retrieved_events=k)
+        trained = logs.batch(rows, limit, caps, retrieved_events=k, retrieval_key=key)
         for i in range(rows.size):
-            served = request_batch(retrieve(request_of_example(whole, i), min(k, limit), limit, cap), spec)
+            served = request_batch(retrieve(request_of_example(whole, i), min(k, limit), limit, cap, columns), spec)
             if served.history_lengths[0] > limit:  # the model's cut (predict_frame's, the graph's mask)
                 from gem_ops.train.mlflow_model import _cut_histories
                 served = _cut_histories(served, limit)
@@ -151,6 +161,8 @@ def test_the_client_retrieves_from_a_users_history_what_the_training_data_gave_t
             for name in ("history_item_id", "history_action", "history_age_seconds", "history_surface"):
                 assert getattr(served, name).tolist() == getattr(trained, name)[a:b].tolist(), (limit, cap, k, i, name)
             assert served.retrieved_lengths.tolist() == trained.retrieved_lengths[i : i + 1].tolist()
+    if key != "item":
+        return
     # The example a logged model carries reads as the model trains: its retrieved events in retrieved_* columns.
     model = seeded_model(spec, model_config("vertical", width=0.5, **{"sequence.max_history_len": 4,
                                                                       "sequence.first_level_tokens": 4,
@@ -159,6 +171,15 @@ def test_the_client_retrieves_from_a_users_history_what_the_training_data_gave_t
     assert example["retrieved_item_id"].map(list).tolist() == [[1, 1], [], []]  # 6 is among the 4 recent events
     assert example["history_item_id"].map(len).tolist() == [2, 4, 4]  # within 4 with the retrieved ones
     assert predict_frame(model, example)["p_click"].between(0, 1).all()
+
+
+def test_a_retrieval_key_the_data_lacks_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"sequence.retrieval_key 'item_colour'.*\['item', 'item_category'\]"):
+        seeded_model(SPEC, model_config("vertical", **{"sequence.retrieved_events": 2,
+                                                             "sequence.retrieval_key": "item_colour"}))
+    model = seeded_model(SPEC, model_config("vertical", **{"sequence.retrieved_events": 2,
+                                                                 "sequence.retrieval_key": "item_category"}))
+    assert model.config.sequence.retrieval_key == "item_category"
 
 
 def test_the_latency_gate_refuses_a_champion_slower_than_the_budget(registry, tmp_path):

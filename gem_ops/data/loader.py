@@ -83,6 +83,7 @@ class SequenceLogs:
         np.cumsum(lengths, out=self.timeline_offsets[1:])
         self.user_ids = timelines.column("user_id").to_numpy()
         self._timeline = {name: _flat_values(timelines.column(name)) for name in TIMELINE_FIELDS}
+        self._timeline_features: dict[str, np.ndarray] = {}  # item features of every timeline event, as retrieved
 
         examples = _read_tables(self.path / EXAMPLES)
         self._examples = {name: _column(examples, name) for name in examples.column_names if name not in self._labels}
@@ -121,10 +122,12 @@ class SequenceLogs:
         return np.minimum(self._examples["history_end"], limit)
 
     def batch(self, indices: np.ndarray | list[int], max_history_len: int | None = None,
-              history_caps: np.ndarray | None = None, retrieved_events: int = 0) -> SequenceBatch:
+              history_caps: np.ndarray | None = None, retrieved_events: int = 0,
+              retrieval_key: str = "item") -> SequenceBatch:
         """Gathers the examples at `indices`; histories keep their most recent `max_history_len` events, and with
         `history_caps` (one per index) at most that many each. With `retrieved_events`, up to that many older
-        events of the candidate's item, from beyond those recent ones, come before them (retrieve_matches)."""
+        events matching the candidate on `retrieval_key`, from beyond those recent ones, come before them
+        (retrieve_matches)."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.n_examples):
             raise IndexError(f"example index out of range [0, {self.n_examples}) in {self.path}")
@@ -137,7 +140,7 @@ class SequenceLogs:
             lengths = np.minimum(lengths, np.maximum(np.asarray(history_caps, dtype=np.int64), 0))
         retrieved = None
         if retrieved_events:
-            retrieved = self.retrieve_matches(idx, lengths, min(retrieved_events, limit))
+            retrieved = self.retrieve_matches(idx, lengths, min(retrieved_events, limit), retrieval_key)
             # Within the model's longest history: a retrieved event takes the place of the oldest recent one.
             lengths = np.minimum(lengths, limit - np.array([r.size for r in retrieved], dtype=np.int64))
         return SequenceBatch(
@@ -159,20 +162,35 @@ class SequenceLogs:
                                torch.from_numpy(np.array([r.size for r in retrieved], dtype=np.int64))),
         )
 
-    def retrieve_matches(self, indices: np.ndarray, recent: np.ndarray, most: int) -> list[np.ndarray]:
-        """Per example: the timeline positions of the (up to `most`) latest events of its candidate's item older
-        than its `recent` most recent events, oldest first: the hard search of retrieval-based long-history
-        models, a per-user index lookup on a server, which puts far history in front of the model at the cost
-        of a few events instead of all between."""
+    def retrieve_matches(self, indices: np.ndarray, recent: np.ndarray, most: int,
+                         key: str = "item") -> list[np.ndarray]:
+        """Per example: the timeline positions of the (up to `most`) latest events older than its `recent` most
+        recent events that match its candidate on `key` (the candidate's item, or an item feature such as its
+        category; an unknown value matches nothing), oldest first: the hard search of retrieval-based
+        long-history models, a per-user index lookup on a server, which puts far history in front of the model
+        at the cost of a few events instead of all between."""
         if most < 0:
             raise ValueError(f"retrieved_events must be >= 0, got {most}")
-        rows, ends, items = (self._examples[c][indices] for c in ("user_row", "history_end", "item_id"))
-        starts, timeline_items = self.timeline_offsets[rows], self._timeline["item_id"]
+        rows, ends = self._examples["user_row"][indices], self._examples["history_end"][indices]
+        wanted, timeline_values = self._retrieval_values(key, indices)
+        starts = self.timeline_offsets[rows]
         found = []
-        for start, end, keep, item in zip(starts, ends, recent, items):
-            older = start + np.flatnonzero(timeline_items[start : start + end - keep] == item)
-            found.append(older[-most:] if most else older[:0])
+        for start, end, keep, value in zip(starts, ends, recent, wanted):
+            older = start + np.flatnonzero(timeline_values[start : start + end - keep] == value) if value >= 0 else []
+            found.append(np.asarray(older, dtype=np.int64)[-most:] if most else np.zeros(0, np.int64))
         return found
+
+    def _retrieval_values(self, key: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the candidates' values of `key`, every timeline event's), for retrieve_matches."""
+        if key == "item":
+            return self._examples["item_id"][indices], self._timeline["item_id"]
+        if key not in self.history_item_features or key not in self.sparse_features:
+            offered = ["item", *(f for f in self.history_item_features if f in self.sparse_features)]
+            raise ValueError(f"retrieval key {key!r} is not an item feature of both the candidates and the history "
+                             f"events in {self.path}; retrieval keys here: {offered}")
+        if key not in self._timeline_features:
+            self._timeline_features[key] = self._items.of(self._timeline["item_id"])[key].numpy()
+        return self._examples[key][indices], self._timeline_features[key]
 
     def candidate_depths(self, indices: np.ndarray | list[int]) -> np.ndarray:
         """For each example, how many events back its candidate item last appears in the user's whole history

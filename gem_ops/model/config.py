@@ -78,10 +78,14 @@ class SequenceConfig:
     summary_tokens: int = 2  # non-sequence summary tokens prepended to each sequence (read back as CLS)
     branches: tuple[str, ...] = ("all", "engaged")
     """Parallel sequences: "all" events, "engaged" (events with a positive label), or "event_type:<name>"."""
-    # Up to this many older events of the candidate's own item, from beyond the recent events, come before them
-    # (SequenceLogs.retrieve_matches; a server's per-(user, item) index lookup): far history at the cost of a few
+    # Up to this many older events that match the candidate, from beyond the recent events, come before them
+    # (SequenceLogs.retrieve_matches; a server's per-user index lookup): far history at the cost of a few
     # events, within max_history_len. Part of the model's inputs: trained, evaluated and served with them.
     retrieved_events: int = 0
+    # What a retrieved event shares with the candidate: "item" (its own item), or an item feature the candidate
+    # and the history events both carry (e.g. its category: the hard search of SIM), for logs where users
+    # rarely meet one item twice.
+    retrieval_key: str = "item"
 
     def level_tokens(self, block: int) -> int:
         return max(self.min_level_tokens, self.first_level_tokens // self.shrink**block)
@@ -201,6 +205,19 @@ PRESETS: dict[str, ModelConfig] = {
                        wukong=WukongConfig(fm_rank=64, mlp_hidden=512), sequence=SequenceConfig(max_history_len=1),
                        blocks=3),
 }
+
+
+def retrieval_keys(spec: FeatureSpec) -> tuple[str, ...]:
+    """What sequence.retrieval_key may name on this data: the candidate's item, or an item feature that both the
+    candidate and every history event carry."""
+    return ("item", *(f for f in spec.history_item_features if f in spec.sparse_features))
+
+
+def check_retrieval_key(config: ModelConfig, spec: FeatureSpec) -> None:
+    key = config.sequence.retrieval_key
+    if config.sequence.retrieved_events and key not in retrieval_keys(spec):
+        raise ValueError(f"ModelConfig sequence.retrieval_key {key!r} is neither 'item' nor an item feature of the "
+                         f"candidates and their history events; this data offers {list(retrieval_keys(spec))}")
 
 
 def model_config(preset: str = "gem", depth: float = 1.0, width: float = 1.0, **overrides: Any) -> ModelConfig:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gem_ops.model import jagged
-from gem_ops.model.config import FeatureSpec, ModelConfig
+from gem_ops.model.config import FeatureSpec, ModelConfig, check_retrieval_key
 from gem_ops.model.embeddings import GEMEmbeddings
 from gem_ops.model.features import ModelInput, branch_lengths, check_branch
 from gem_ops.model.heads import DomainTaskTowers, LossSums, loss_from_sums, masked_bce_sums
@@ -70,6 +70,7 @@ class GEMModel(nn.Module):
     def __init__(self, spec: FeatureSpec, config: ModelConfig, device: torch.device | None = None):
         super().__init__()
         self.spec, self.config = spec, config
+        check_retrieval_key(config, spec)
         d, ds = config.embedding.dim, config.embedding.sequence_dim
         self.embeddings = GEMEmbeddings(spec, config, device=device)
         self.candidate_proj = nn.Linear(ds, d)

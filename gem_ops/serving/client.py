@@ -36,7 +36,10 @@ class ServingClient:
     def retrieve(self, request: dict[str, torch.Tensor], history_cap: int | None = None) -> dict[str, torch.Tensor]:
         """The request (its history the user's whole, or as much of it as known) cut to its `history_cap` most
         recent events, with each candidate's retrieved older events as this artifact's model takes them."""
-        return retrieve(request, self.manifest.get("retrieved_events", 0), self.manifest["max_history_len"], history_cap)
+        manifest = self.manifest
+        return retrieve(request, manifest.get("retrieved_events", 0), manifest["max_history_len"], history_cap,
+                        retrieval_columns(manifest.get("retrieval_key", "item"), manifest["history_item_features"],
+                                          manifest["sparse_features"]))
 
     @torch.no_grad()
     def score(self, request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,18 +75,35 @@ RETRIEVED_INPUTS = (*(f"retrieved_{f}" for f in HISTORY_FIELDS), "retrieved_coun
 CANDIDATE_INPUTS = ("item_id", "sparse_features", "dense_features", *RETRIEVED_INPUTS)
 
 
+def retrieval_columns(key: str, history_item_features: list[str], sparse_features: list[str]) -> tuple[int, int] | None:
+    """Where a retrieval key sits in a request: None for the candidate's item, else (its column in
+    history_item_features, in sparse_features)."""
+    if key == "item":
+        return None
+    if key not in history_item_features or key not in sparse_features:
+        raise ValueError(f"retrieval key {key!r} is not among the request's history item features "
+                         f"{history_item_features} and sparse features {sparse_features}")
+    return history_item_features.index(key), sparse_features.index(key)
+
+
 def retrieve(request: dict[str, torch.Tensor], retrieved_events: int, max_history_len: int,
-             history_cap: int | None = None) -> dict[str, torch.Tensor]:
+             history_cap: int | None = None, key_columns: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """`request` with its history cut to the most recent min(history_cap, max_history_len) events and, for
-    each candidate, the latest `retrieved_events` (K) events of its item among the older ones, oldest first,
-    as retrieved_* [N, K] tensors (the hard search of retrieval-based long-history models; the training
-    data's SequenceLogs.retrieve_matches). A server answers it from a per-(user, item) index; here it is a
-    scan of the history the request holds."""
+    each candidate, the latest `retrieved_events` (K) older events that match it, oldest first, as
+    retrieved_* [N, K] tensors (the hard search of retrieval-based long-history models; the training data's
+    SequenceLogs.retrieve_matches). A match shares the candidate's item, or with `key_columns`
+    (retrieval_columns) that item feature (an unknown value, -1, matches nothing). A server answers it from a
+    per-user index; here it is a scan of the history the request holds."""
     history = {f: request[f"history_{f}"] for f in HISTORY_FIELDS}
     length = history["item_id"].shape[0]
     keep = min(length, max_history_len, length if history_cap is None else max(history_cap, 0))
-    older = history["item_id"][: length - keep]
-    match = older.unsqueeze(0) == request["item_id"].unsqueeze(1)  # [N, older]
+    if key_columns is None:
+        events, wanted = history["item_id"], request["item_id"]
+    else:
+        events, wanted = history["item_features"][:, key_columns[0]], request["sparse_features"][:, key_columns[1]]
+        wanted = torch.where(wanted >= 0, wanted, torch.full_like(wanted, -2))  # unknown: no match
+    older = events[: length - keep]
+    match = older.unsqueeze(0) == wanted.unsqueeze(1)  # [N, older]
     from_end = match.flip(1).long().cumsum(1).flip(1)  # 1 at each candidate's latest match
     count = match.sum(1).clamp(max=retrieved_events)
     rows, columns = (match & (from_end <= retrieved_events)).nonzero(as_tuple=True)

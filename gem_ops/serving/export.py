@@ -84,6 +84,7 @@ def manifest(model: GEMModel, format: str, files: dict[str, str]) -> dict:
         "representation_dim": config.teacher_representation_dim,
         "max_history_len": config.sequence.max_history_len,
         "retrieved_events": config.sequence.retrieved_events,
+        "retrieval_key": config.sequence.retrieval_key,
         "max_candidates": MAX_CANDIDATES,
     }
 

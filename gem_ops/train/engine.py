@@ -411,7 +411,9 @@ class Trainer:
         with record_function("data.load"):
             examples, max_len = self.schedule.examples(step), self.model_config.sequence.max_history_len
             caps = history_caps(len(examples), max_len, self.config.history_cut_share, self.config.seed, step)
-            batch = self.logs.batch(examples, max_len, caps, retrieved_events=self.model_config.sequence.retrieved_events)
+            sequence = self.model_config.sequence
+            batch = self.logs.batch(examples, max_len, caps, retrieved_events=sequence.retrieved_events,
+                                    retrieval_key=sequence.retrieval_key)
             x = model_input(batch, self.spec, self.model_config, with_level_sizes=True)
             if self.device.type == "cuda":
                 x = x.pin_memory()

@@ -20,7 +20,7 @@ from gem_ops.train.config import TrainConfig
 def predict_logits(model: GEMModel, logs: SequenceLogs, indices: list[np.ndarray], device: torch.device,
                    precision: str = "auto", retrieved_events: int | None = None) -> dict[str, torch.Tensor]:
     """Logits, labels, masks and domains of the given batches of example indices, in batch order (histories
-    with up to `retrieved_events` older events of the candidate's item; default: as the model trained)."""
+    with up to `retrieved_events` older events matching the candidate; default: as the model trained)."""
     was_training = model.training
     model.eval()
     parts: dict[str, list[torch.Tensor]] = {"logits": [], "labels": [], "label_mask": [], "surface": [], "example_index": []}
@@ -28,7 +28,8 @@ def predict_logits(model: GEMModel, logs: SequenceLogs, indices: list[np.ndarray
     if retrieved_events is None:
         retrieved_events = model.config.sequence.retrieved_events
     for batch_indices in indices:
-        batch = logs.batch(batch_indices, max_len, retrieved_events=retrieved_events)
+        batch = logs.batch(batch_indices, max_len, retrieved_events=retrieved_events,
+                           retrieval_key=model.config.sequence.retrieval_key)
         x = model_input(batch, model.spec, model.config, with_level_sizes=True)
         with autocast_context(device, precision):
             logits = model(x.to(device))

@@ -47,7 +47,8 @@ def input_example(data, indices: np.ndarray, model: GEMModel) -> pd.DataFrame:
     them (its history length and retrieved events): the example a logged model carries."""
     sequence = model.config.sequence
     return batch_to_frame(data.batch(indices[:INPUT_EXAMPLE_ROWS], sequence.max_history_len,
-                                     retrieved_events=sequence.retrieved_events), model.spec)
+                                     retrieved_events=sequence.retrieved_events,
+                                     retrieval_key=sequence.retrieval_key), model.spec)
 
 
 def batch_to_frame(batch: SequenceBatch, spec: FeatureSpec) -> pd.DataFrame:
