@@ -161,8 +161,8 @@ class TeacherJoinedLogs:
         return len(self.logs)
 
     def batch(self, indices, max_history_len: int | None = None, history_caps: np.ndarray | None = None,
-              retrieved_events: int = 0) -> SequenceBatch:
-        batch = self.logs.batch(indices, max_history_len, history_caps, retrieved_events)
+              retrieved_events: int = 0, retrieval_key: str = "item") -> SequenceBatch:
+        batch = self.logs.batch(indices, max_history_len, history_caps, retrieved_events, retrieval_key)
         rows = self._row[np.asarray(indices, dtype=np.int64)]
         if (rows < 0).any():
             missing = np.asarray(indices)[rows < 0][:5].tolist()
