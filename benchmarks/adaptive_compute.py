@@ -19,7 +19,9 @@ and the mean cost of each, to benchmarks/results/adaptive_compute.json.
 With --retrieved-events K the run is of another kind: each seed trains one model whose histories also carry up
 to K older events of the candidate's item from beyond their recent ones (sequence.retrieved_events) and one
 plain model, and the retrieval policy (each fixed cap's recent events plus the retrieved ones, whose number, and
-cost, varies by request) is scored against the fixed cap of equal mean cost on both models.
+cost, varies by request) is scored against the fixed cap of equal mean cost on both models. --retrieval-key names an
+item feature to retrieve by instead of the item (e.g. item_genre with --log movielens, where no user meets an item
+twice).
 
     python benchmarks/adaptive_compute.py [--seeds 0 1 2] [--epochs 1] [--max-steps N] [--models-dir DIR]
 
