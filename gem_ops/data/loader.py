@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from gem_ops.data.sequence_layout import EXAMPLES, ITEMS, TIMELINE_FIELDS, TIMELINES, read_manifest
+from gem_ops.data.sequence_layout import EXAMPLES, ITEMS, TIMELINE_FIELDS, TIMELINES, read_manifest, retrieval_keys
 
 
 @dataclass
@@ -184,10 +184,10 @@ class SequenceLogs:
         """(the candidates' values of `key`, every timeline event's), for retrieve_matches."""
         if key == "item":
             return self._examples["item_id"][indices], self._timeline["item_id"]
-        if key not in self.history_item_features or key not in self.sparse_features:
-            offered = ["item", *(f for f in self.history_item_features if f in self.sparse_features)]
+        offered = retrieval_keys(self.history_item_features, self.sparse_features)
+        if key not in offered:
             raise ValueError(f"retrieval key {key!r} is not an item feature of both the candidates and the history "
-                             f"events in {self.path}; retrieval keys here: {offered}")
+                             f"events in {self.path}; retrieval keys here: {list(offered)}")
         if key not in self._timeline_features:
             self._timeline_features[key] = self._items.of(self._timeline["item_id"])[key].numpy()
         return self._examples[key][indices], self._timeline_features[key]

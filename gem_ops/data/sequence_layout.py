@@ -17,5 +17,11 @@ ITEMS = "items.parquet"
 ITEM_FEATURE_PREFIX = "item_"
 
 
+def retrieval_keys(history_item_features, sparse_features) -> tuple[str, ...]:
+    """What retrieved history may match a candidate on: its item, or an item feature that both the candidate
+    (sparse_features) and every history event (history_item_features) carry."""
+    return ("item", *(f for f in history_item_features if f in sparse_features))
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     return json.loads((Path(path) / MANIFEST).read_text())

@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal
 
+from gem_ops.data.sequence_layout import retrieval_keys
+
 Activation = Literal["softmax", "silu"]
 Architecture = Literal["gem", "logistic_regression", "dlrm", "dcn"]
 
@@ -207,17 +209,11 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def retrieval_keys(spec: FeatureSpec) -> tuple[str, ...]:
-    """What sequence.retrieval_key may name on this data: the candidate's item, or an item feature that both the
-    candidate and every history event carry."""
-    return ("item", *(f for f in spec.history_item_features if f in spec.sparse_features))
-
-
 def check_retrieval_key(config: ModelConfig, spec: FeatureSpec) -> None:
-    key = config.sequence.retrieval_key
-    if config.sequence.retrieved_events and key not in retrieval_keys(spec):
+    key, offered = config.sequence.retrieval_key, retrieval_keys(spec.history_item_features, spec.sparse_features)
+    if config.sequence.retrieved_events and key not in offered:
         raise ValueError(f"ModelConfig sequence.retrieval_key {key!r} is neither 'item' nor an item feature of the "
-                         f"candidates and their history events; this data offers {list(retrieval_keys(spec))}")
+                         f"candidates and their history events; this data offers {list(offered)}")
 
 
 def model_config(preset: str = "gem", depth: float = 1.0, width: float = 1.0, **overrides: Any) -> ModelConfig:

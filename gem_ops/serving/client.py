@@ -78,12 +78,11 @@ CANDIDATE_INPUTS = ("item_id", "sparse_features", "dense_features", *RETRIEVED_I
 def retrieval_columns(key: str, history_item_features: list[str], sparse_features: list[str]) -> tuple[int, int] | None:
     """Where a retrieval key sits in a request: None for the candidate's item, else (its column in
     history_item_features, in sparse_features)."""
-    if key == "item":
-        return None
-    if key not in history_item_features or key not in sparse_features:
+    # (gem_ops.data.sequence_layout.retrieval_keys' rule, restated: this client loads without the project's code)
+    if key != "item" and (key not in history_item_features or key not in sparse_features):
         raise ValueError(f"retrieval key {key!r} is not among the request's history item features "
                          f"{history_item_features} and sparse features {sparse_features}")
-    return history_item_features.index(key), sparse_features.index(key)
+    return None if key == "item" else (history_item_features.index(key), sparse_features.index(key))
 
 
 def retrieve(request: dict[str, torch.Tensor], retrieved_events: int, max_history_len: int,
