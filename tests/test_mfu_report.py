@@ -175,3 +175,16 @@ def test_mfu_benchmark_starts_no_run_that_the_time_left_cannot_finish():
     skipped = end_to_end(None, "preset", {}, "fp8@model", seconds_left=150.0, seconds_needed=240.0)
     assert skipped == {"skipped": "time budget: 150 s left, a run takes 240 s"}
     assert "skipped" in end_to_end(None, "preset", {}, "bf16", seconds_left=59.0)
+
+
+def test_step_ratios_compare_the_same_batches_and_replace_chosen_steps():
+    from benchmarks.mfu_step_ratios import compare
+
+    before = {"step_seconds": [1.0, 2.0, 1.0], "step_flops": [10.0, 20.0, 10.0], "peak_flops": 10.0,
+              "mfu_window_mean": 1.0}
+    after = dict(before, step_seconds=[0.9, 4.0, 0.8], mfu_window_mean=40 / 5.7 / 10)
+    figures = compare(before, after, replace_steps=[1])
+    assert figures["steps_compared"] == 2 and abs(figures["step_ratio_mean"] - 0.85) < 1e-12
+    assert abs(figures["mfu_window_mean_with_replaced_steps"] - 40 / 3.7 / 10) < 1e-12
+    with pytest.raises(ValueError, match="same batches"):
+        compare(before, dict(after, step_flops=[1.0, 2.0, 3.0]), [])
