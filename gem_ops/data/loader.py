@@ -176,8 +176,9 @@ class SequenceLogs:
         starts = self.timeline_offsets[rows]
         found = []
         for start, end, keep, value in zip(starts, ends, recent, wanted):
-            older = start + np.flatnonzero(timeline_values[start : start + end - keep] == value) if value >= 0 else []
-            found.append(np.asarray(older, dtype=np.int64)[-most:] if most else np.zeros(0, np.int64))
+            older = (start + np.flatnonzero(timeline_values[start : start + end - keep] == value) if value >= 0
+                     else np.zeros(0, np.int64))  # an unknown value matches nothing
+            found.append(older[-most:] if most else older[:0])
         return found
 
     def _retrieval_values(self, key: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
