@@ -269,3 +269,53 @@ def test_a_nan_in_one_example_leaves_the_others_of_its_batch_alone(preset):
         out = model(x)
     bad = torch.isnan(out.reshape(out.shape[0], -1)).any(1).nonzero().flatten().tolist()
     assert bad == poisoned
+
+
+def _per_table_history(embeddings, x) -> torch.Tensor:
+    """The history tokens from every table's own TorchRec lookup (what the context tables' stacked lookup replaces)."""
+    seq = embeddings.sequence(x.sequence)
+    return embeddings.history_norm(sum(seq[key].values() for key in embeddings.history_keys))
+
+
+@pytest.mark.parametrize("device,compiled", [
+    ("cpu", False), ("cpu", True),
+    pytest.param("cuda", True, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="CUDA")])])
+def test_context_tables_looked_up_together_match_their_own_lookups(device, compiled):
+    """Surface, event type, action, age and the match flags are summed from one stacked table, and its gradient
+    (one product over the batch) gives every table the rows its own embedding backward would."""
+    from gem_ops.train.acceleration import compile_model_step
+
+    config = model_config("vertical", width=0.5, blocks=1)
+    model = GEMModel(SPEC, config).to(device)
+    embeddings = model.embeddings
+    assert {"history_surface", "history_age", "history_match"} <= set(embeddings.context_keys)
+    assert HISTORY_ITEM not in embeddings.context_keys
+    x = model_input(random_batch(LENGTHS), SPEC, config).to(device)
+    if compiled:
+        compile_model_step(model)
+    d_out = torch.randn(sum(LENGTHS), config.embedding.sequence_dim, generator=torch.Generator().manual_seed(1))
+    d_out = d_out.to(device)
+    results = []
+    for history in (lambda: _per_table_history(embeddings, x), lambda: embeddings(x)[2]):
+        embeddings.zero_grad()
+        out = history()
+        out.backward(d_out)
+        results.append((out.detach(), {n: p.grad.clone() for n, p in embeddings.sequence.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert want_grads.keys() == got_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_context_tables_are_left_to_their_collection_when_gradients_are_sparse():
+    from gem_ops.train.optimizer import sparse_table_gradients
+
+    model = GEMModel(SPEC, model_config("vertical", width=0.5, blocks=1))
+    assert model.embeddings._context_tables() is not None
+    sparse_table_gradients(model)
+    assert model.embeddings._context_tables() is None
+    x = model_input(random_batch(LENGTHS), SPEC, model.config)
+    model.embeddings(x)[2].sum().backward()
+    assert model.embeddings.sequence.embeddings["history_surface"].weight.grad.is_sparse

@@ -324,7 +324,7 @@ def test_a_shared_table_reaches_a_narrower_student_through_its_projection(logs):
     x = model_input(logs.batch(np.arange(16), 32), spec, student.config)
     seq = student.embeddings._sequence_lookups(x.sequence)
     ids = x.sequence[CANDIDATE_ITEM].values()
-    torch.testing.assert_close(student.embeddings._at_width(CANDIDATE_ITEM, seq[CANDIDATE_ITEM].values()),
+    torch.testing.assert_close(student.embeddings._at_width(CANDIDATE_ITEM, seq[CANDIDATE_ITEM]),
                                projection(table[ids]))
     optimizer = build_optimizer(student, QUICK)
     before = projection.weight.detach().clone()

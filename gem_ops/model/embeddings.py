@@ -7,6 +7,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -20,6 +21,9 @@ from gem_ops.model.features import ModelInput
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 ITEM_TABLE = "item"
+# History tables of at most this many rows (surface, event type, action, age, the match flags) are looked up
+# together, as one stacked table (summed_rows).
+CONTEXT_TABLE_MAX_ROWS = 256
 
 
 def pooled_tables(spec: FeatureSpec, config: ModelConfig) -> list[EmbeddingBagConfig]:
@@ -77,6 +81,8 @@ class GEMEmbeddings(nn.Module):
         self.table_of = {key: t.name for t in [*pooled, *sequence] for key in t.feature_names}
         self.pooled_keys = F.pooled_keys(spec)
         self.history_keys = F.sequence_keys(spec, config)[1:]  # all but the candidate
+        context = {t.name for t in sequence if t.embedding_dim == ds and t.num_embeddings <= CONTEXT_TABLE_MAX_ROWS}
+        self.context_keys = [k for k in self.history_keys if self.table_of[k] in context]
         self.n_pooled = len(self.pooled_keys)
         self.dim = config.embedding.dim
         self.history_norm = nn.LayerNorm(config.embedding.sequence_dim, device=device)
@@ -85,29 +91,90 @@ class GEMEmbeddings(nn.Module):
         # By key, not by position: a sharded collection returns its tables grouped by rank.
         by_key = self.pooled(x.pooled).to_dict()
         pooled = torch.stack([self._at_width(key, by_key[key]) for key in self.pooled_keys], dim=1)
-        seq = self._sequence_lookups(x.sequence)
-        candidate = self._at_width(F.CANDIDATE_ITEM, seq[F.CANDIDATE_ITEM].values())
-        return pooled, candidate, self.history_tokens(*(self._at_width(key, seq[key].values()) for key in self.history_keys))
+        context = self._context_tables()
+        ids = x.sequence.to_dict() if context else None
+        seq = self._sequence_lookups(x.sequence, ids, looked_up_here=bool(context))
+        candidate = self._at_width(F.CANDIDATE_ITEM, seq[F.CANDIDATE_ITEM])
+        parts = [self._at_width(key, seq[key]) for key in self.history_keys if key in seq]
+        if not context:
+            return pooled, candidate, self.history_tokens(*parts)
+        return pooled, candidate, self.history_tokens(*parts, context_ids=[ids[k].values() for k in self.context_keys],
+                                                      context_tables=context)
 
-    def history_tokens(self, *parts: torch.Tensor) -> torch.Tensor:
+    def history_tokens(self, *parts: torch.Tensor, context_ids: list[torch.Tensor] | None = None,
+                       context_tables: list[torch.Tensor] | None = None) -> torch.Tensor:
         """[N, ds]: each event's item and context embeddings summed and normed, in the autocast dtype under
         autocast (what the sequence layers read). Compiled with the step (acceleration.compile_model_step), the
-        sum, the norm and the cast are one kernel and the parts' gradient is one tensor, not an eager add per part."""
-        history = self.history_norm(sum(parts))
+        context tables' lookups, the sum, the norm and the cast are one kernel and the parts' gradient is one
+        tensor, not an eager add per part."""
+        total = sum(parts)
+        if context_ids:
+            total = total + summed_rows(context_ids, context_tables)
+        history = self.history_norm(total)
         if torch.is_autocast_enabled(history.device.type):
             history = history.to(torch.get_autocast_dtype(history.device.type))
         return history
 
-    def _sequence_lookups(self, ids: KeyedJaggedTensor) -> dict:
-        if not self.sequence_other:
-            return self.sequence(ids)
-        by_key = ids.to_dict()
-        out = self.sequence(KeyedJaggedTensor.from_jt_dict({k: by_key[k] for k in self.sequence_keys}))
+    def _context_tables(self) -> list[torch.Tensor] | None:
+        """The context tables' weights (context_keys) where this module may read them itself: not where TorchRec or
+        FSDP2 shards them (their own forward gathers them) nor where their gradients are sparse."""
+        if not self.context_keys or type(self.sequence) is not EmbeddingCollection:
+            return None
+        modules = [self.sequence.embeddings[self.table_of[k]] for k in self.context_keys]
+        if any(m.sparse or isinstance(m.weight, DTensor) for m in modules):
+            return None
+        return [m.weight for m in modules]
+
+    def _sequence_lookups(self, kjt: KeyedJaggedTensor, ids: dict | None = None, looked_up_here: bool = False
+                          ) -> dict[str, torch.Tensor]:
+        """Key -> its embeddings [n, width]: all keys through the TorchRec collections, or (looked_up_here) the main
+        collection's tables read directly, the context tables' keys left out (history_tokens sums those). `ids`:
+        kjt by key, where the caller has it."""
+        if not self.sequence_other and not looked_up_here:
+            return {key: jt.values() for key, jt in self.sequence(kjt).items()}
+        ids = kjt.to_dict() if ids is None else ids
+        if looked_up_here:
+            out = {key: self.sequence.embeddings[self.table_of[key]](ids[key].values())
+                   for key in self.sequence_keys if key not in self.context_keys}
+        else:
+            out = self._collection_lookups(self.sequence, ids)
         for collection in self.sequence_other.values():
-            keys = [k for config in collection.embedding_configs() for k in config.feature_names]
-            out.update(collection(KeyedJaggedTensor.from_jt_dict({k: by_key[k] for k in keys})))
+            out.update(self._collection_lookups(collection, ids))
         return out
+
+    @staticmethod
+    def _collection_lookups(collection: EmbeddingCollection, ids: dict) -> dict[str, torch.Tensor]:
+        keys = [k for config in collection.embedding_configs() for k in config.feature_names]
+        return {key: jt.values() for key, jt in collection(KeyedJaggedTensor.from_jt_dict({k: ids[k] for k in keys})).items()}
 
     def _at_width(self, key: str, values: torch.Tensor) -> torch.Tensor:
         table = self.table_of[key]
         return self.projections[table](values) if table in self.projections else values
+
+
+class _SummedRows(torch.autograd.Function):
+    """Σ_j table[ids[:, j]] over a table of few rows. The backward is one product of each event's row counts with
+    the [N, d] gradient: one read of it, where an embedding backward per table reads all of it each time and
+    scattered adds into a few rows contend."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.dtype = table.shape[0], table.dtype
+        return table[ids].sum(1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            counts = grad.new_zeros(ids.shape[0], ctx.rows).scatter_add_(1, ids, grad.new_ones(ids.shape))
+            return None, (counts.t() @ grad).to(ctx.dtype)
+
+
+def summed_rows(ids: list[torch.Tensor], tables: list[torch.Tensor]) -> torch.Tensor:
+    """[N, d]: Σ_j tables[j][ids[j]], the tables stacked as one (their gradients are its rows)."""
+    first_rows = [0]
+    for table in tables[:-1]:
+        first_rows.append(first_rows[-1] + table.shape[0])
+    stacked = torch.stack([i + first for i, first in zip(ids, first_rows)], dim=1)
+    return _SummedRows.apply(stacked, torch.cat(tables))

@@ -298,7 +298,9 @@ def _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, queries):
 
 # Integer arguments that change with the batch: Triton would compile a variant of a kernel per value class of each
 # (equal to 1, divisible by 16), and a batch that met a new class inside a training step stalled it for a compile.
-_BATCH_INTEGERS = ("num_seqs", "total_q", "total_kv", "stats_stride", "delta_offset")
+# The statistics' stride and offset stay specialised: always multiples of 16 (stats_stride), one class, and the
+# kernels keep the alignment they tell.
+_BATCH_INTEGERS = ("num_seqs", "total_q", "total_kv")
 
 
 def _batch_integers(fn) -> list[str]:
@@ -921,9 +923,10 @@ class _Problem:
 
 
 def stats_stride(total_q, num_seqs):
-    """A head's row of the backward's statistics: every sequence padded to start at a multiple of 4 (_stats_start).
-    (Integer arithmetic only: the compiler's symbolic sizes pass through it.)"""
-    return 4 * ((total_q + 4 * num_seqs + 4 + 3) // 4)
+    """A head's row of the backward's statistics: every sequence padded to start at a multiple of 4 (_stats_start),
+    the row to a multiple of 16 elements, so that the kernels' stride and offset arguments are of one value class
+    for every batch (_BATCH_INTEGERS). (Integer arithmetic only: the compiler's symbolic sizes pass through it.)"""
+    return 16 * ((total_q + 4 * num_seqs + 4 + 15) // 16)
 
 
 def _parts() -> tuple:
