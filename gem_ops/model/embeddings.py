@@ -161,7 +161,7 @@ class _SummedRows(torch.autograd.Function):
     def forward(ctx, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(ids)
         ctx.rows, ctx.dtype = table.shape[0], table.dtype
-        return table[ids].sum(1)
+        return sum(table[ids[:, j]] for j in range(ids.shape[1]))  # no [N, k, d] gather left eager
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
