@@ -291,6 +291,7 @@ def test_context_tables_looked_up_together_match_their_own_lookups(device, compi
     embeddings = model.embeddings
     assert {"history_surface", "history_age", "history_match"} <= set(embeddings.context_keys)
     assert HISTORY_ITEM not in embeddings.context_keys
+    assert embeddings._context_tables() is not None  # the stacked lookup is what embeddings(x) runs below
     x = model_input(random_batch(LENGTHS), SPEC, config).to(device)
     if compiled:
         compile_model_step(model)
