@@ -178,20 +178,6 @@ def _size_oblivious(compiled: Callable, *args, **kwargs):
         return compiled(*args, **kwargs)
 
 
-def fresh_fp8_compiles() -> None:
-    """Turns off this process's reuse of Inductor's cached FX graphs and AOT-autograd graphs. Loaded from a warm
-    cache, the compiled FP8 blocks gave NaN gradients everywhere at step 0 (loss finite) on the H200 with
-    torch 2.11, in every run after a machine's first; compiled afresh they train (benchmarks/README.md, FP8).
-    Those runs had the FP8 cast's faulty transposed copies of fp32 tiles, whose harm depended on the tile that
-    autotuning kept, so this may go once a GPU run shows warm caches train with the corrected casts. The cost is the
-    compile time of a cold start, spent in the warm-up steps."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = False
-    functorch_config.enable_autograd_cache = False
-
-
 def sequence_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if re.fullmatch(r"branches\.\d+\.layers\.\d+", name)}
 
@@ -222,8 +208,6 @@ def prepare_for_training(model: nn.Module, config, device: torch.device | str) -
     # Compiled first, so that a checkpointed layer recomputes its compiled forward (a checkpoint
     # region cannot hold the graph break at the attention).
     if config.compile in ("dense", "model"):
-        if config.precision == "fp8":
-            fresh_fp8_compiles()
         applied["compile"] = compile_dense_blocks(model) if config.compile == "dense" else compile_model_step(model)
     if config.activation_checkpointing == "sequence":
         applied["activation_checkpointing"] = checkpoint_sequence_layers(model)
