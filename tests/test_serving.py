@@ -87,6 +87,26 @@ def test_the_exported_artifact_scores_as_the_registered_pyfunc_without_the_proje
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_aot_inductor_serves_a_two_block_gem_as_the_model_scores_below_at_and_past_every_levels_cut(tmp_path):
+    """Traced below the pyramid's cuts, AOTInductor sized the second level's keys by the first level's length:
+    a history of 17 events failed with a size error. About 2 minutes of compiling on 2 cores."""
+    config = model_config("gem", width=0.25, blocks=2, **{"sequence.max_history_len": 64, "sequence.first_level_tokens": 16,
+                                                          "embedding.item_buckets": 1024, "embedding.user_buckets": 1024})
+    model = seeded_model(SPEC, config).eval()
+    levels = [config.sequence.level_tokens(b) for b in range(config.blocks)]
+    assert len(set(levels)) == 2 and max(levels) < config.sequence.max_history_len  # two cuts below the longest history
+    folder = export_serving(model, tmp_path / "serving", "aot_inductor").folder
+    served = ServingClient(folder)
+    for length in (0, 1, 5, *(n + 1 for n in levels), 40, 64, 100):
+        request = _request(model, 7, length, seed=length)
+        want = predict_frame(model, batch_to_frame(request_batch(request, SPEC), SPEC))  # the pyfunc's scoring
+        got = served.score(request)
+        for task in model.objectives:
+            np.testing.assert_allclose(got[f"p_{task}"].numpy(), want[f"p_{task}"].to_numpy(), rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{length} events, {task}")
+
+
 def test_a_model_with_retrieved_events_serves_them_per_candidate_as_its_pyfunc_scores_them(registry, tmp_path):
     """Each candidate's own retrieved events before the shared history: the exported artifact (dense, a mask per
     candidate) scores as the registered pyfunc (GEMModel's jagged path, with the retrieved_* columns), up to

@@ -51,7 +51,7 @@ def export_serving(model: GEMModel, destination: str | os.PathLike, format: str 
                          f"{model.config.architecture} (use_sequence={model.config.use_sequence})")
     started = time.perf_counter()
     graph = ServingGraph(model.cpu().eval())
-    programs = {"default": _program(graph, history=3, dynamic_history=True),
+    programs = {"default": _program(graph, history=_traced_history(model), dynamic_history=True),
                 **{client.program_name(n): _program(graph, history=n, dynamic_history=False)
                    for n in SHORT_HISTORIES[format]}}
     suffix = ".aoti.pt2" if format == "aot_inductor" else ".pt2"
@@ -120,11 +120,12 @@ def example_request(model: GEMModel, candidates: int, history: int, seed: int = 
 
 
 def _check_compiled(graph: ServingGraph, folder: Path) -> None:
-    """The compiled programs against the graph at every history length past a pyramid level: AOTInductor
-    has sized a buffer after a level's cut wrongly in models of more than one block (torch 2.13)."""
+    """The compiled programs against the graph below, at and past every pyramid level's cut: AOTInductor's
+    compiled code is not checked against the sizes it was traced at (see _traced_history)."""
     config = graph.model.config.sequence
-    lengths = sorted({0, 1, 2, *(min(config.level_tokens(b) + 1, config.max_history_len)
-                                 for b in range(graph.model.config.blocks)), config.max_history_len})
+    lengths = sorted({0, 1, 2, 3, *(min(config.level_tokens(b) + d, config.max_history_len)
+                                    for b in range(graph.model.config.blocks) for d in (0, 1)),
+                      config.max_history_len, config.max_history_len + 1})
     served = client.ServingClient(folder)
     for length in lengths:
         request = example_request(graph.model, 3, length, seed=length)
@@ -139,6 +140,14 @@ def _check_compiled(graph: ServingGraph, folder: Path) -> None:
             raise RuntimeError(f"the aot_inductor serving artifact does not score a history of {length} events as the "
                                f"model does ({'different scores' if wrong is True else wrong}); export this model "
                                "with format exported_program")
+
+
+def _traced_history(model: GEMModel) -> int:
+    """The history length the dynamic program is traced at: past the longest history the model reads, so that
+    every pyramid level cuts it. AOTInductor sizes buffers by decisions taken on the traced sizes without checking
+    them when it runs: traced at 3 events, which every level keeps whole, it sized a later level's keys by the
+    first level's length (torch 2.13), and scores went wrong, or the process failed, past the first cut."""
+    return model.config.sequence.max_history_len + 3
 
 
 def _program(graph: ServingGraph, history: int, dynamic_history: bool) -> torch.export.ExportedProgram:
