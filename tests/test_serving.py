@@ -371,3 +371,29 @@ def test_the_latency_warm_up_scores_every_length_and_candidate_count_once():
     warm_up_latency(lambda request: seen.append((request["n"], request["length"])),
                     lambda n, length: {"n": n, "length": length}, [0, 16, 32], (1, 100))
     assert seen == [(1, 0), (100, 0), (1, 16), (100, 16), (1, 32), (100, 32)]
+
+
+def test_the_serving_graphs_self_attention_masks_have_four_dims_so_the_cpus_fused_kernel_runs(monkeypatch):
+    """With a 3-D mask the CPU's scaled_dot_product_attention takes its math path: 3-4x slower at 256-1024 events."""
+    from torch.nn import functional as F
+
+    from gem_ops.serving import graph
+
+    sdpa, masks = F.scaled_dot_product_attention, []
+
+    def recording(q, k, v, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    n, lq, lk, heads, dim = 3, 5, 9, 2, 4
+    q, k, v = (torch.randn(n, length, heads, dim) for length in (lq, lk, lk))
+    shared, per_candidate = torch.rand(lk) > 0.3, torch.rand(n, lk) > 0.3
+    shared[0] = per_candidate[:, 0] = True  # the summary key every query sees
+    for mask in (shared, per_candidate):
+        got = graph._attention(q, k, v, mask, "softmax", summary_keys=True)
+        scores = torch.einsum("nqhd,nkhd->nhqk", q, k) * dim**-0.5
+        scores = scores.masked_fill(~mask.expand(n, lk)[:, None, None, :], float("-inf"))
+        want = torch.einsum("nhqk,nkhd->nqhd", scores.softmax(-1), v)
+        torch.testing.assert_close(got, want)
+    assert [m.dim() for m in masks] == [4, 4]
