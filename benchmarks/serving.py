@@ -8,7 +8,8 @@ Two models with random weights (latency does not depend on their values): the ve
 (histories up to 64 events, a 64-wide looked-up representation) and a long-history GEM (width 0.5, 2 blocks,
 up to 1024 events) for the history sweeps. Request history lengths for the fixed/adaptive comparison are
 drawn lognormal (median ~33 events, a long tail past 1024, like the synthetic log's activity). Timing starts
-once the 1-minute load average is below --max-load (the machine is shared).
+once the 1-minute load average is below --max-load (the machine is shared), and the paths compared in a figure
+(eager, exported, compiled; fixed and adaptive caps) take turns request by request, so that the load moves them alike.
 
     python benchmarks/serving.py [--requests 30] [--formats exported_program aot_inductor] [--threads 2]
     python benchmarks/serving.py --device cuda      # eager on the GPU (scores copied back: the server's latency)
@@ -60,7 +61,7 @@ def main() -> None:
     from gem_ops.serving.adaptive import fit_policy, history_costs, request_costs
     from gem_ops.serving.client import ServingClient
     from gem_ops.serving.export import example_request, export_serving
-    from gem_ops.serving.latency import LatencySettings, measure_latency, warm_up_latency
+    from gem_ops.serving.latency import LatencySettings, measure_side_by_side, warm_up_latency
     from gem_ops.train.warm_up import length_buckets
     from gem_ops.serving.request import request_batch
     from gem_ops.train.model_state import seeded_model
@@ -89,9 +90,11 @@ def main() -> None:
 
     results = {"latency": {}, "fixed_vs_adaptive": {}, "history_sweep": {}, "export_seconds": {}, "loads": []}
 
-    def timed(score, request_of, counts=CANDIDATES):
+    def timed(scorers: dict, counts=CANDIDATES) -> dict:
+        """{name: {candidates: figures}} of {name: (score, request_of)}, taking turns request by request."""
         results["loads"].append(quiet.wait())
-        return {str(n): f for n, f in measure_latency(score, request_of, LatencySettings(counts, args.requests, 2)).items()}
+        figures = measure_side_by_side(scorers, LatencySettings(counts, args.requests, 2))
+        return {name: {str(n): f for n, f in by_count.items()} for name, by_count in figures.items()}
 
     with tempfile.TemporaryDirectory() as tmp:
         scorers = {}
@@ -120,9 +123,10 @@ def main() -> None:
         # 1. The vertical at its full history: eager against exported, 1 / 100 / 1000 candidates.
         vertical = models["vertical"]
         full = vertical.config.sequence.max_history_len
-        for mode, score in scorers["vertical"].items():
-            results["latency"][mode] = timed(score, lambda n, seed: example_request(vertical, n, full, seed))
-            print(f"vertical {mode}: " + _line(results["latency"][mode]), flush=True)
+        results["latency"] = timed({mode: (score, lambda n, seed: example_request(vertical, n, full, seed))
+                                    for mode, score in scorers["vertical"].items()})
+        for mode, figures in results["latency"].items():
+            print(f"vertical {mode}: " + _line(figures), flush=True)
         # 2. Fixed against adaptive history caps, same mean cost, on the long-history model.
         long = models["long_history"]
         costs = history_costs(long.config, SPEC)
@@ -130,24 +134,31 @@ def main() -> None:
         budget = request_costs(costs, lengths, args.fixed_cap).mean()
         policy = fit_policy(lengths, costs, budget, args.fixed_cap // 4, (1024, 256))  # as adaptive_compute.py
         draw = np.random.default_rng(1).choice(lengths, 10_000)
-        for label, cap_of in {f"fixed_{args.fixed_cap}": lambda n: args.fixed_cap,
-                              f"adaptive_at_{args.fixed_cap}": lambda n: int(policy.caps(np.array([n]))[0])}.items():
-            def request_of(n, seed, cap_of=cap_of):
+        caps = {f"fixed_{args.fixed_cap}": lambda n: args.fixed_cap,
+                f"adaptive_at_{args.fixed_cap}": lambda n: int(policy.caps(np.array([n]))[0])}
+
+        def capped(cap_of):
+            def request_of(n, seed):
                 length = int(draw[seed % draw.size])
                 return example_request(long, n, min(length, cap_of(length)), seed)
-            results["fixed_vs_adaptive"][label] = {mode: timed(score, request_of, (1, SWEEP_CANDIDATES))
-                                                   for mode, score in scorers["long_history"].items()}
+            return request_of
+        figures = timed({f"{label}/{mode}": (score, capped(cap_of)) for label, cap_of in caps.items()
+                         for mode, score in scorers["long_history"].items()}, (1, SWEEP_CANDIDATES))
+        for label in caps:
+            results["fixed_vs_adaptive"][label] = {mode: figures[f"{label}/{mode}"] for mode in scorers["long_history"]}
             print(f"{label}: " + "; ".join(f"{m} {_line(f)}" for m, f in results["fixed_vs_adaptive"][label].items()),
                   flush=True)
         results["fixed_vs_adaptive"]["policy"] = policy.to_dict() | {"mean_budget_flops": float(budget)}
         # 3. Latency against history length, 100 candidates.
-        for mode, score in scorers["long_history"].items():
-            results["history_sweep"][mode] = {}
-            for length in HISTORY_SWEEP:
-                figures = timed(score, lambda n, seed: example_request(long, n, length, seed), (SWEEP_CANDIDATES,))
-                results["history_sweep"][mode][str(length)] = figures[str(SWEEP_CANDIDATES)]
-            print(f"history sweep {mode}: " + ", ".join(f"{L}: {f['p50_ms']:.1f} ms"
-                                                         for L, f in results["history_sweep"][mode].items()), flush=True)
+        results["history_sweep"] = {mode: {} for mode in scorers["long_history"]}
+        for length in HISTORY_SWEEP:
+            figures = timed({mode: (score, lambda n, seed, length=length: example_request(long, n, length, seed))
+                             for mode, score in scorers["long_history"].items()}, (SWEEP_CANDIDATES,))
+            for mode, by_count in figures.items():
+                results["history_sweep"][mode][str(length)] = by_count[str(SWEEP_CANDIDATES)]
+        for mode, by_length in results["history_sweep"].items():
+            print(f"history sweep {mode}: " + ", ".join(f"{L}: {f['p50_ms']:.1f} ms" for L, f in by_length.items()),
+                  flush=True)
     name = "serving" if device.type == "cpu" else f"serving_{device.type}"
     _plot(results["history_sweep"], RESULTS / f"{name}_latency_vs_history.png")
     if device.type == "cuda":
@@ -173,8 +184,10 @@ def _retrieval_latency(models: dict, scorers: dict, k: int, timed) -> dict:
                 f"fixed_{cap + k}": ("long_history",
                                       lambda n, seed, cap=cap: example_request(models["long_history"], n, cap + k, seed)),
                 f"retrieved_at_{cap}": ("long_history_retrieving", full_slots)}
-        for label, (model, request_of) in runs.items():
-            out[label] = {mode: timed(score, request_of, (1, SWEEP_CANDIDATES)) for mode, score in scorers[model].items()}
+        figures = timed({f"{label}/{mode}": (score, request_of) for label, (model, request_of) in runs.items()
+                         for mode, score in scorers[model].items()}, (1, SWEEP_CANDIDATES))
+        for label, (model, _) in runs.items():
+            out[label] = {mode: figures[f"{label}/{mode}"] for mode in scorers[model]}
             print(f"{label}: " + "; ".join(f"{m} {_line(f)}" for m, f in out[label].items()), flush=True)
     return out
 

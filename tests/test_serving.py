@@ -373,6 +373,19 @@ def test_the_latency_warm_up_scores_every_length_and_candidate_count_once():
     assert seen == [(1, 0), (100, 0), (1, 16), (100, 16), (1, 32), (100, 32)]
 
 
+def test_scorers_measured_side_by_side_take_turns_on_their_own_requests():
+    from gem_ops.serving.latency import LatencySettings, measure_side_by_side
+
+    calls = []
+    scorers = {name: (lambda request, name=name: calls.append((name, request["n"], request["seed"])),
+                      lambda n, seed, name=name: {"n": n, "seed": seed, "for": name}) for name in ("a", "b", "c")}
+    figures = measure_side_by_side(scorers, LatencySettings((1, 100), requests=4, warmup=1))
+    assert set(figures) == {"a", "b", "c"} and all(set(f) == {1, 100} and f[1]["requests"] == 4 for f in figures.values())
+    timed = [call for call in calls if call[2] >= 1 and call[1] == 1]  # seed 0 is each one's warm-up
+    assert timed == [("a", 1, 1), ("b", 1, 1), ("c", 1, 1), ("b", 1, 2), ("c", 1, 2), ("a", 1, 2),
+                     ("c", 1, 3), ("a", 1, 3), ("b", 1, 3), ("a", 1, 4), ("b", 1, 4), ("c", 1, 4)]
+
+
 def test_the_serving_graphs_self_attention_masks_have_four_dims_so_the_cpus_fused_kernel_runs(monkeypatch):
     """With a 3-D mask the CPU's scaled_dot_product_attention takes its math path: 3-4x slower at 256-1024 events."""
     from torch.nn import functional as F

@@ -20,16 +20,33 @@ class LatencySettings:
     threads: int = 0  # torch intra-op threads while timing; 0: as set
 
 
-def measure_latency(score: Callable[[dict], object], request_of: Callable[[int, int], dict[str, torch.Tensor]],
+Scorer = Callable[[dict], object]
+RequestMaker = Callable[[int, int], dict[str, torch.Tensor]]
+
+
+def measure_latency(score: Scorer, request_of: RequestMaker,
                     settings: LatencySettings = LatencySettings()) -> dict[int, dict[str, float]]:
     """{candidates: {p50_ms, p99_ms, mean_ms, requests_per_s}}; request_of(candidates, seed) makes a request
     (each timed call gets its own, prepared beforehand: only scoring is timed)."""
+    return measure_side_by_side({"": (score, request_of)}, settings)[""]
+
+
+def measure_side_by_side(scorers: dict[str, tuple[Scorer, RequestMaker]],
+                         settings: LatencySettings = LatencySettings()) -> dict[str, dict[int, dict[str, float]]]:
+    """measure_latency of each named (score, request_of), the scorers taking turns request by request (who goes
+    first rotating): a machine's load, which moves latency by tens of percent between runs, moves all of them alike,
+    so their ratios are measured side by side."""
     threads = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(settings.threads)
     try:
-        return {n: _timed(score, [request_of(n, seed) for seed in range(settings.warmup + settings.requests)],
-                          settings.warmup) for n in settings.candidate_counts}
+        out: dict[str, dict[int, dict[str, float]]] = {name: {} for name in scorers}
+        for n in settings.candidate_counts:
+            requests = {name: [request_of(n, seed) for seed in range(settings.warmup + settings.requests)]
+                        for name, (_, request_of) in scorers.items()}
+            for name, seconds in _timed_in_turn(scorers, requests, settings.warmup).items():
+                out[name][n] = _figures(seconds)
+        return out
     finally:
         torch.set_num_threads(threads)
 
@@ -43,15 +60,22 @@ def warm_up_latency(score: Callable[[dict], object], request_of: Callable[[int, 
                 score(request_of(n, length))
 
 
-def _timed(score, requests: list[dict], warmup: int) -> dict[str, float]:
+def _timed_in_turn(scorers: dict, requests: dict[str, list[dict]], warmup: int) -> dict[str, list[float]]:
+    names = list(scorers)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     with torch.no_grad():
-        for request in requests[:warmup]:
-            score(request)
-        seconds = []
-        for request in requests[warmup:]:
-            start = time.perf_counter()
-            score(request)
-            seconds.append(time.perf_counter() - start)
+        for name in names:
+            for request in requests[name][:warmup]:
+                scorers[name][0](request)
+        for i in range(len(requests[names[0]]) - warmup):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                start = time.perf_counter()
+                scorers[name][0](requests[name][warmup + i])
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def _figures(seconds: list[float]) -> dict[str, float]:
     ms = np.array(seconds) * 1e3
     return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
             "mean_ms": float(ms.mean()), "requests_per_s": float(1e3 / ms.mean()), "requests": len(ms)}
