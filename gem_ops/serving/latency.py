@@ -51,8 +51,8 @@ def measure_side_by_side(scorers: dict[str, tuple[Scorer, RequestMaker]],
         torch.set_num_threads(threads)
 
 
-def warm_up_latency(score: Callable[[dict], object], request_of: Callable[[int, int], dict[str, torch.Tensor]],
-                    history_lengths: list[int], candidate_counts: tuple[int, ...] = CANDIDATE_COUNTS) -> None:
+def warm_up_latency(score: Scorer, request_of: RequestMaker, history_lengths: list[int],
+                    candidate_counts: tuple[int, ...] = CANDIDATE_COUNTS) -> None:
     """Scores one request per (history length, candidate count), untimed: request_of(candidates, length)."""
     with torch.no_grad():
         for length in history_lengths:
