@@ -96,9 +96,10 @@ def context_gradient_flops(model, x) -> int:
     """The [rows, tokens] x [tokens, d] product that gives the stacked context tables their gradient
     (GEMEmbeddings.summed_rows), where the model's history tokens reach its loss."""
     embeddings = getattr(model, "embeddings", None)
-    if not model.config.use_sequence or not hasattr(embeddings, "context_keys") or not embeddings._context_tables():
+    tables = embeddings._context_tables() if model.config.use_sequence and hasattr(embeddings, "context_keys") else None
+    if not tables:
         return 0
-    rows = sum(table.shape[0] for table in embeddings._context_tables())
+    rows = sum(table.shape[0] for table in tables)
     return 2 * rows * int(x.history_offsets[-1]) * model.config.embedding.sequence_dim
 
 

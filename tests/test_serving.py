@@ -387,7 +387,7 @@ def test_scorers_measured_side_by_side_take_turns_on_their_own_requests():
 
 
 def test_the_serving_graphs_self_attention_masks_have_four_dims_so_the_cpus_fused_kernel_runs(monkeypatch):
-    """With a 3-D mask the CPU's scaled_dot_product_attention takes its math path: 3-4x slower at 256-1024 events."""
+    """With a 3-D mask the CPU's scaled_dot_product_attention takes its math path, not its fused kernel."""
     from torch.nn import functional as F
 
     from gem_ops.serving import graph

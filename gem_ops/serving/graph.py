@@ -206,7 +206,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5
     # Over [N, H, Lq, Lk] scores: [1, 1, 1, Lk], or [N, 1, 1, Lk] for a mask per candidate. Four dims: with a
-    # 3-D mask the CPU's scaled_dot_product_attention leaves its fused kernel for the math path (3-4x slower).
+    # 3-D mask the CPU's scaled_dot_product_attention leaves its fused kernel for the math path,
+    # which materialises the [N, H, Lq, Lk] scores.
     keys = torch.ones(k.shape[2], dtype=torch.bool, device=k.device) if mask is None else mask
     visible = (keys if keys.dim() == 2 else keys.unsqueeze(0)).unsqueeze(1).unsqueeze(1)
     if activation == "silu":
