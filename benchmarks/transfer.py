@@ -75,22 +75,27 @@ ABLATIONS = {
     # The looked-up representation with the sequence arm's summary of the user beside the trunk's output.
     "direct_serving_summary": ("gem_summary", SERVING),
     "distillation_serving_summary": ("gem_summary", {**SERVING, "student_adapter": False, "shared_tables": ()}),
+    # The Student Adapter with a shift per candidate category too (CATEGORY_FEATURE: the dataset's column).
+    "stale_direct_serving_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category"}),
 }
+CATEGORY_FEATURE = {"synthetic": "item_category", "movielens": "item_genre"}
 ALL_VARIANTS = {**VARIANTS, **ABLATIONS}
 GUARDED = ("direct", "direct_serving", "direct_serving_summary", "hierarchical", "hierarchical_serving")
 TEACHERS = ("gem", "stale_gem", "fm", "fm_before")
 GATE = "fm_held_out_day"  # a row's record of the teacher gate, not a model
 
 
-def synthetic_source(ad_quality_drift: float = 0.0):
+def synthetic_source(ad_quality_drift: float = 0.0, category_quality_drift: float = 0.0):
     from gem_ops.data.raw_event_logs import EventSource
     from gem_ops.data.synthetic import STRONG_SIGNAL, SurfaceSpec
 
     # Click rates trend up on feed and down on reels: a teacher trained on older days is miscalibrated;
-    # with ad_quality_drift the ads' ranking moves too, which a stale teacher gets wrong, not just its scale.
-    drifting = replace(STRONG_SIGNAL, ad_quality_drift=ad_quality_drift, surfaces=(
-        SurfaceSpec("feed", 0.45, 0.06, 0.4, ctr_drift=0.08), SurfaceSpec("reels", 0.25, 0.14, 0.35, ctr_drift=-0.06),
-        SurfaceSpec("stories", 0.15, 0.06, None), SurfaceSpec("search", 0.15, 0.2, 0.4)))
+    # with ad_quality_drift the ads' ranking moves too (with category_quality_drift, whole categories' ranking),
+    # which a stale teacher gets wrong, not just its scale.
+    drifting = replace(STRONG_SIGNAL, ad_quality_drift=ad_quality_drift, category_quality_drift=category_quality_drift,
+                       surfaces=(SurfaceSpec("feed", 0.45, 0.06, 0.4, ctr_drift=0.08),
+                                 SurfaceSpec("reels", 0.25, 0.14, 0.35, ctr_drift=-0.06),
+                                 SurfaceSpec("stories", 0.15, 0.06, None), SurfaceSpec("search", 0.15, 0.2, 0.4)))
     return EventSource("synthetic", drifting), None
 
 
@@ -214,6 +219,8 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                              "fm_teaches": float(gate.teacher == "domain_fm")}
             for variant in args.variants:
                 teacher, transfer = ALL_VARIANTS[variant]
+                if transfer.get("adapter_feature") == "category":
+                    transfer = {**transfer, "adapter_feature": CATEGORY_FEATURE[name]}
                 run = train_vertical_model(logs, part, task, vm_base, settings(args.student_epochs, args.student_eval_every),
                                            work / f"{domain}_{task}_{variant}_{seed}", TransferConfig(**transfer),
                                            teachers[teacher], shuffling, device=args.device)
@@ -313,6 +320,8 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                     "mechanisms": {f"{with_} over {without}": _gain(per, with_, without) for with_, without in (
                         ("stale_direct", "stale_direct_no_adapter"),
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_category_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_category_adapter", "stale_direct_serving"),
                         ("direct_serving", "direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_representation"),
                         ("direct_serving", "direct_serving_no_sharing"),
@@ -325,6 +334,8 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("direct_serving", "direct_serving_fixed_tables"),
                         ("validated_tables", "distillation_serving"),
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_category_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_category_adapter", "stale_direct_serving"),
                         ("hierarchical", "alone"), ("hierarchical_serving", "alone"),
                         ("hierarchical_serving_gated", "alone"),
                         ("hierarchical_serving_fm_before", "alone"),
@@ -374,6 +385,8 @@ def main() -> None:
     parser.add_argument("--staleness-days", type=int, default=3)
     parser.add_argument("--ad-quality-drift", type=float, default=0.0,
                         help="synthetic: sd of each ad's daily log-quality step (ranking drift a stale teacher misses)")
+    parser.add_argument("--category-quality-drift", type=float, default=0.0,
+                        help="synthetic: the same step per item category, shared by its ads (a category's season)")
     parser.add_argument("--domain-fm-days", type=int, default=None, help="days the domain FMs learn from (default: all)")
     parser.add_argument("--eval-days", type=int, default=2)
     parser.add_argument("--max-history-len", type=int, default=128)
@@ -461,7 +474,8 @@ def prepare(name: str, root: Path, args) -> Path:
     from gem_ops.data.prepare import prepare_training_data
     from gem_ops.data.sequence_logs import SequenceLogsConfig
 
-    sources = {"synthetic": lambda: synthetic_source(args.ad_quality_drift), "movielens": movielens_source}
+    sources = {"synthetic": lambda: synthetic_source(args.ad_quality_drift, args.category_quality_drift),
+               "movielens": movielens_source}
     source, history_types = sources[name]()
     prepare_training_data(source, END, DAYS, root, SequenceLogsConfig(
         max_history_len=args.max_history_len, eval_days=args.eval_days, history_event_types=history_types))

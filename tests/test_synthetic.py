@@ -214,7 +214,7 @@ def test_recurring_retargeting_needs_a_positive_period():
 def test_ad_quality_drift_moves_the_ranking_among_ads_from_day_to_day():
     """ad_quality_drift > 0: day 0 keeps the catalog's qualities, later days walk away from them (the farther,
     the less alike), each day extends the one before, the mean stays 1; 0 leaves every day's frame unchanged."""
-    from gem_ops.data.synthetic import _ad_quality, _catalog, _quality_walk
+    from gem_ops.data.synthetic import _STREAM_QUALITY, _ad_quality, _catalog, _quality_walk
 
     drifting = dataclasses.replace(SMALL, ad_quality_drift=0.3)
     catalog = _catalog(drifting)
@@ -225,10 +225,30 @@ def test_ad_quality_drift_moves_the_ranking_among_ads_from_day_to_day():
     for quality in _ad_quality(drifting, catalog, 5):
         assert quality.mean() == pytest.approx(1.0)
     _quality_walk.cache_clear()  # a fresh stream: day 6 is day 5 plus one step, whichever is drawn first
-    six, five = _quality_walk(drifting, 6), _quality_walk(drifting, 5)
+    six, five = (_quality_walk(drifting, d, _STREAM_QUALITY, 0.3, drifting.n_ads) for d in (6, 5))
     assert np.std(six - five) == pytest.approx(0.3, rel=0.1)
     assert generate_day(SMALL, day(SMALL, 3)).equals(generate_day(dataclasses.replace(SMALL, ad_quality_drift=0.0),
                                                                   day(SMALL, 3)))
     assert not generate_day(drifting, day(SMALL, 3)).equals(generate_day(SMALL, day(SMALL, 3)))
     with pytest.raises(ValueError, match="ad_quality_drift"):
         dataclasses.replace(SMALL, ad_quality_drift=-0.1)
+
+
+def test_category_quality_drift_moves_every_ad_of_a_category_together():
+    """category_quality_drift > 0: on a later day an ad's quality over the catalog's is its category's shift,
+    the same for every ad of the category and different between categories; the mean stays 1."""
+    from gem_ops.data.synthetic import _ad_quality, _catalog
+
+    drifting = dataclasses.replace(SMALL, category_quality_drift=0.3)
+    catalog = _catalog(drifting)
+    category = catalog.category[drifting.ad_id_start:]
+    assert np.array_equal(_ad_quality(drifting, catalog, 0)[0], catalog.click_quality)
+    for quality, base in zip(_ad_quality(drifting, catalog, 5), (catalog.click_quality, catalog.conversion_quality)):
+        assert quality.mean() == pytest.approx(1.0)
+        shift = np.log(quality / base)
+        per_category = [shift[category == c] for c in range(drifting.n_categories)]
+        assert max(np.ptp(s) for s in per_category) < 1e-9  # one shift per category
+        assert np.std([s[0] for s in per_category]) > 0.3  # five steps of 0.3 apart
+    assert not generate_day(drifting, day(SMALL, 3)).equals(generate_day(SMALL, day(SMALL, 3)))
+    with pytest.raises(ValueError, match="category_quality_drift"):
+        dataclasses.replace(SMALL, category_quality_drift=-0.1)

@@ -228,6 +228,26 @@ def test_student_adapter_recalibrates_a_stale_teacher(logs, stale_teacher):
     assert after["all/click"]["ne"] < before["all/click"]["ne"]
 
 
+def test_student_adapter_with_a_candidate_feature_takes_out_a_shift_per_category(logs, stale_teacher):
+    """A teacher whose logits are off by a shift per item category (a category's season its days did not
+    show): the adapter with adapter_feature "item_category" learns the shifts from the fresh labels and scores
+    the later eval day better than the adapter without it, which can only move whole surfaces."""
+    fresh, held_out = windows.student_examples(logs, WINDOWS), windows.eval_examples(logs)
+    category = logs.column("item_category")[stale_teacher.predictions.example_index]
+    shift = np.random.default_rng(0).normal(0.0, 1.5, category.max() + 1)[category]
+    shifted = stale_teacher.predictions.with_logits(stale_teacher.predictions.logits + shift[:, None])
+    config = replace(SMALL, tasks=("click",))
+    ne = {}
+    for feature in ("", "item_category"):
+        adapter = fit_adapter(logs, shifted, fresh, steps=300, feature=feature, feature_buckets=64)
+        assert (adapter.feature_shift is not None) == bool(feature)
+        ne[feature] = prediction_report(logs, adapt(adapter, logs, shifted, feature), held_out, config)["all/click"]["ne"]
+    teacher = prediction_report(logs, stale_teacher.predictions, held_out, config)["all/click"]["ne"]
+    assert ne["item_category"] < ne[""] - 0.02 and ne["item_category"] < teacher + 0.01, (ne, teacher)
+    with pytest.raises(ValueError, match="adapter_feature 'item_genre' is not a sparse feature"):
+        fit_adapter(logs, shifted, fresh, steps=1, feature="item_genre", feature_buckets=8)
+
+
 def test_distillation_head_and_teacher_token(logs, stale_teacher):
     config = student_config(SMALL, ("click",), TransferConfig(shared_tables=(), distillation_head="auxiliary"), stale_teacher)
     assert config.distillation_weight == 1.0 and config.teacher_representation_dim == SMALL.trunk_hidden

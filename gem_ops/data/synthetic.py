@@ -32,6 +32,8 @@ Planted signal (what a model can learn)
     - user_segment x item_category and user_age_bucket x surface affinities and per-ad click and
       conversion quality, all multiplicative with mean 1. With ad_quality_drift > 0 each ad's quality
       walks (in log space, renormalised to mean 1) from day to day: which ads are good changes over time.
+      With category_quality_drift > 0 every ad of a category walks together (a category's season): a
+      shift that fresh days show for each category, where one ad's impressions are too few to show it.
     - Long range: during the first early_days days after start_date each user views a few ad items
       (their early items) as organic_view events. Afterwards a retarget_share of that user's ad
       impressions show those same items, and any impression of an early item is clicked
@@ -76,6 +78,7 @@ _STREAM_USERS = 2
 _STREAM_INTEREST = 3
 _STREAM_DAY = 4
 _STREAM_QUALITY = 5
+_STREAM_CATEGORY_QUALITY = 6
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ class SyntheticConfig:
     # Each ad's click and conversion quality walks in log space by this sd per day after start_date: the
     # ranking among ads changes, a trend a teacher trained on older days misses (0: fixed quality).
     ad_quality_drift: float = 0.0
+    # The same walk per category, shared by its ads (0: none).
+    category_quality_drift: float = 0.0
     # Long-range retargeting.
     early_days: int = 2  # days after start_date in which users view their early items
     early_items_per_user: int = 3  # ad items each user views (once each) in the early days
@@ -160,8 +165,9 @@ class SyntheticConfig:
                 raise ValueError(f"SyntheticConfig.{name} must lie in [0, 1], got {getattr(self, name)}")
         if self.events_per_user_per_day < 0 or self.activity_sigma < 0:
             raise ValueError("SyntheticConfig: events_per_user_per_day and activity_sigma must be >= 0")
-        if self.ad_quality_drift < 0:
-            raise ValueError(f"SyntheticConfig.ad_quality_drift must be >= 0, got {self.ad_quality_drift}")
+        for name in ("ad_quality_drift", "category_quality_drift"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SyntheticConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.early_days < 0 or self.early_items_per_user < 0:
             raise ValueError("SyntheticConfig: early_days and early_items_per_user must be >= 0")
         names = [s.name for s in self.surfaces]
@@ -357,21 +363,28 @@ def _users(config: SyntheticConfig) -> _Users:
 
 
 def _ad_quality(config: SyntheticConfig, catalog: _Catalog, day_index: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each ad's (click, conversion) quality on a day: the catalog's, moved by the random walk of
-    ad_quality_drift, and brought back to mean 1 (the surfaces' rates stay as set)."""
-    if config.ad_quality_drift == 0 or day_index == 0:
+    """Each ad's (click, conversion) quality on a day: the catalog's, moved by the random walks of
+    ad_quality_drift (per ad) and category_quality_drift (per category), and brought back to mean 1 (the
+    surfaces' rates stay as set)."""
+    if (config.ad_quality_drift == 0 and config.category_quality_drift == 0) or day_index == 0:
         return catalog.click_quality, catalog.conversion_quality
-    walk = _quality_walk(config, day_index)
+    walk = np.zeros((2, config.n_ads))
+    if config.ad_quality_drift > 0:
+        walk = walk + _quality_walk(config, day_index, _STREAM_QUALITY, config.ad_quality_drift, config.n_ads)
+    if config.category_quality_drift > 0:
+        by_category = _quality_walk(config, day_index, _STREAM_CATEGORY_QUALITY, config.category_quality_drift,
+                                    config.n_categories)
+        walk = walk + by_category[:, catalog.category[config.ad_id_start:config.ad_id_start + config.n_ads]]
     return (_mean_one(catalog.click_quality * np.exp(walk[0])),
             _mean_one(catalog.conversion_quality * np.exp(walk[1])))
 
 
 @functools.lru_cache(maxsize=32)
-def _quality_walk(config: SyntheticConfig, day_index: int) -> np.ndarray:
-    """[2, n_ads] the walk's position on a day: the sum of its first day_index steps, drawn in order from one
+def _quality_walk(config: SyntheticConfig, day_index: int, stream: int, sd: float, n: int) -> np.ndarray:
+    """[2, n] the walk's position on a day: the sum of its first day_index steps, drawn in order from one
     stream, so that every day extends the day before whatever days are generated."""
-    rng = np.random.default_rng([config.seed, _STREAM_QUALITY])
-    return rng.normal(0.0, config.ad_quality_drift, (day_index, 2, config.n_ads)).sum(0)
+    rng = np.random.default_rng([config.seed, stream])
+    return rng.normal(0.0, sd, (day_index, 2, n)).sum(0)
 
 
 def _mean_one(values: np.ndarray, axis: int | None = None) -> np.ndarray:

@@ -3,8 +3,10 @@ today's traffic; a small model fitted on fresh labels maps its logits (plus a fe
 calibrated targets before they supervise the student.
 
 Per (domain, task) an affine map of the teacher's logit, plus a small MLP over all the teacher's logits,
-the domain and the history length; initialised to the identity, so an adapter that learns nothing
-passes the teacher through unchanged."""
+the domain and the history length, and optionally a shift per value of one candidate feature (hashed into
+buckets: e.g. the item's category, where a shift that the teacher's days did not show moves whole
+categories); initialised to the identity, so an adapter that learns nothing passes the teacher through
+unchanged."""
 
 from __future__ import annotations
 
@@ -20,33 +22,48 @@ from gem_ops.transfer.knowledge import TeacherPredictions
 
 
 class StudentAdapter(nn.Module):
-    def __init__(self, domains: int, tasks: int, hidden: int = 16):
+    def __init__(self, domains: int, tasks: int, hidden: int = 16, feature_buckets: int = 0):
         super().__init__()
-        self.domains, self.tasks = domains, tasks
+        self.domains, self.tasks, self.feature_buckets = domains, tasks, feature_buckets
+        self.feature_shift = nn.Parameter(torch.zeros(feature_buckets, tasks)) if feature_buckets else None
         self.scale = nn.Parameter(torch.ones(domains, tasks))
         self.shift = nn.Parameter(torch.zeros(domains, tasks))
         self.mlp = nn.Sequential(nn.Linear(tasks + domains + 1, hidden), nn.GELU(), nn.Linear(hidden, tasks))
         nn.init.zeros_(self.mlp[-1].weight)
         nn.init.zeros_(self.mlp[-1].bias)
 
-    def forward(self, logits: torch.Tensor, domain: torch.Tensor, history_length: torch.Tensor) -> torch.Tensor:
-        """Teacher logits [N, T], domain [N], history length [N] -> adapted logits [N, T]."""
+    def forward(self, logits: torch.Tensor, domain: torch.Tensor, history_length: torch.Tensor,
+                feature: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher logits [N, T], domain [N], history length [N], the candidate feature's ids [N] (with
+        feature_buckets) -> adapted logits [N, T]."""
         features = torch.cat([logits.clamp(-15, 15), F.one_hot(domain, self.domains).float(),
                               torch.log1p(history_length.float()).unsqueeze(1) / 5], dim=1)
-        return self.scale[domain] * logits + self.shift[domain] + self.mlp(features)
+        adapted = self.scale[domain] * logits + self.shift[domain] + self.mlp(features)
+        if self.feature_shift is not None:
+            adapted = adapted + self.feature_shift[feature.clamp(min=0) % self.feature_buckets]
+        return adapted
 
 
-def adapter_inputs(logs: SequenceLogs, predictions: TeacherPredictions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def adapter_inputs(logs: SequenceLogs, predictions: TeacherPredictions, feature: str = "") -> tuple[torch.Tensor, ...]:
+    """The adapter's inputs for every example the teacher scored; `feature`: a candidate column of the logs."""
     idx = predictions.example_index
-    return (torch.from_numpy(predictions.logits), torch.from_numpy(logs.column("surface")[idx].astype(np.int64)),
-            torch.from_numpy(logs.history_lengths()[idx].astype(np.int64)))
+    inputs = (torch.from_numpy(predictions.logits), torch.from_numpy(logs.column("surface")[idx].astype(np.int64)),
+              torch.from_numpy(logs.history_lengths()[idx].astype(np.int64)))
+    if not feature:
+        return inputs
+    if feature not in logs.sparse_features:
+        raise ValueError(f"TransferConfig.adapter_feature {feature!r} is not a sparse feature of the logs "
+                         f"{logs.sparse_features}")
+    return (*inputs, torch.from_numpy(logs.column(feature)[idx].astype(np.int64)))
 
 
 def fit_adapter(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray, hidden: int = 16,
-                steps: int = 300, lr: float = 0.02, seed: int = 0) -> StudentAdapter:
-    """Fits an adapter on the fresh labels of `indices` (examples the teacher scored)."""
+                steps: int = 300, lr: float = 0.02, seed: int = 0, feature: str = "",
+                feature_buckets: int = 0) -> StudentAdapter:
+    """Fits an adapter on the fresh labels of `indices` (examples the teacher scored); with `feature`, a shift
+    per value of that candidate feature (hashed into `feature_buckets`) too."""
     torch.manual_seed(seed)
-    logits, domain, lengths = adapter_inputs(logs, predictions)
+    all_inputs = adapter_inputs(logs, predictions, feature)
     position = np.full(len(logs), -1, dtype=np.int64)
     position[predictions.example_index] = np.arange(len(predictions))
     rows = position[np.asarray(indices, dtype=np.int64)]
@@ -55,13 +72,14 @@ def fit_adapter(logs: SequenceLogs, predictions: TeacherPredictions, indices: np
     batch = logs.batch(indices, max_history_len=0)
     labels, mask = batch.labels, batch.label_mask
     rows_t = torch.from_numpy(rows)
-    adapter = StudentAdapter(len(logs.surfaces), logits.shape[1], hidden)
-    inputs = (logits[rows_t], domain[rows_t], lengths[rows_t])
+    adapter = StudentAdapter(len(logs.surfaces), all_inputs[0].shape[1], hidden, feature_buckets if feature else 0)
+    inputs = tuple(x[rows_t] for x in all_inputs)
     return fit_full_batch(adapter, lambda: masked_bce_loss(adapter(*inputs), labels, mask)[0], steps, lr,
                           weight_decay=1e-4)
 
 
 @torch.no_grad()
-def adapt(adapter: StudentAdapter, logs: SequenceLogs, predictions: TeacherPredictions) -> TeacherPredictions:
+def adapt(adapter: StudentAdapter, logs: SequenceLogs, predictions: TeacherPredictions,
+          feature: str = "") -> TeacherPredictions:
     """The predictions with the adapter's logits in place of the teacher's."""
-    return predictions.with_logits(adapter(*adapter_inputs(logs, predictions)).numpy())
+    return predictions.with_logits(adapter(*adapter_inputs(logs, predictions, feature)).numpy())

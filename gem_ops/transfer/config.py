@@ -24,6 +24,10 @@ class TransferConfig:
     adapter_hidden: int = 16
     adapter_steps: int = 300  # full-batch Adam steps on the student's training window
     adapter_lr: float = 0.02
+    # A candidate column (e.g. "item_category") whose values the adapter shifts one by one, hashed into
+    # adapter_feature_buckets: corrects a teacher whose days missed a shift of whole categories ("": none).
+    adapter_feature: str = ""
+    adapter_feature_buckets: int = 64
     representation: bool = True  # the teacher's trunk representation becomes a student input token
     shared_tables: tuple[str, ...] = ("item",)  # embedding tables copied from the teacher; () for none
     # True: the copied tables stay the teacher's, only their projection learns; False: they train on the student's
@@ -37,8 +41,8 @@ class TransferConfig:
             raise ValueError(f"TransferConfig.freeze_shared must be true, false or 'auto', got {self.freeze_shared!r}")
         if self.distillation_weight < 0:
             raise ValueError(f"TransferConfig.distillation_weight must be >= 0, got {self.distillation_weight}")
-        if self.adapter_steps < 1 or self.adapter_hidden < 1:
-            raise ValueError("TransferConfig.adapter_steps and adapter_hidden must be >= 1")
+        if self.adapter_steps < 1 or self.adapter_hidden < 1 or self.adapter_feature_buckets < 1:
+            raise ValueError("TransferConfig.adapter_steps, adapter_hidden and adapter_feature_buckets must be >= 1")
 
     @property
     def uses_predictions(self) -> bool:
