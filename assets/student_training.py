@@ -17,6 +17,9 @@ class StudentTrainingConfig(ModelTrainingConfig):
         "serving", description="serving: the serving head learns the teacher's targets beside the true labels (soft "
         "targets); auxiliary: a head of its own learns them.")
     student_adapter: bool = Field(True, description="Map teacher logits to fresh-label-calibrated targets first.")
+    adapter_feature: str = Field(
+        "", description="A candidate sparse feature (e.g. item_category) whose values the Student Adapter shifts one "
+        "by one: corrects a teacher whose days missed a shift of whole categories; empty: none.")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")
     shared_table_training: str = Field(
@@ -25,7 +28,7 @@ class StudentTrainingConfig(ModelTrainingConfig):
 
     def transfer(self) -> TransferConfig:
         return TransferConfig(distillation_weight=self.distillation_weight, distillation_head=self.distillation_head,
-                              student_adapter=self.student_adapter,
+                              student_adapter=self.student_adapter, adapter_feature=self.adapter_feature,
                               representation=self.representation, shared_tables=tuple(self.shared_tables),
                               freeze_shared=self.freeze_shared())
 

@@ -373,12 +373,20 @@ def killed_at(step: int) -> list:
     return [on_step]
 
 
-def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_path):
+def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_path, monkeypatch):
     feed = list(logs.surfaces).index("feed")
     fresh = windows.student_examples(logs, WINDOWS, "feed")
     held_out = windows.eval_examples(logs, "feed")
+    adapters = []
+
+    def recording_fit(*args):
+        adapters.append(fit_adapter(*args))
+        return adapters[-1]
+
+    monkeypatch.setattr("gem_ops.transfer.student.fit_adapter", recording_fit)
     run = train_student(logs, fresh, held_out, SMALL, ("click",), replace(QUICK, max_steps=10), tmp_path,
-                        TransferConfig(freeze_shared=True), stale_teacher, SHUFFLING)
+                        TransferConfig(freeze_shared=True, adapter_feature="item_category"), stale_teacher, SHUFFLING)
+    assert len(adapters) == 1 and adapters[0].feature_shift.abs().sum() > 0  # the category shifts were fitted
     assert torch.equal(embedding_tables(run.model)["item"], embedding_tables(stale_teacher.model)["item"])
     # The teacher's targets on the serving head by default: no auxiliary towers.
     assert run.model.teacher_proj is not None and run.model.distillation_towers is None

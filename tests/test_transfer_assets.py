@@ -278,3 +278,5 @@ def test_shared_table_training_setting_maps_to_the_transfer_and_names_a_bad_valu
     assert StudentTrainingConfig(shared_table_training="trained").transfer().freeze_shared is False
     with pytest.raises(ValueError, match="shared_table_training"):
         StudentTrainingConfig(shared_table_training="frozen").transfer()
+    assert StudentTrainingConfig().transfer().adapter_feature == ""
+    assert StudentTrainingConfig(adapter_feature="item_category").transfer().adapter_feature == "item_category"
