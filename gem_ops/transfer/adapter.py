@@ -21,6 +21,10 @@ from gem_ops.train.engine import fit_full_batch
 from gem_ops.transfer.knowledge import TeacherPredictions
 
 
+# The prior sd of a category's logit shift: about what a category's log-odds moves by over a few days.
+FEATURE_SHIFT_PRIOR_SD = 0.5
+
+
 class StudentAdapter(nn.Module):
     def __init__(self, domains: int, tasks: int, hidden: int = 16, feature_buckets: int = 0):
         super().__init__()
@@ -74,8 +78,17 @@ def fit_adapter(logs: SequenceLogs, predictions: TeacherPredictions, indices: np
     rows_t = torch.from_numpy(rows)
     adapter = StudentAdapter(len(logs.surfaces), all_inputs[0].shape[1], hidden, feature_buckets if feature else 0)
     inputs = tuple(x[rows_t] for x in all_inputs)
-    return fit_full_batch(adapter, lambda: masked_bce_loss(adapter(*inputs), labels, mask)[0], steps, lr,
-                          weight_decay=1e-4)
+    # The feature's shifts have a Gaussian prior (sd FEATURE_SHIFT_PRIOR_SD), on each task's mean-loss scale: a
+    # category with few labels keeps the teacher's score (conversions: tens of positives a category).
+    prior_weight = 1.0 / (2 * FEATURE_SHIFT_PRIOR_SD**2 * mask.sum(0).clamp(min=1))
+
+    def loss() -> torch.Tensor:
+        fit = masked_bce_loss(adapter(*inputs), labels, mask)[0]
+        if adapter.feature_shift is None:
+            return fit
+        return fit + (adapter.feature_shift.pow(2).sum(0) * prior_weight).sum()
+
+    return fit_full_batch(adapter, loss, steps, lr, weight_decay=1e-4)
 
 
 @torch.no_grad()
