@@ -77,6 +77,10 @@ ABLATIONS = {
     "distillation_serving_summary": ("gem_summary", {**SERVING, "student_adapter": False, "shared_tables": ()}),
     # The Student Adapter with a shift per candidate category too (CATEGORY_FEATURE: the dataset's column).
     "stale_direct_serving_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category"}),
+    # Either adapter under a prior that keeps a task with few labels near the teacher (adapter_shrinkage).
+    "stale_direct_serving_shrunk_adapter": ("stale_gem", {**SERVING, "adapter_shrinkage": True}),
+    "stale_direct_serving_shrunk_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category",
+                                                                   "adapter_shrinkage": True}),
 }
 CATEGORY_FEATURE = {"synthetic": "item_category", "movielens": "item_genre"}
 ALL_VARIANTS = {**VARIANTS, **ABLATIONS}
@@ -322,6 +326,8 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_category_adapter", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_category_adapter", "stale_direct_serving"),
+                        ("stale_direct_serving_shrunk_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_shrunk_category_adapter", "stale_direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_representation"),
                         ("direct_serving", "direct_serving_no_sharing"),
@@ -336,6 +342,8 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_category_adapter", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_category_adapter", "stale_direct_serving"),
+                        ("stale_direct_serving_shrunk_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_shrunk_category_adapter", "stale_direct_serving_no_adapter"),
                         ("hierarchical", "alone"), ("hierarchical_serving", "alone"),
                         ("hierarchical_serving_gated", "alone"),
                         ("hierarchical_serving_fm_before", "alone"),

@@ -248,6 +248,24 @@ def test_student_adapter_with_a_candidate_feature_takes_out_a_shift_per_category
         fit_adapter(logs, shifted, fresh, steps=1, feature="item_genre", feature_buckets=8)
 
 
+def test_a_shrunk_adapter_fitted_on_few_labels_stays_nearer_the_teacher(logs, stale_teacher):
+    """adapter_shrinkage: the prior weighs against each task's labels, so an adapter fitted on a few dozen
+    examples moves the teacher's logits much less than one without it, and one fitted on the fresh days still
+    recalibrates every surface."""
+    fresh = windows.student_examples(logs, WINDOWS)
+    teacher = stale_teacher.predictions
+
+    def moved(rows, shrink):
+        adapted = adapt(fit_adapter(logs, teacher, rows, steps=300, shrink=shrink), logs, teacher)
+        return float(np.abs(adapted.logits - teacher.logits).mean()), adapted
+
+    assert moved(fresh[:40], True)[0] < moved(fresh[:40], False)[0] / 4
+    config = replace(SMALL, tasks=("click",))
+    report = prediction_report(logs, moved(fresh, True)[1], fresh, config)
+    for domain in logs.surfaces:
+        assert abs(report[f"{domain}/click"]["calibration"] - 1) < 0.05, (domain, report[f"{domain}/click"])
+
+
 def test_distillation_head_and_teacher_token(logs, stale_teacher):
     config = student_config(SMALL, ("click",), TransferConfig(shared_tables=(), distillation_head="auxiliary"), stale_teacher)
     assert config.distillation_weight == 1.0 and config.teacher_representation_dim == SMALL.trunk_hidden

@@ -47,6 +47,12 @@ class StudentAdapter(nn.Module):
             adapted = adapted + self.feature_shift[feature.clamp(min=0) % self.feature_buckets]
         return adapted
 
+    def departure(self) -> torch.Tensor:
+        """[T] per task, the squared distance of the affine map and the MLP's output layer from the identity."""
+        out = self.mlp[-1]
+        return ((self.scale - 1).pow(2).sum(0) + self.shift.pow(2).sum(0) + out.weight.pow(2).sum(1)
+                + out.bias.pow(2))
+
 
 def adapter_inputs(logs: SequenceLogs, predictions: TeacherPredictions, feature: str = "") -> tuple[torch.Tensor, ...]:
     """The adapter's inputs for every example the teacher scored; `feature`: a candidate column of the logs."""
@@ -63,9 +69,11 @@ def adapter_inputs(logs: SequenceLogs, predictions: TeacherPredictions, feature:
 
 def fit_adapter(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray, hidden: int = 16,
                 steps: int = 300, lr: float = 0.02, seed: int = 0, feature: str = "",
-                feature_buckets: int = 0) -> StudentAdapter:
+                feature_buckets: int = 0, shrink: bool = False) -> StudentAdapter:
     """Fits an adapter on the fresh labels of `indices` (examples the teacher scored); with `feature`, a shift
-    per value of that candidate feature (hashed into `feature_buckets`) too."""
+    per value of that candidate feature (hashed into `feature_buckets`) too. `shrink`: the same prior as the
+    feature's shifts on the rest of the adapter's departure from the identity (a task with few labels keeps
+    the teacher's scores)."""
     torch.manual_seed(seed)
     all_inputs = adapter_inputs(logs, predictions, feature)
     position = np.full(len(logs), -1, dtype=np.int64)
@@ -84,9 +92,11 @@ def fit_adapter(logs: SequenceLogs, predictions: TeacherPredictions, indices: np
 
     def loss() -> torch.Tensor:
         fit = masked_bce_loss(adapter(*inputs), labels, mask)[0]
-        if adapter.feature_shift is None:
-            return fit
-        return fit + (adapter.feature_shift.pow(2).sum(0) * prior_weight).sum()
+        if adapter.feature_shift is not None:
+            fit = fit + (adapter.feature_shift.pow(2).sum(0) * prior_weight).sum()
+        if shrink:
+            fit = fit + (adapter.departure() * prior_weight).sum()
+        return fit
 
     return fit_full_batch(adapter, loss, steps, lr, weight_decay=1e-4)
 

@@ -28,6 +28,8 @@ class TransferConfig:
     # adapter_feature_buckets: corrects a teacher whose days missed a shift of whole categories ("": none).
     adapter_feature: str = ""
     adapter_feature_buckets: int = 64
+    # A Gaussian prior on the whole adapter's departure from the identity, weighed against each task's labels.
+    adapter_shrinkage: bool = False
     representation: bool = True  # the teacher's trunk representation becomes a student input token
     shared_tables: tuple[str, ...] = ("item",)  # embedding tables copied from the teacher; () for none
     # True: the copied tables stay the teacher's, only their projection learns; False: they train on the student's
