@@ -241,7 +241,7 @@ def test_student_adapter_with_a_candidate_feature_takes_out_a_shift_per_category
     for feature in ("", "item_category"):
         adapter = fit_adapter(logs, shifted, fresh, steps=300, feature=feature, feature_buckets=64)
         assert (adapter.feature_shift is not None) == bool(feature)
-        ne[feature] = prediction_report(logs, adapt(adapter, logs, shifted, feature), held_out, config)["all/click"]["ne"]
+        ne[feature] = prediction_report(logs, adapt(adapter, logs, shifted), held_out, config)["all/click"]["ne"]
     teacher = prediction_report(logs, stale_teacher.predictions, held_out, config)["all/click"]["ne"]
     assert ne["item_category"] < ne[""] - 0.02 and ne["item_category"] < teacher + 0.01, (ne, teacher)
     with pytest.raises(ValueError, match="adapter_feature 'item_genre' is not a sparse feature"):

@@ -26,10 +26,10 @@ FEATURE_SHIFT_PRIOR_SD = 0.5
 
 
 class StudentAdapter(nn.Module):
-    def __init__(self, domains: int, tasks: int, hidden: int = 16, feature_buckets: int = 0):
+    def __init__(self, domains: int, tasks: int, hidden: int = 16, feature: str = "", feature_buckets: int = 64):
         super().__init__()
-        self.domains, self.tasks, self.feature_buckets = domains, tasks, feature_buckets
-        self.feature_shift = nn.Parameter(torch.zeros(feature_buckets, tasks)) if feature_buckets else None
+        self.domains, self.tasks, self.feature, self.feature_buckets = domains, tasks, feature, feature_buckets
+        self.feature_shift = nn.Parameter(torch.zeros(feature_buckets, tasks)) if feature else None
         self.scale = nn.Parameter(torch.ones(domains, tasks))
         self.shift = nn.Parameter(torch.zeros(domains, tasks))
         self.mlp = nn.Sequential(nn.Linear(tasks + domains + 1, hidden), nn.GELU(), nn.Linear(hidden, tasks))
@@ -38,8 +38,8 @@ class StudentAdapter(nn.Module):
 
     def forward(self, logits: torch.Tensor, domain: torch.Tensor, history_length: torch.Tensor,
                 feature: torch.Tensor | None = None) -> torch.Tensor:
-        """Teacher logits [N, T], domain [N], history length [N], the candidate feature's ids [N] (with
-        feature_buckets) -> adapted logits [N, T]."""
+        """Teacher logits [N, T], domain [N], history length [N], the candidate feature's ids [N] (with a
+        feature) -> adapted logits [N, T]."""
         features = torch.cat([logits.clamp(-15, 15), F.one_hot(domain, self.domains).float(),
                               torch.log1p(history_length.float()).unsqueeze(1) / 5], dim=1)
         adapted = self.scale[domain] * logits + self.shift[domain] + self.mlp(features)
@@ -69,7 +69,7 @@ def adapter_inputs(logs: SequenceLogs, predictions: TeacherPredictions, feature:
 
 def fit_adapter(logs: SequenceLogs, predictions: TeacherPredictions, indices: np.ndarray, hidden: int = 16,
                 steps: int = 300, lr: float = 0.02, seed: int = 0, feature: str = "",
-                feature_buckets: int = 0, shrink: bool = False) -> StudentAdapter:
+                feature_buckets: int = 64, shrink: bool = False) -> StudentAdapter:
     """Fits an adapter on the fresh labels of `indices` (examples the teacher scored); with `feature`, a shift
     per value of that candidate feature (hashed into `feature_buckets`) too. `shrink`: the same prior as the
     feature's shifts on the rest of the adapter's departure from the identity (a task with few labels keeps
@@ -84,7 +84,7 @@ def fit_adapter(logs: SequenceLogs, predictions: TeacherPredictions, indices: np
     batch = logs.batch(indices, max_history_len=0)
     labels, mask = batch.labels, batch.label_mask
     rows_t = torch.from_numpy(rows)
-    adapter = StudentAdapter(len(logs.surfaces), all_inputs[0].shape[1], hidden, feature_buckets if feature else 0)
+    adapter = StudentAdapter(len(logs.surfaces), all_inputs[0].shape[1], hidden, feature, feature_buckets)
     inputs = tuple(x[rows_t] for x in all_inputs)
     # The feature's shifts have a Gaussian prior (sd FEATURE_SHIFT_PRIOR_SD), on each task's mean-loss scale: a
     # category with few labels keeps the teacher's score (conversions: tens of positives a category).
@@ -102,7 +102,6 @@ def fit_adapter(logs: SequenceLogs, predictions: TeacherPredictions, indices: np
 
 
 @torch.no_grad()
-def adapt(adapter: StudentAdapter, logs: SequenceLogs, predictions: TeacherPredictions,
-          feature: str = "") -> TeacherPredictions:
+def adapt(adapter: StudentAdapter, logs: SequenceLogs, predictions: TeacherPredictions) -> TeacherPredictions:
     """The predictions with the adapter's logits in place of the teacher's."""
-    return predictions.with_logits(adapter(*adapter_inputs(logs, predictions, feature)).numpy())
+    return predictions.with_logits(adapter(*adapter_inputs(logs, predictions, adapter.feature)).numpy())

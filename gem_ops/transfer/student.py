@@ -106,7 +106,7 @@ def train_student(
             adapter = fit_adapter(logs, predictions, fresh, transfer.adapter_hidden, transfer.adapter_steps,
                                   transfer.adapter_lr, train_config.seed, transfer.adapter_feature,
                                   transfer.adapter_feature_buckets, transfer.adapter_shrinkage)
-            adapted = adapt(adapter, logs, predictions, transfer.adapter_feature)
+            adapted = adapt(adapter, logs, predictions)
             adapter_report = {"teacher": prediction_report(logs, predictions, eval_indices, config),
                               "adapted": prediction_report(logs, adapted, eval_indices, config)}
             predictions = adapted
