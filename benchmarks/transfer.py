@@ -234,6 +234,9 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                     row[variant]["kept_fixed_tables"] = float(run.shared_tables["kept"] == "fixed")
                     row[variant].update({f"validation_ne_{who}": ne
                                          for who, ne in run.shared_tables["validation_ne"].items()})
+                if run.adapter_report:  # the teacher as its adapter maps it, on the same eval examples
+                    row[variant].update({f"adapted_teacher_{m}": value for m, value in
+                                         _figures(run.adapter_report["adapted"], task).items()})
                 row[variant]["parameters"] = sum(p.numel() for p in run.model.parameters())
                 row[variant]["cpu_latency_s"] = cpu_latency(run.model.cpu(), run.data, int(part.eval[0]), args.candidates,
                                                             args.latency_reps)
