@@ -230,6 +230,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                                            teachers[teacher], shuffling, device=args.device)
                 row[variant] = _figures(run.result.final_report, task)
                 row[variant]["validation_ne"] = kept_validation_ne(run.result, run.model.objectives)
+                row[variant]["steps"], row[variant]["kept_step"] = run.result.steps, run.result.best_step or run.result.steps
                 if run.shared_tables:  # which tables the student kept, and each candidate's validation NE
                     row[variant]["kept_fixed_tables"] = float(run.shared_tables["kept"] == "fixed")
                     row[variant].update({f"validation_ne_{who}": ne
