@@ -81,6 +81,10 @@ ABLATIONS = {
     "stale_direct_serving_shrunk_adapter": ("stale_gem", {**SERVING, "adapter_shrinkage": True}),
     "stale_direct_serving_shrunk_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category",
                                                                    "adapter_shrinkage": True}),
+    # Either adapter fitted only on the students' held-out newest day (adapter_fit), not on the day they train on.
+    "stale_direct_serving_held_out_adapter": ("stale_gem", {**SERVING, "adapter_fit": "held_out"}),
+    "stale_direct_serving_held_out_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category",
+                                                                     "adapter_fit": "held_out"}),
 }
 CATEGORY_FEATURE = {"synthetic": "item_category", "movielens": "item_genre"}
 ALL_VARIANTS = {**VARIANTS, **ABLATIONS}
@@ -332,6 +336,8 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("stale_direct_serving_category_adapter", "stale_direct_serving"),
                         ("stale_direct_serving_shrunk_adapter", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_shrunk_category_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_held_out_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_held_out_category_adapter", "stale_direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_representation"),
                         ("direct_serving", "direct_serving_no_sharing"),
@@ -348,6 +354,8 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("stale_direct_serving_category_adapter", "stale_direct_serving"),
                         ("stale_direct_serving_shrunk_adapter", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_shrunk_category_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_held_out_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_held_out_category_adapter", "stale_direct_serving_no_adapter"),
                         ("hierarchical", "alone"), ("hierarchical_serving", "alone"),
                         ("hierarchical_serving_gated", "alone"),
                         ("hierarchical_serving_fm_before", "alone"),

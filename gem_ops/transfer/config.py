@@ -30,6 +30,10 @@ class TransferConfig:
     adapter_feature_buckets: int = 64
     # A Gaussian prior on the whole adapter's departure from the identity, weighed against each task's labels.
     adapter_shrinkage: bool = False
+    # Which fresh labels the adapter fits: "fresh", every fresh example (the student's days, validation days
+    # included); "held_out", only the student's validation days, so that the targets it trains on are not
+    # fitted to the very labels it learns beside them (the student's training days without validation days).
+    adapter_fit: Literal["fresh", "held_out"] = "fresh"
     representation: bool = True  # the teacher's trunk representation becomes a student input token
     shared_tables: tuple[str, ...] = ("item",)  # embedding tables copied from the teacher; () for none
     # True: the copied tables stay the teacher's, only their projection learns; False: they train on the student's
@@ -41,6 +45,8 @@ class TransferConfig:
     def __post_init__(self):
         if self.freeze_shared not in (True, False, "auto"):
             raise ValueError(f"TransferConfig.freeze_shared must be true, false or 'auto', got {self.freeze_shared!r}")
+        if self.adapter_fit not in ("fresh", "held_out"):
+            raise ValueError(f"TransferConfig.adapter_fit must be 'fresh' or 'held_out', got {self.adapter_fit!r}")
         if self.distillation_weight < 0:
             raise ValueError(f"TransferConfig.distillation_weight must be >= 0, got {self.distillation_weight}")
         if self.adapter_steps < 1 or self.adapter_hidden < 1 or self.adapter_feature_buckets < 1:

@@ -20,6 +20,7 @@ from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.metrics.quality import flat_metrics
 from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import RunTracker
+from gem_ops.train.batches import MS_PER_DAY
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.engine import TrainResult, train, validation_ne
 from gem_ops.train.model_state import (load_model_state, model_from_state, model_state, save_model_state,
@@ -103,6 +104,8 @@ def train_student(
         predictions = teacher.predictions
         if config.distillation_weight > 0 and transfer.student_adapter:
             fresh = train_indices if adapter_indices is None else adapter_indices
+            if transfer.adapter_fit == "held_out" and train_config.validation_days:
+                fresh = newest_days_of(logs, fresh, train_config.validation_days)
             adapter = fit_adapter(logs, predictions, fresh, transfer.adapter_hidden, transfer.adapter_steps,
                                   transfer.adapter_lr, train_config.seed, transfer.adapter_feature,
                                   transfer.adapter_feature_buckets, transfer.adapter_shrinkage)
@@ -149,6 +152,13 @@ def train_student(
         tracker.log_metrics({f"shared_tables.validation_ne.{who}": score for who, score in shared["validation_ne"].items()}
                             | flat_metrics(result.final_report), step=result.steps)
     return StudentRun(fold_projections(model), result, data, adapter_report, shared)  # at the student's own size
+
+
+def newest_days_of(logs: SequenceLogs, indices: np.ndarray, days: int) -> np.ndarray:
+    """The examples of `indices` in their newest `days` calendar days (UTC), as the engine holds them out."""
+    indices = np.asarray(indices, dtype=np.int64)
+    day = logs.column("timestamp")[indices] // MS_PER_DAY
+    return indices[day > day.max() - days]
 
 
 def shared_table_choices(transfer: TransferConfig, has_teacher: bool, validated: bool) -> tuple[bool | None, ...]:
