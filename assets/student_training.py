@@ -20,6 +20,9 @@ class StudentTrainingConfig(ModelTrainingConfig):
     adapter_feature: str = Field(
         "", description="A candidate sparse feature (e.g. item_category) whose values the Student Adapter shifts one "
         "by one: corrects a teacher whose days missed a shift of whole categories; empty: none.")
+    adapter_fit: str = Field(
+        "fresh", description="Which fresh labels the Student Adapter fits: fresh (the student's days, validation days "
+        "included) or held_out (only the validation days, which the student does not train on).")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")
     shared_table_training: str = Field(
@@ -29,6 +32,7 @@ class StudentTrainingConfig(ModelTrainingConfig):
     def transfer(self) -> TransferConfig:
         return TransferConfig(distillation_weight=self.distillation_weight, distillation_head=self.distillation_head,
                               student_adapter=self.student_adapter, adapter_feature=self.adapter_feature,
+                              adapter_fit=self.adapter_fit,
                               representation=self.representation, shared_tables=tuple(self.shared_tables),
                               freeze_shared=self.freeze_shared())
 

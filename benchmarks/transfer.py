@@ -230,7 +230,8 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                 if transfer.get("adapter_feature") == "category":
                     transfer = {**transfer, "adapter_feature": CATEGORY_FEATURE[name]}
                 run = train_vertical_model(logs, part, task, vm_base, settings(args.student_epochs, args.student_eval_every),
-                                           work / f"{domain}_{task}_{variant}_{seed}", TransferConfig(**transfer),
+                                           work / f"{domain}_{task}_{variant}_{seed}",
+                                           TransferConfig(**{"distillation_weight": args.distillation_weight, **transfer}),
                                            teachers[teacher], shuffling, device=args.device)
                 row[variant] = _figures(run.result.final_report, task)
                 row[variant]["validation_ne"] = kept_validation_ne(run.result, run.model.objectives)
@@ -418,6 +419,8 @@ def main() -> None:
     parser.add_argument("--student-eval-every", type=int, default=10)
     parser.add_argument("--patience", type=int, default=3)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
+    parser.add_argument("--distillation-weight", type=float, default=1.0,
+                        help="the vertical models' weight of the teacher's targets beside the labels")
     parser.add_argument("--weight-average-decay", type=float, default=0.0,
                         help="every model keeps an exponential moving average of its weights (0: off; "
                              "results/transfer_synthetic_weight_average.json: 0.998)")

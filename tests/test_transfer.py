@@ -414,6 +414,30 @@ def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_pat
     assert (logs.column("surface")[held_out] == feed).all()
 
 
+def test_a_held_out_adapter_fits_only_the_validation_day_the_student_does_not_train_on(logs, stale_teacher, tmp_path,
+                                                                                      monkeypatch):
+    fresh = windows.student_examples(logs, WINDOWS, "feed")
+    fitted_on = []
+
+    def recording_fit(logs_, predictions, indices, *args):
+        fitted_on.append(np.asarray(indices))
+        return fit_adapter(logs_, predictions, indices, *args)
+
+    monkeypatch.setattr("gem_ops.transfer.student.fit_adapter", recording_fit)
+    settings = replace(QUICK, max_steps=4, validation_days=1, eval_every=2)
+    for fit in ("fresh", "held_out"):
+        train_student(logs, fresh, windows.eval_examples(logs, "feed"), SMALL, ("click",), settings, tmp_path / fit,
+                      TransferConfig(freeze_shared=True, adapter_fit=fit), stale_teacher, SHUFFLING)
+    day = logs.column("timestamp") // 86_400_000
+    newest = fresh[day[fresh] == day[fresh].max()]
+    assert np.array_equal(np.sort(fitted_on[0]), np.sort(fresh))  # "fresh": every fresh day, the held-out one too
+    assert np.array_equal(np.sort(fitted_on[1]), np.sort(newest))  # "held_out": only the day the engine holds out
+    trained_on = read_plan(tmp_path / "held_out" / "plan.parquet").ravel()
+    assert np.setdiff1d(trained_on, newest).size > 0 and day[np.setdiff1d(trained_on, newest)].max() < day[newest][0]
+    with pytest.raises(ValueError, match="adapter_fit must be 'fresh' or 'held_out'"):
+        TransferConfig(adapter_fit="newest")
+
+
 def test_killed_student_resumes_from_its_checkpoint(logs, stale_teacher, tmp_path, monkeypatch):
     """A student killed mid-training resumes where its last checkpoint was and ends where an unbroken run
     would; a different training in the same folder starts afresh; a finished one leaves no checkpoints."""
