@@ -85,6 +85,9 @@ ABLATIONS = {
     "stale_direct_serving_held_out_adapter": ("stale_gem", {**SERVING, "adapter_fit": "held_out"}),
     "stale_direct_serving_held_out_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category",
                                                                      "adapter_fit": "held_out"}),
+    # Shifts only (adapter_shift_only): the teacher's ranking within a domain and category kept as it is.
+    "stale_direct_serving_shift_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category",
+                                                                  "adapter_fit": "held_out", "adapter_shift_only": True}),
 }
 CATEGORY_FEATURE = {"synthetic": "item_category", "movielens": "item_genre"}
 ALL_VARIANTS = {**VARIANTS, **ABLATIONS}
@@ -339,6 +342,7 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("stale_direct_serving_shrunk_category_adapter", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_held_out_adapter", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_held_out_category_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_shift_category_adapter", "stale_direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_representation"),
                         ("direct_serving", "direct_serving_no_sharing"),
@@ -357,6 +361,7 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("stale_direct_serving_shrunk_category_adapter", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_held_out_adapter", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_held_out_category_adapter", "stale_direct_serving_no_adapter"),
+                        ("stale_direct_serving_shift_category_adapter", "stale_direct_serving_no_adapter"),
                         ("hierarchical", "alone"), ("hierarchical_serving", "alone"),
                         ("hierarchical_serving_gated", "alone"),
                         ("hierarchical_serving_fm_before", "alone"),

@@ -248,6 +248,20 @@ def test_student_adapter_with_a_candidate_feature_takes_out_a_shift_per_category
         fit_adapter(logs, shifted, fresh, steps=1, feature="item_genre", feature_buckets=8)
 
 
+def test_a_shift_only_adapter_keeps_the_teachers_ranking_within_a_domain_and_category(logs, stale_teacher):
+    fresh, teacher = windows.student_examples(logs, WINDOWS), stale_teacher.predictions
+    adapter = fit_adapter(logs, teacher, fresh, steps=300, feature="item_category", feature_buckets=64, shift_only=True)
+    assert adapter.mlp is None and torch.equal(adapter.scale, torch.ones_like(adapter.scale))
+    moved = adapt(adapter, logs, teacher).logits - teacher.logits
+    rows = teacher.example_index
+    group = logs.column("surface")[rows] * 64 + logs.column("item_category")[rows] % 64
+    for g in np.unique(group):  # one shift per (domain, category): the order inside it is the teacher's
+        assert np.ptp(moved[group == g], axis=0).max() < 1e-5
+    assert np.abs(moved).max() > 0.05  # it did move the groups
+    full = adapt(fit_adapter(logs, teacher, fresh, steps=300), logs, teacher).logits - teacher.logits
+    assert max(np.ptp(full[group == g], axis=0).max() for g in np.unique(group)) > 1e-3
+
+
 def test_a_shrunk_adapter_fitted_on_few_labels_stays_nearer_the_teacher(logs, stale_teacher):
     """adapter_shrinkage: the prior weighs against each task's labels, so an adapter fitted on a few dozen
     examples moves the teacher's logits much less than one without it, and one fitted on the fresh days still

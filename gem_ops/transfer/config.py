@@ -30,6 +30,9 @@ class TransferConfig:
     adapter_feature_buckets: int = 64
     # A Gaussian prior on the whole adapter's departure from the identity, weighed against each task's labels.
     adapter_shrinkage: bool = False
+    # Shifts only (per domain, and per feature value with adapter_feature): the teacher's logit keeps its scale and no
+    # MLP reads it, so the targets rank within a domain as the teacher does.
+    adapter_shift_only: bool = False
     # Which fresh labels the adapter fits: "fresh", every fresh example (the student's days, validation days
     # included); "held_out", only the student's validation days, so that the targets it trains on are not
     # fitted to the very labels it learns beside them (the student's training days without validation days).

@@ -108,7 +108,8 @@ def train_student(
                 fresh = newest_days_of(logs, fresh, train_config.validation_days)
             adapter = fit_adapter(logs, predictions, fresh, transfer.adapter_hidden, transfer.adapter_steps,
                                   transfer.adapter_lr, train_config.seed, transfer.adapter_feature,
-                                  transfer.adapter_feature_buckets, transfer.adapter_shrinkage)
+                                  transfer.adapter_feature_buckets, transfer.adapter_shrinkage,
+                                  transfer.adapter_shift_only)
             adapted = adapt(adapter, logs, predictions)
             adapter_report = {"teacher": prediction_report(logs, predictions, eval_indices, config),
                               "adapted": prediction_report(logs, adapted, eval_indices, config)}
