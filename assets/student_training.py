@@ -23,6 +23,9 @@ class StudentTrainingConfig(ModelTrainingConfig):
     adapter_fit: str = Field(
         "fresh", description="Which fresh labels the Student Adapter fits: fresh (the student's days, validation days "
         "included) or held_out (only the validation days, which the student does not train on).")
+    adapter_shift_only: bool = Field(
+        False, description="The Student Adapter shifts the teacher's logits per domain (and per adapter_feature value) "
+        "only: the targets rank as the teacher does within each.")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")
     shared_table_training: str = Field(
@@ -32,7 +35,7 @@ class StudentTrainingConfig(ModelTrainingConfig):
     def transfer(self) -> TransferConfig:
         return TransferConfig(distillation_weight=self.distillation_weight, distillation_head=self.distillation_head,
                               student_adapter=self.student_adapter, adapter_feature=self.adapter_feature,
-                              adapter_fit=self.adapter_fit,
+                              adapter_fit=self.adapter_fit, adapter_shift_only=self.adapter_shift_only,
                               representation=self.representation, shared_tables=tuple(self.shared_tables),
                               freeze_shared=self.freeze_shared())
 

@@ -281,5 +281,6 @@ def test_shared_table_training_setting_maps_to_the_transfer_and_names_a_bad_valu
     assert StudentTrainingConfig().transfer().adapter_feature == ""
     assert StudentTrainingConfig(adapter_feature="item_category").transfer().adapter_feature == "item_category"
     assert StudentTrainingConfig(adapter_fit="held_out").transfer().adapter_fit == "held_out"
+    assert StudentTrainingConfig(adapter_shift_only=True).transfer().adapter_shift_only is True
     with pytest.raises(ValueError, match="adapter_fit"):
         StudentTrainingConfig(adapter_fit="newest").transfer()
