@@ -450,6 +450,9 @@ def test_a_held_out_adapter_fits_only_the_validation_day_the_student_does_not_tr
     assert np.setdiff1d(trained_on, newest).size > 0 and day[np.setdiff1d(trained_on, newest)].max() < day[newest][0]
     with pytest.raises(ValueError, match="adapter_fit must be 'fresh' or 'held_out'"):
         TransferConfig(adapter_fit="newest")
+    with pytest.raises(ValueError, match="validation_days"):
+        train_student(logs, fresh, windows.eval_examples(logs, "feed"), SMALL, ("click",), QUICK, tmp_path / "none",
+                      TransferConfig(freeze_shared=True, adapter_fit="held_out"), stale_teacher, SHUFFLING)
 
 
 def test_killed_student_resumes_from_its_checkpoint(logs, stale_teacher, tmp_path, monkeypatch):

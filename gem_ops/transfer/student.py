@@ -104,7 +104,10 @@ def train_student(
         predictions = teacher.predictions
         if config.distillation_weight > 0 and transfer.student_adapter:
             fresh = train_indices if adapter_indices is None else adapter_indices
-            if transfer.adapter_fit == "held_out" and train_config.validation_days:
+            if transfer.adapter_fit == "held_out":
+                if not train_config.validation_days:
+                    raise ValueError("TransferConfig.adapter_fit 'held_out' fits the Student Adapter on the validation "
+                                     "days: set TrainConfig.validation_days (run config validation_days) >= 1")
                 fresh = newest_days_of(logs, fresh, train_config.validation_days)
             adapter = fit_adapter(logs, predictions, fresh, transfer.adapter_hidden, transfer.adapter_steps,
                                   transfer.adapter_lr, train_config.seed, transfer.adapter_feature,
