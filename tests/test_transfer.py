@@ -14,6 +14,7 @@ from gem_ops.data.batch_shuffling import ShufflingConfig, read_plan
 from gem_ops.data.synthetic import STRONG_SIGNAL, SurfaceSpec
 from gem_ops.model.config import FeatureSpec, model_config
 from gem_ops.model.features import model_input
+from gem_ops.train.batches import newest_days
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.engine import train
 from gem_ops.train.model_state import seeded_model
@@ -446,8 +447,10 @@ def test_a_held_out_adapter_fits_only_the_validation_day_the_student_does_not_tr
     newest = fresh[day[fresh] == day[fresh].max()]
     assert np.array_equal(np.sort(fitted_on[0]), np.sort(fresh))  # "fresh": every fresh day, the held-out one too
     assert np.array_equal(np.sort(fitted_on[1]), np.sort(newest))  # "held_out": only the day the engine holds out
-    trained_on = read_plan(tmp_path / "held_out" / "plan.parquet").ravel()
-    assert np.setdiff1d(trained_on, newest).size > 0 and day[np.setdiff1d(trained_on, newest)].max() < day[newest][0]
+    plan = tmp_path / "held_out" / "plan.parquet"
+    trained_on = np.setdiff1d(read_plan(plan).ravel(), newest_days(logs, plan, 1))  # the engine's training steps
+    assert trained_on.size and np.intersect1d(fitted_on[1], trained_on).size == 0
+    assert np.isin(newest_days(logs, plan, 1), fitted_on[1]).all()  # and every example it validates on
     with pytest.raises(ValueError, match="adapter_fit must be 'fresh' or 'held_out'"):
         TransferConfig(adapter_fit="newest")
     with pytest.raises(ValueError, match="validation_days"):

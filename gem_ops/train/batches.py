@@ -95,11 +95,17 @@ def rebalanced(logs: SequenceLogs, plan_path: str | os.PathLike, shuffling: Shuf
     return plan_base_batch_shuffling(lengths, world_size, shuffling, examples).examples
 
 
+def examples_of_newest_days(logs: SequenceLogs, examples: np.ndarray, days: int) -> np.ndarray:
+    """The examples (in their order) of their newest `days` calendar days (UTC)."""
+    examples = np.asarray(examples, dtype=np.int64)
+    day = logs.column("timestamp")[examples] // MS_PER_DAY
+    return examples[day > day.max() - days]
+
+
 def newest_days(logs: SequenceLogs, plan_path: str | os.PathLike, days: int) -> np.ndarray:
     """The plan's examples of its newest `days` days (UTC), sorted: a held-out validation set."""
     examples = np.sort(read_plan(plan_path).reshape(-1))
-    day = logs.column("timestamp")[examples] // MS_PER_DAY
-    picked = examples[day > day.max() - days]
+    picked = examples_of_newest_days(logs, examples, days)
     if picked.size == examples.size:
         raise ValueError(f"{plan_path}: its examples span {days} day(s) or fewer, none would be left to train on "
                          f"after holding out {days} validation day(s)")

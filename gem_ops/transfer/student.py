@@ -20,7 +20,7 @@ from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.metrics.quality import flat_metrics
 from gem_ops.model.gem import GEMModel
 from gem_ops.tracking import RunTracker
-from gem_ops.train.batches import MS_PER_DAY
+from gem_ops.train.batches import examples_of_newest_days
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.engine import TrainResult, train, validation_ne
 from gem_ops.train.model_state import (load_model_state, model_from_state, model_state, save_model_state,
@@ -108,7 +108,7 @@ def train_student(
                 if not train_config.validation_days:
                     raise ValueError("TransferConfig.adapter_fit 'held_out' fits the Student Adapter on the validation "
                                      "days: set TrainConfig.validation_days (run config validation_days) >= 1")
-                fresh = newest_days_of(logs, fresh, train_config.validation_days)
+                fresh = examples_of_newest_days(logs, fresh, train_config.validation_days)  # as the engine holds out
             adapter = fit_adapter(logs, predictions, fresh, transfer.adapter_hidden, transfer.adapter_steps,
                                   transfer.adapter_lr, train_config.seed, transfer.adapter_feature,
                                   transfer.adapter_feature_buckets, transfer.adapter_shrinkage,
@@ -156,13 +156,6 @@ def train_student(
         tracker.log_metrics({f"shared_tables.validation_ne.{who}": score for who, score in shared["validation_ne"].items()}
                             | flat_metrics(result.final_report), step=result.steps)
     return StudentRun(fold_projections(model), result, data, adapter_report, shared)  # at the student's own size
-
-
-def newest_days_of(logs: SequenceLogs, indices: np.ndarray, days: int) -> np.ndarray:
-    """The examples of `indices` in their newest `days` calendar days (UTC), as the engine holds them out."""
-    indices = np.asarray(indices, dtype=np.int64)
-    day = logs.column("timestamp")[indices] // MS_PER_DAY
-    return indices[day > day.max() - days]
 
 
 def shared_table_choices(transfer: TransferConfig, has_teacher: bool, validated: bool) -> tuple[bool | None, ...]:
