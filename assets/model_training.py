@@ -22,6 +22,9 @@ class ModelTrainingConfig(dg.Config):
     lr_dense: float = 1e-3
     lr_sparse: float = 0.05
     warmup_steps: int = 20
+    warmup_share: float = Field(
+        0.0, description="When > 0, the warm-up is at most this share of the run's steps (for short runs, e.g. "
+        "students on one fresh day); 0: warmup_steps as given.")
     lr_schedule: str = Field("cosine", description="After the warm-up: cosine (decay to min_lr_ratio x lr_dense) or constant.")
     min_lr_ratio: float = 0.1
     validation_days: int = Field(

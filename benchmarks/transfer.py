@@ -171,11 +171,15 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
     fm_base = model_config("domain_fm", width=0.5, **{"sequence.max_history_len": args.max_history_len})
     vm_base = model_config("vertical", **{"sequence.max_history_len": 64})
 
-    def settings(epochs: int, eval_every: int, min_steps: int = 0) -> TrainConfig:
+    def settings(epochs: int, eval_every: int, min_steps: int = 0, warmup_share: float = 0.0) -> TrainConfig:
         return TrainConfig(epochs=epochs, lr_dense=args.lr_dense, lr_schedule="cosine", validation_days=1,
+                           warmup_share=warmup_share,
                            eval_every=eval_every, early_stopping_patience=args.patience,
                            early_stopping_min_steps=min_steps, eval_max_examples=1_000_000, seed=seed,
                            weight_average_decay=args.weight_average_decay)
+
+    def student_settings() -> TrainConfig:  # the domain FMs' and the vertical models'
+        return settings(args.student_epochs, args.student_eval_every, warmup_share=args.student_warmup_share)
 
     def train_gem(label: str, gem_window, scored, sources: tuple[str, ...] = ("trunk",)) -> tuple[list[Teacher], object]:
         """The GEM of `gem_window`, as one teacher per representation source, scoring `scored`."""
@@ -197,7 +201,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
         return teachers, run
 
     def train_fm(part, label: str):
-        run = train_domain_foundation_model(logs, part, fm_base, settings(args.student_epochs, args.student_eval_every),
+        run = train_domain_foundation_model(logs, part, fm_base, student_settings(),
                                             work / f"{part.domain}_{label}_{seed}", TransferConfig(), gem, shuffling,
                                             device=args.device)
         return as_teacher(run, part, {"name": f"{label}_{part.domain}"}, args.device)
@@ -234,7 +238,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                 teacher, transfer = ALL_VARIANTS[variant]
                 if transfer.get("adapter_feature") == "category":
                     transfer = {**transfer, "adapter_feature": CATEGORY_FEATURE[name]}
-                run = train_vertical_model(logs, part, task, vm_base, settings(args.student_epochs, args.student_eval_every),
+                run = train_vertical_model(logs, part, task, vm_base, student_settings(),
                                            work / f"{domain}_{task}_{variant}_{seed}",
                                            TransferConfig(**{"distillation_weight": args.distillation_weight, **transfer}),
                                            teachers[teacher], shuffling, device=args.device)
@@ -426,6 +430,8 @@ def main() -> None:
     parser.add_argument("--gem-min-epochs", type=float, default=1.0, help="GEM's epochs before it may stop early")
     parser.add_argument("--student-epochs", type=int, default=4)
     parser.add_argument("--student-eval-every", type=int, default=10)
+    parser.add_argument("--student-warmup-share", type=float, default=0.0,
+                        help="the students' (and domain FMs') warm-up at most this share of their steps (0: 20 steps)")
     parser.add_argument("--patience", type=int, default=3)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
     parser.add_argument("--distillation-weight", type=float, default=1.0,

@@ -233,6 +233,21 @@ def test_cosine_schedule_warms_up_then_decays_to_its_floor():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
 
 
+def test_warmup_share_cuts_a_short_runs_warmup_only():
+    from gem_ops.train.optimizer import set_dense_lr, warmup_steps
+
+    class Opt:
+        optimizers = [("dense", torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))]
+
+    shared = TrainConfig(lr_dense=1.0, warmup_steps=20, warmup_share=0.1, lr_schedule="cosine")
+    assert warmup_steps(shared, 28) == 3 and warmup_steps(shared, 1000) == 20  # a long run keeps its 20
+    assert warmup_steps(TrainConfig(warmup_steps=20), 28) == 20
+    lrs = [set_dense_lr(Opt, shared, step, 28) for step in range(28)]
+    assert lrs[2] == pytest.approx(1.0) and lrs[1] < 1.0 and lrs[-1] < 0.2
+    with pytest.raises(ValueError, match="warmup_share"):
+        TrainConfig(warmup_share=1.5)
+
+
 def test_platt_scaling_stays_finite_on_separable_and_one_class_groups():
     import numpy as np
 

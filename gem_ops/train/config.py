@@ -15,6 +15,9 @@ class TrainConfig:
     lr_sparse: float = 0.05  # row-wise Adagrad on embedding tables
     weight_decay: float = 0.01  # dense parameters only
     warmup_steps: int = 20  # linear warm-up of the dense learning rate
+    # When > 0, the warm-up is at most this share of the run's steps: a short run (a student on one fresh day
+    # trains ~30 steps) would otherwise spend most of them below its learning rate. 0: warmup_steps as given
+    warmup_share: float = 0.0
     # After the warm-up: constant, or a cosine decay over the run's steps down to min_lr_ratio x lr_dense
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.1
@@ -97,6 +100,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.history_cut_share must be within [0, 1], got {self.history_cut_share}")
         if not 0 <= self.weight_average_decay < 1:
             raise ValueError(f"TrainConfig.weight_average_decay must be within [0, 1), got {self.weight_average_decay}")
+        if not 0 <= self.warmup_share <= 1:
+            raise ValueError(f"TrainConfig.warmup_share must be within [0, 1], got {self.warmup_share}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
         if self.max_steps is not None and self.max_steps < 1:

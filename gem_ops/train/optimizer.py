@@ -99,9 +99,17 @@ def build_optimizer(model: nn.Module, config: TrainConfig, **adagrad: float) -> 
     return CombinedOptimizer(optimizers)
 
 
+def warmup_steps(config: TrainConfig, total_steps: int) -> int:
+    """The warm-up's length: warmup_steps, cut to warmup_share of the run when that is set."""
+    steps = config.warmup_steps
+    if config.warmup_share > 0:
+        steps = min(steps, math.ceil(config.warmup_share * total_steps))
+    return max(1, steps)
+
+
 def set_dense_lr(optimizer: CombinedOptimizer, config: TrainConfig, step: int, total_steps: int) -> float:
     """Linear warm-up, then constant or a cosine decay to min_lr_ratio x lr_dense at total_steps."""
-    warmup = max(1, config.warmup_steps)
+    warmup = warmup_steps(config, total_steps)
     lr = config.lr_dense * min(1.0, (step + 1) / warmup)
     if config.lr_schedule == "cosine" and step >= warmup:
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
