@@ -71,6 +71,9 @@ def main() -> None:
     parser.add_argument("--retrieval-key", default="item",
                         help="what a retrieved event shares with the candidate: item, or an item feature "
                              "(item_category on the synthetic logs, item_genre on MovieLens)")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with --retrieved-events: also score every policy after Platt scaling fitted on the "
+                             "held-out day scored the same way (`recalibrated` in the results)")
     parser.add_argument("--output-name", default="adaptive_compute", help="results/<name>.json")
     args = parser.parse_args()
 
@@ -161,7 +164,8 @@ def main() -> None:
                 cost[f"fixed_{equal}"] = float(request_costs(costs, eval_lengths, equal).mean())
         for seed in args.seeds:
             if args.retrieved_events:
-                runs[seed] = _retrieval_run(trained, seed, args.retrieved_events, logs, eval_indices, caps, far)
+                runs[seed] = _retrieval_run(trained, seed, args.retrieved_events, logs, eval_indices, caps, far,
+                                            held if args.recalibrate else None)
                 print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()
                                                     if isinstance(q, dict) and "all/click" in q), flush=True)
                 continue
@@ -193,6 +197,12 @@ def main() -> None:
         cost.update({f"plain_{name}": value for name, value in list(cost.items()) if name.startswith("fixed_")})
     summary = _summary(runs, cost, args.seeds, {p: v["fixed_cap_of_equal_cost"] for p, v in policies.items()
                                                  if p.startswith("retrieved_at_")})
+    if args.retrieved_events and args.recalibrate:  # the same comparisons, every policy calibrated on the held-out day
+        summary["recalibrated"] = _summary({s: runs[s]["recalibrated"] for s in args.seeds}, cost, args.seeds,
+                                           {p: v["fixed_cap_of_equal_cost"] for p, v in policies.items()
+                                            if p.startswith("retrieved_at_")})
+        for line in summary["recalibrated"]["table"]:
+            print("recalibrated", line)
     slice_runs = {s: runs[s]["far_match_slice"] for s in args.seeds}
     summary["far_match_slice"] = {name: {g: {m: {"mean": float(np.mean([slice_runs[s][name][g][m] for s in args.seeds])),
                                                  "std": float(np.std([slice_runs[s][name][g][m] for s in args.seeds], ddof=1))
@@ -210,15 +220,24 @@ def main() -> None:
     save(args.output_name, settings, {"policies": policies, "mean_cost_flops": cost, "runs": runs, **summary})
 
 
-def _retrieval_run(trained, seed: int, retrieved_events: int, logs, eval_indices, caps: dict, far) -> dict:
+def _retrieval_run(trained, seed: int, retrieved_events: int, logs, eval_indices, caps: dict, far,
+                   held=None) -> dict:
     """One seed of a retrieval run: the model trained with retrieved events scores each fixed cap with them
-    (retrieved_at_<cap>) and without (fixed_<cap>); the model trained without scores the fixed caps (plain_fixed_<cap>)."""
+    (retrieved_at_<cap>) and without (fixed_<cap>); the model trained without scores the fixed caps (plain_fixed_<cap>).
+    With `held` (the held-out day), every policy is also scored recalibrated on it (`recalibrated`)."""
     model, seconds = trained(seed, retrieved_events)
     plain, plain_seconds = trained(seed)
     run = {name: _quality(model, logs, eval_indices, c) for name, c in caps.items()}
     run |= {f"plain_{name}": _quality(plain, logs, eval_indices, c) for name, c in caps.items()}
     for c in FIXED_CAPS[:-1]:
         run[f"retrieved_at_{c}"] = _quality(model, logs, eval_indices, caps[f"fixed_{c}"], retrieved_events)
+    if held is not None:  # every cap is one number for all requests in a retrieval run
+        fixed = {name: int(c[0]) for name, c in caps.items()}
+        run["recalibrated"] = {
+            **{name: _recalibrated(model, logs, held, eval_indices, c) for name, c in fixed.items()},
+            **{f"plain_{name}": _recalibrated(plain, logs, held, eval_indices, c) for name, c in fixed.items()},
+            **{f"retrieved_at_{c}": _recalibrated(model, logs, held, eval_indices, c, retrieved_events)
+               for c in FIXED_CAPS[:-1]}}
     run["far_match_slice"] = {} if not far.any() else {  # none on a log where no user meets an item twice
         **{f"fixed_{c}": _quality(plain, logs, eval_indices[far], np.full(far.sum(), c)) for c in FIXED_CAPS},
         "retrieved_at_64": _quality(model, logs, eval_indices[far], np.full(far.sum(), 64), retrieved_events)}
@@ -243,12 +262,11 @@ def _request_losses(model, logs, indices, cap: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def _quality(model, logs, indices, caps, retrieved_events: int = 0) -> dict:
-    """AUC / NE per objective with each example's history cut to its cap (the same examples for every policy),
-    and with up to `retrieved_events` older events of the candidate's item before those."""
+def _scores(model, logs, indices, caps, retrieved_events: int = 0) -> dict[str, "torch.Tensor"]:
+    """Logits, labels, label mask and surface of `indices`, each example's history cut to its cap (the same
+    examples for every policy), with up to `retrieved_events` older events of the candidate's item before those."""
     import torch
 
-    from gem_ops.metrics.quality import quality_report
     from gem_ops.model.features import model_input
 
     model.eval()
@@ -267,9 +285,33 @@ def _quality(model, logs, indices, caps, retrieved_events: int = 0) -> dict:
                 parts["labels"].append(x.labels)
                 parts["label_mask"].append(x.label_mask)
                 parts["surface"].append(batch.surface)
-    report = quality_report(*(torch.cat(parts[k]) for k in ("logits", "labels", "label_mask", "surface")),
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def _report(model, scores: dict) -> dict:
+    from gem_ops.metrics.quality import quality_report
+
+    report = quality_report(scores["logits"], scores["labels"], scores["label_mask"], scores["surface"],
                             model.spec.surfaces, model.objectives)
     return {g: {m: float(v[m]) for m in METRICS} for g, v in report.items() if g.startswith("all/")}
+
+
+def _quality(model, logs, indices, caps, retrieved_events: int = 0) -> dict:
+    """AUC / NE per objective of `indices` scored at their caps (_scores)."""
+    return _report(model, _scores(model, logs, indices, caps, retrieved_events))
+
+
+def _recalibrated(model, logs, held, indices, cap: int, retrieved_events: int = 0) -> dict:
+    """AUC / NE of `indices` at one cap after Platt scaling per (surface, objective) fitted on the held-out day
+    scored the same way: a server calibrates the configuration it serves, not the model's whole histories."""
+    from gem_ops.train.calibration import fit_calibration
+
+    fit = _scores(model, logs, held, np.full(held.size, cap), retrieved_events)
+    scale, shift = fit_calibration(fit["logits"], fit["labels"], fit["label_mask"], fit["surface"],
+                                   len(model.spec.surfaces))
+    scores = _scores(model, logs, indices, np.full(indices.size, cap), retrieved_events)
+    scores["logits"] = scores["logits"] * scale[scores["surface"]] + shift[scores["surface"]]
+    return _report(model, scores)
 
 
 def _summary(runs: dict, cost: dict, seeds: list[int], equal_caps: dict[str, int] | None = None) -> dict:
