@@ -87,6 +87,7 @@ ABLATIONS = {
                                                                      "adapter_fit": "held_out"}),
     # The teacher's targets weighed 4 times the labels (the variants above take --distillation-weight).
     "direct_serving_weight4": ("gem", {**SERVING, "distillation_weight": 4.0}),
+    "distillation_serving_weight4": ("gem", {**PLAIN, **SERVING, "distillation_weight": 4.0}),
     # Shifts only (adapter_shift_only): the teacher's ranking within a domain and category kept as it is.
     "stale_direct_serving_shift_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category",
                                                                   "adapter_fit": "held_out", "adapter_shift_only": True}),
@@ -337,6 +338,7 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                                             ("direct_serving_trainable_tables", "distillation_serving"),
                                             ("direct_serving_fixed_tables", "distillation_serving"),
                                             ("direct_serving_weight4", "distillation_serving"),
+                                            ("direct_serving_weight4", "distillation_serving_weight4"),
                                             ("validated_tables", "distillation_serving"))
                         if full in per and plain in per},
                     # Each mechanism's own worth: the full transfer against it without that mechanism.
@@ -361,6 +363,8 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("direct_serving", "direct_serving_trainable_tables"),
                         ("direct_serving", "direct_serving_fixed_tables"),
                         ("direct_serving_weight4", "direct_serving"),
+                        ("direct_serving_weight4", "distillation_serving_weight4"),
+                        ("distillation_serving_weight4", "distillation_serving"),
                         ("validated_tables", "distillation_serving"),
                         ("stale_direct_serving", "stale_direct_serving_no_adapter"),
                         ("stale_direct_serving_category_adapter", "stale_direct_serving_no_adapter"),
