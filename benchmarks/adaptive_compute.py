@@ -76,6 +76,8 @@ def main() -> None:
                              "held-out day scored the same way (`recalibrated` in the results)")
     parser.add_argument("--output-name", default="adaptive_compute", help="results/<name>.json")
     args = parser.parse_args()
+    if args.recalibrate and not args.retrieved_events:
+        parser.error("--recalibrate scores the policies of a retrieval run: it needs --retrieved-events K (K >= 1)")
 
     from datetime import date
 
