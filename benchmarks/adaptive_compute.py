@@ -229,17 +229,19 @@ def _retrieval_run(trained, seed: int, retrieved_events: int, logs, eval_indices
     With `held` (the held-out day), every policy is also scored recalibrated on it (`recalibrated`)."""
     model, seconds = trained(seed, retrieved_events)
     plain, plain_seconds = trained(seed)
-    run = {name: _quality(model, logs, eval_indices, c) for name, c in caps.items()}
-    run |= {f"plain_{name}": _quality(plain, logs, eval_indices, c) for name, c in caps.items()}
-    for c in FIXED_CAPS[:-1]:
-        run[f"retrieved_at_{c}"] = _quality(model, logs, eval_indices, caps[f"fixed_{c}"], retrieved_events)
-    if held is not None:  # every cap is one number for all requests in a retrieval run
-        fixed = {name: int(c[0]) for name, c in caps.items()}
-        run["recalibrated"] = {
-            **{name: _recalibrated(model, logs, held, eval_indices, c) for name, c in fixed.items()},
-            **{f"plain_{name}": _recalibrated(plain, logs, held, eval_indices, c) for name, c in fixed.items()},
-            **{f"retrieved_at_{c}": _recalibrated(model, logs, held, eval_indices, c, retrieved_events)
-               for c in FIXED_CAPS[:-1]}}
+    # (model, cap, retrieved events) per policy: every cap is one number for all requests in a retrieval run
+    served = {name: (model, int(c[0]), 0) for name, c in caps.items()}
+    served |= {f"plain_{name}": (plain, int(c[0]), 0) for name, c in caps.items()}
+    served |= {f"retrieved_at_{c}": (model, c, retrieved_events) for c in FIXED_CAPS[:-1]}
+    run, recalibrated = {}, {}
+    for name, (scorer, cap, retrieved) in served.items():
+        scores = _scores(scorer, logs, eval_indices, np.full(eval_indices.size, cap), retrieved)
+        run[name] = _report(scorer, scores)
+        if held is not None:
+            fit = _scores(scorer, logs, held, np.full(held.size, cap), retrieved)
+            recalibrated[name] = _report(scorer, _calibrated(scores, fit, len(scorer.spec.surfaces)))
+    if held is not None:
+        run["recalibrated"] = recalibrated
     run["far_match_slice"] = {} if not far.any() else {  # none on a log where no user meets an item twice
         **{f"fixed_{c}": _quality(plain, logs, eval_indices[far], np.full(far.sum(), c)) for c in FIXED_CAPS},
         "retrieved_at_64": _quality(model, logs, eval_indices[far], np.full(far.sum(), 64), retrieved_events)}
@@ -303,17 +305,13 @@ def _quality(model, logs, indices, caps, retrieved_events: int = 0) -> dict:
     return _report(model, _scores(model, logs, indices, caps, retrieved_events))
 
 
-def _recalibrated(model, logs, held, indices, cap: int, retrieved_events: int = 0) -> dict:
-    """AUC / NE of `indices` at one cap after Platt scaling per (surface, objective) fitted on the held-out day
-    scored the same way: a server calibrates the configuration it serves, not the model's whole histories."""
+def _calibrated(scores: dict, fit: dict, surfaces: int) -> dict:
+    """`scores` after Platt scaling per (surface, objective) fitted on `fit` (the held-out day served the same way):
+    a server calibrates the configuration it serves, not the model's whole histories."""
     from gem_ops.train.calibration import fit_calibration
 
-    fit = _scores(model, logs, held, np.full(held.size, cap), retrieved_events)
-    scale, shift = fit_calibration(fit["logits"], fit["labels"], fit["label_mask"], fit["surface"],
-                                   len(model.spec.surfaces))
-    scores = _scores(model, logs, indices, np.full(indices.size, cap), retrieved_events)
-    scores["logits"] = scores["logits"] * scale[scores["surface"]] + shift[scores["surface"]]
-    return _report(model, scores)
+    scale, shift = fit_calibration(fit["logits"], fit["labels"], fit["label_mask"], fit["surface"], surfaces)
+    return {**scores, "logits": scores["logits"] * scale[scores["surface"]] + shift[scores["surface"]]}
 
 
 def _summary(runs: dict, cost: dict, seeds: list[int], equal_caps: dict[str, int] | None = None) -> dict:
