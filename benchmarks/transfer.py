@@ -331,14 +331,12 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         for v in ("hierarchical", "hierarchical_serving", "hierarchical_guarded",
                                   "hierarchical_serving_guarded", "hierarchical_serving_fm_before",
                                   "hierarchical_serving_gated") if v in per},
-                    "full_over_plain_distillation": {  # keyed by the full variant, or "<full> over <plain>" off weight 1
-                        full if plain in ("distillation", "distillation_serving") else f"{full} over {plain}":
-                            gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
+                    "full_over_plain_distillation": {  # each against plain distillation at its own weight
+                        full: gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
                         for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"),
                                             ("direct_serving_summary", "distillation_serving"),
                                             ("direct_serving_trainable_tables", "distillation_serving"),
                                             ("direct_serving_fixed_tables", "distillation_serving"),
-                                            ("direct_serving_weight4", "distillation_serving"),
                                             ("direct_serving_weight4", "distillation_serving_weight4"),
                                             ("validated_tables", "distillation_serving"))
                         if full in per and plain in per},
