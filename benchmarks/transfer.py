@@ -88,6 +88,7 @@ ABLATIONS = {
     # The teacher's targets weighed 4 times the labels (the variants above take --distillation-weight).
     "direct_serving_weight4": ("gem", {**SERVING, "distillation_weight": 4.0}),
     "distillation_serving_weight4": ("gem", {**PLAIN, **SERVING, "distillation_weight": 4.0}),
+    "hierarchical_serving_weight4": ("fm", {**SERVING, "distillation_weight": 4.0}),
     # Shifts only (adapter_shift_only): the teacher's ranking within a domain and category kept as it is.
     "stale_direct_serving_shift_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category",
                                                                   "adapter_fit": "held_out", "adapter_shift_only": True}),
@@ -278,10 +279,12 @@ def with_gated(row: dict) -> dict:
     """The seed's figures and `hierarchical_serving_gated`: what the teacher gate (domain_foundation_models'
     default) trains, the hierarchical student where the FM beat GEM on its held-out day, else GEM's direct one
     (the same training as direct_serving)."""
-    if GATE not in row or not {"hierarchical_serving", "direct_serving"} <= set(row):
-        return row
-    chosen = "hierarchical_serving" if row[GATE]["fm_teaches"] else "direct_serving"
-    return {**row, "hierarchical_serving_gated": row[chosen]}
+    out = dict(row)
+    for weight in ("", "_weight4"):  # each weight's gate chooses between that weight's two students
+        hierarchical, direct = f"hierarchical_serving{weight}", f"direct_serving{weight}"
+        if GATE in row and {hierarchical, direct} <= set(row):
+            out[f"{hierarchical}_gated"] = row[hierarchical if row[GATE]["fm_teaches"] else direct]
+    return out
 
 
 def calibration_if_rate_held(logs, part, task: str) -> float:
@@ -330,7 +333,8 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         v: per[v]["auc"]["mean"] >= alone["mean"] - max(per[v]["auc"]["spread"], alone["spread"])
                         for v in ("hierarchical", "hierarchical_serving", "hierarchical_guarded",
                                   "hierarchical_serving_guarded", "hierarchical_serving_fm_before",
-                                  "hierarchical_serving_gated") if v in per},
+                                  "hierarchical_serving_gated", "hierarchical_serving_weight4",
+                                  "hierarchical_serving_weight4_gated") if v in per},
                     "full_over_plain_distillation": {  # each against plain distillation at its own weight
                         full: gap[full] / gap[plain] if real_gap and gap[plain] > 0 else None
                         for full, plain in (("direct", "distillation"), ("direct_serving", "distillation_serving"),
@@ -375,6 +379,9 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("stale_direct_serving_shift_category_adapter", "stale_direct_serving_no_adapter"),
                         ("hierarchical", "alone"), ("hierarchical_serving", "alone"),
                         ("hierarchical_serving_gated", "alone"),
+                        ("hierarchical_serving_weight4_gated", "alone"),
+                        ("hierarchical_serving_weight4", "hierarchical_serving"),
+                        ("hierarchical_serving_weight4_gated", "hierarchical_serving_gated"),
                         ("hierarchical_serving_fm_before", "alone"),
                         ("hierarchical_serving_fm_before", "hierarchical_serving")) if with_ in per and without in per},
                     "calibration_if_rate_held": seeds[0]["verticals"][key].get("calibration_if_rate_held", math.nan)}
