@@ -11,7 +11,7 @@ from assets.student_training import StudentTrainingConfig
 from assets.teacher_predictions import predictions_path, teacher_predictions
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.metadata_views import models_quality_table
-from gem_ops.transfer.config import TransferWindows
+from gem_ops.transfer.config import FM_DISTILLATION_WEIGHT, TransferWindows
 from gem_ops.transfer.domain_models import DomainModelSettings, domain_foundation_model
 from gem_ops.transfer.hierarchy import DomainData
 from gem_ops.transfer.knowledge import read_predictions
@@ -22,6 +22,8 @@ from gem_ops.transfer.user_representations import read_user_representations
 
 class DomainFoundationModelsConfig(StudentTrainingConfig):
     preset: str = "domain_fm"
+    distillation_weight: float = Field(FM_DISTILLATION_WEIGHT, description="Weight of the loss on GEM's targets "
+                                       "against the labels'; a domain FM learns from every day of its domain.")
     registered_model_prefix: str = Field("domain_fm", description="Each domain's model registers as <prefix>_<domain>.")
     teacher_gate: bool = Field(True, description="A domain's vertical models learn from GEM instead of the domain's "
                                "FM where the FM does not rank the FM's held-out day better than GEM (AUC).")

@@ -85,7 +85,7 @@ ABLATIONS = {
     "stale_direct_serving_held_out_adapter": ("stale_gem", {**SERVING, "adapter_fit": "held_out"}),
     "stale_direct_serving_held_out_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category",
                                                                      "adapter_fit": "held_out"}),
-    # The teacher's targets weighed 4 times the labels (the variants above take --distillation-weight).
+    # The teacher's targets weighed 4 times the labels whatever --distillation-weight (which the variants above take).
     "direct_serving_weight4": ("gem", {**SERVING, "distillation_weight": 4.0}),
     "distillation_serving_weight4": ("gem", {**PLAIN, **SERVING, "distillation_weight": 4.0}),
     "hierarchical_serving_weight4": ("fm", {**SERVING, "distillation_weight": 4.0}),
@@ -155,7 +155,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
     from gem_ops.train.config import TrainConfig
     from gem_ops.train.engine import train
     from gem_ops.transfer import windows
-    from gem_ops.transfer.config import TransferConfig
+    from gem_ops.transfer.config import FM_DISTILLATION_WEIGHT, TransferConfig
     from gem_ops.transfer.hierarchy import (
         DomainData,
         as_teacher,
@@ -172,6 +172,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
     gem_config = model_config("gem", width=args.gem_width, **{"sequence.max_history_len": args.max_history_len})
     fm_base = model_config("domain_fm", width=0.5, **{"sequence.max_history_len": args.max_history_len})
     vm_base = model_config("vertical", **{"sequence.max_history_len": 64})
+    weight = {"distillation_weight": args.distillation_weight}
 
     def settings(epochs: int, eval_every: int, min_steps: int = 0, warmup_share: float = 0.0) -> TrainConfig:
         return TrainConfig(epochs=epochs, lr_dense=args.lr_dense, lr_schedule="cosine", validation_days=1,
@@ -204,7 +205,8 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
 
     def train_fm(part, label: str):
         run = train_domain_foundation_model(logs, part, fm_base, student_settings(),
-                                            work / f"{part.domain}_{label}_{seed}", TransferConfig(), gem, shuffling,
+                                            work / f"{part.domain}_{label}_{seed}",
+                                            TransferConfig(distillation_weight=FM_DISTILLATION_WEIGHT), gem, shuffling,
                                             device=args.device)
         return as_teacher(run, part, {"name": f"{label}_{part.domain}"}, args.device)
 
@@ -242,7 +244,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                     transfer = {**transfer, "adapter_feature": CATEGORY_FEATURE[name]}
                 run = train_vertical_model(logs, part, task, vm_base, student_settings(),
                                            work / f"{domain}_{task}_{variant}_{seed}",
-                                           TransferConfig(**{"distillation_weight": args.distillation_weight, **transfer}),
+                                           TransferConfig(**{**weight, **transfer}),
                                            teachers[teacher], shuffling, device=args.device)
                 row[variant] = _figures(run.result.final_report, task)
                 row[variant]["validation_ne"] = kept_validation_ne(run.result, run.model.objectives)
@@ -444,8 +446,9 @@ def main() -> None:
                         help="the students' (and domain FMs') warm-up at most this share of their steps (0: 20 steps)")
     parser.add_argument("--patience", type=int, default=3)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
-    parser.add_argument("--distillation-weight", type=float, default=1.0,
-                        help="the vertical models' weight of the teacher's targets beside the labels")
+    parser.add_argument("--distillation-weight", type=float, default=None,
+                        help="the vertical models' weight of the teacher's targets beside the labels (default: "
+                             "TransferConfig's, 4; the result files before it was 4 ran at 1)")
     parser.add_argument("--weight-average-decay", type=float, default=0.0,
                         help="every model keeps an exponential moving average of its weights (0: off; "
                              "results/transfer_synthetic_weight_average.json: 0.998)")
@@ -475,7 +478,10 @@ def main() -> None:
             prepare(name, args.prepare_to / name, args)
         return
     from gem_ops.data.loader import TrainingData
+    from gem_ops.transfer.config import TransferConfig
 
+    if args.distillation_weight is None:  # recorded with the results as it ran
+        args.distillation_weight = TransferConfig.distillation_weight
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         roots = {name: args.data / name if args.data is not None else prepare(name, Path(tmp) / name, args)

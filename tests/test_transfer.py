@@ -283,7 +283,7 @@ def test_a_shrunk_adapter_fitted_on_few_labels_stays_nearer_the_teacher(logs, st
 
 def test_distillation_head_and_teacher_token(logs, stale_teacher):
     config = student_config(SMALL, ("click",), TransferConfig(shared_tables=(), distillation_head="auxiliary"), stale_teacher)
-    assert config.distillation_weight == 1.0 and config.teacher_representation_dim == SMALL.trunk_hidden
+    assert config.distillation_weight == 4.0 and config.teacher_representation_dim == SMALL.trunk_hidden
     spec = FeatureSpec.from_logs(logs)
     model = seeded_model(spec, config)
     joined = TeacherJoinedLogs(logs, stale_teacher.predictions, stale_teacher.representations)
@@ -423,7 +423,7 @@ def test_direct_student_trains_with_every_mechanism(logs, stale_teacher, tmp_pat
     assert torch.equal(embedding_tables(run.model)["item"], embedding_tables(stale_teacher.model)["item"])
     # The teacher's targets on the serving head by default: no auxiliary towers.
     assert run.model.teacher_proj is not None and run.model.distillation_towers is None
-    assert run.model.config.distillation_head == "serving" and run.model.config.distillation_weight == 1.0
+    assert run.model.config.distillation_head == "serving" and run.model.config.distillation_weight == 4.0
     assert set(run.adapter_report) == {"teacher", "adapted"}
     assert set(run.result.final_report) == {"all/click", "feed/click"}
     assert (logs.column("surface")[held_out] == feed).all()

@@ -284,3 +284,12 @@ def test_shared_table_training_setting_maps_to_the_transfer_and_names_a_bad_valu
     assert StudentTrainingConfig(adapter_shift_only=True).transfer().adapter_shift_only is True
     with pytest.raises(ValueError, match="adapter_fit"):
         StudentTrainingConfig(adapter_fit="newest").transfer()
+
+
+def test_verticals_weigh_the_teachers_targets_four_times_the_labels_and_domain_fms_once():
+    from assets.domain_foundation_models import DomainFoundationModelsConfig
+    from assets.vertical_models import VerticalModelsConfig
+
+    assert VerticalModelsConfig().transfer().distillation_weight == 4.0
+    assert DomainFoundationModelsConfig().transfer().distillation_weight == 1.0
+    assert VerticalModelsConfig(distillation_weight=1.0).transfer().distillation_weight == 1.0
