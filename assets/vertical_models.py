@@ -27,6 +27,10 @@ CHECK = "challengers_not_worse_than_champions"
 
 class VerticalModelsConfig(StudentTrainingConfig):
     mode: str = Field("hierarchical", description="hierarchical (GEM -> domain FM -> VM), direct (GEM -> VM) or alone.")
+    # A vertical's days hold a few thousand examples, a handful of steps an epoch: one epoch ends inside the warm-up.
+    # The transfer benchmark's students train up to 4 epochs, evaluated every 10 steps, the best kept.
+    epochs: int = Field(4, description="Passes over the vertical's training days (early stopping keeps the best).")
+    eval_every: int = Field(10, description="Steps between evaluations on the validation days (0: at the end only).")
     registered_model_prefix: str = Field("vertical", description="Each model registers as <prefix>_<domain>_<objective>.")
     ne_tolerance: float = Field(0.0, description="A challenger is not worse when its NE <= the champion's + this (+ ne_standard_errors standard errors; negative: it must improve by that much).")
     ne_standard_errors: float = Field(
