@@ -6,16 +6,14 @@ from assets.model_training import ModelTrainingConfig
 from gem_ops.data.batch_shuffling import ShufflingConfig
 from gem_ops.transfer.config import TransferConfig
 
-DISTILLATION_WEIGHT = TransferConfig.distillation_weight
-
 
 class StudentTrainingConfig(ModelTrainingConfig):
     preset: str = Field("vertical", description="Model preset of the student (domain_fm, vertical, ...).")
     domains: list[str] = Field(default_factory=list, description="Domains (surfaces) to train; empty: every domain.")
     sub_batch_size: int = 128
     sub_batches_per_rank: int = Field(4, description="A step's batch is sub_batches_per_rank x sub_batch_size examples.")
-    distillation_weight: float = Field(DISTILLATION_WEIGHT, description="Weight of the loss on the teacher's targets "
-                                       "against the labels'; 0: none.")
+    distillation_weight: float = Field(TransferConfig.distillation_weight, description="Weight of the loss on the "
+                                       "teacher's targets against the labels'; 0: none.")
     distillation_head: str = Field(
         "serving", description="serving: the serving head learns the teacher's targets beside the true labels (soft "
         "targets); auxiliary: a head of its own learns them.")

@@ -45,8 +45,8 @@ def test_student_with_distillation_matches_the_old_single_process_loop(tmp_path)
     teacher = Teacher(model, score_examples(model, logs, scored, identity), identity)
     # The golden figures come from trainable shared tables and the teacher's targets weighed as the labels (the
     # defaults when they were recorded).
-    transfer = TransferConfig(adapter_steps=50, representation=False, distillation_head="auxiliary", freeze_shared=False,
-                              distillation_weight=1.0)
+    transfer = TransferConfig(adapter_steps=50, representation=False, distillation_head="auxiliary",
+                              freeze_shared=False, distillation_weight=1.0)
     run = train_student(logs, windows.student_examples(logs, WINDOWS), windows.eval_examples(logs), SMALL, ("click",),
                         QUICK, tmp_path / "student", transfer, teacher, SHUFFLING)
     assert run.model.distillation_towers is not None and run.adapter_report
