@@ -172,7 +172,6 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
     gem_config = model_config("gem", width=args.gem_width, **{"sequence.max_history_len": args.max_history_len})
     fm_base = model_config("domain_fm", width=0.5, **{"sequence.max_history_len": args.max_history_len})
     vm_base = model_config("vertical", **{"sequence.max_history_len": 64})
-    weight = {"distillation_weight": args.distillation_weight}
 
     def settings(epochs: int, eval_every: int, min_steps: int = 0, warmup_share: float = 0.0) -> TrainConfig:
         return TrainConfig(epochs=epochs, lr_dense=args.lr_dense, lr_schedule="cosine", validation_days=1,
@@ -244,7 +243,7 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                     transfer = {**transfer, "adapter_feature": CATEGORY_FEATURE[name]}
                 run = train_vertical_model(logs, part, task, vm_base, student_settings(),
                                            work / f"{domain}_{task}_{variant}_{seed}",
-                                           TransferConfig(**{**weight, **transfer}),
+                                           TransferConfig(**{"distillation_weight": args.distillation_weight, **transfer}),
                                            teachers[teacher], shuffling, device=args.device)
                 row[variant] = _figures(run.result.final_report, task)
                 row[variant]["validation_ne"] = kept_validation_ne(run.result, run.model.objectives)
@@ -278,9 +277,9 @@ def with_guarded(row: dict) -> dict:
 
 
 def with_gated(row: dict) -> dict:
-    """The seed's figures and `hierarchical_serving_gated`: what the teacher gate (domain_foundation_models'
+    """The seed's figures and `hierarchical_serving[_weight4]_gated`: what the teacher gate (domain_foundation_models'
     default) trains, the hierarchical student where the FM beat GEM on its held-out day, else GEM's direct one
-    (the same training as direct_serving)."""
+    (the same training as direct_serving[_weight4])."""
     out = dict(row)
     for weight in ("", "_weight4"):  # each weight's gate chooses between that weight's two students
         hierarchical, direct = f"hierarchical_serving{weight}", f"direct_serving{weight}"
