@@ -1,7 +1,8 @@
 """How far the eval days' label rate moves from the newest training day's, per (domain, objective): what bounds
 the calibration any model fitted on past days can reach on the eval days. Beside it, a forecast of the eval
-days' rate from a linear trend in log-odds over the newest `--trend-days` training days, and both forecasts
-(trend, and the newest day's rate held) backtested on the training days.
+days' rate from a linear trend in log-odds over the newest `--trend-days` training days and from the rate pooled
+over the newest k training days (`--pool-days`: a stationary rate's estimate with less sampling noise than one
+day's), and every forecast (trend, pooled, and the newest day's rate held) backtested on the training days.
 
     python benchmarks/label_rates.py --data .gpu_data/transfer     # prepared by transfer.py --prepare-to
 """
@@ -37,14 +38,24 @@ def trend_forecast(days: np.ndarray, log_odds: np.ndarray, at: np.ndarray) -> np
     return slope * at + intercept
 
 
-def group_figures(train: tuple, held: tuple, trend_days: int) -> dict:
+def pooled_forecast(n: np.ndarray, p: np.ndarray, k: int) -> float:
+    """Log-odds of the rate pooled over the last `k` days."""
+    return float(logit(p[-k:].sum() / n[-k:].sum()))
+
+
+def group_figures(train: tuple, held: tuple, trend_days: int, pool_days: list[int]) -> dict:
     (days, n, p), (eval_days, n_eval, p_eval) = train, held
     z, z_eval = logit(p / n), logit(p_eval / n_eval)
     trend = trend_forecast(days[-trend_days:], z[-trend_days:], eval_days)
+    start = max(trend_days, *pool_days)  # every forecast backtested on the same days
     backtest = [(trend_forecast(days[t - trend_days:t], z[t - trend_days:t], days[t:t + 1])[0] - z[t], z[t - 1] - z[t])
-                for t in range(trend_days, len(z))]
+                for t in range(start, len(z))]
     errors = np.array(backtest)
+    pooled = {k: {"log_odds_error": np.abs(pooled_forecast(n, p, k) - z_eval).tolist(),
+                  "backtest_mse": float(np.mean([(pooled_forecast(n[:t], p[:t], k) - z[t]) ** 2
+                                                 for t in range(start, len(z))]))} for k in pool_days}
     return {"positives_per_day": float(p.mean()),
+            "pooled": pooled,
             "eval_rate_over_newest_training_day": (p_eval / n_eval / (p[-1] / n[-1])).tolist(),
             "log_odds_error_held": np.abs(z[-1] - z_eval).tolist(),
             "log_odds_error_trend": np.abs(trend - z_eval).tolist(),
@@ -57,6 +68,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="a folder of prepared datasets (<name>/sequence_logs)")
     parser.add_argument("--datasets", nargs="+", default=["synthetic", "movielens"])
     parser.add_argument("--trend-days", type=int, default=5)
+    parser.add_argument("--pool-days", type=int, nargs="+", default=[2, 3, 5, 7])
     parser.add_argument("--min-positives", type=int, default=30, help="per day, on every day")
     args = parser.parse_args()
 
@@ -73,11 +85,14 @@ def main() -> None:
                 figures = [daily_rates(logs, split[surface[split] == d], task) for split in (train, held)]
                 if any(f[0].size == 0 or (f[2] < args.min_positives).any() for f in figures):
                     continue
-                results[name][f"{domain}/{task}"] = row = group_figures(*figures, args.trend_days)
+                results[name][f"{domain}/{task}"] = row = group_figures(*figures, args.trend_days, args.pool_days)
                 print(f"{name} {domain}/{task}: {row['positives_per_day']:.0f} positives a day, eval rate / newest "
                       f"training day's {np.round(row['eval_rate_over_newest_training_day'], 3).tolist()}, "
                       f"log-odds error held {np.round(row['log_odds_error_held'], 3).tolist()} "
-                      f"trend {np.round(row['log_odds_error_trend'], 3).tolist()}")
+                      f"trend {np.round(row['log_odds_error_trend'], 3).tolist()}, pooled "
+                      + ", ".join(f"{k} days {np.round(v['log_odds_error'], 3).tolist()}" for k, v in row["pooled"].items())
+                      + f"; backtest MSE held {row['backtest_mse_held']:.4f} trend {row['backtest_mse_trend']:.4f} pooled "
+                      + ", ".join(f"{k} {v['backtest_mse']:.4f}" for k, v in row["pooled"].items()))
     save("label_rates", vars(args), results)
 
 

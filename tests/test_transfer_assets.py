@@ -87,6 +87,8 @@ def test_domain_models_and_verticals_carry_their_lineage(transferred):
             "domain_fm" if gate["fm_auc"] > gate["gem_auc"] else "gem")
         assert gate["held_out_examples"] > 0
         assert client.get_run(fm.run_id).data.tags["verticals_learn_from"] == gate["teacher"]
+        # The weight the FM trained at, as its run records it: the teacher's targets weigh as much as the labels.
+        assert client.get_run(fm.run_id).data.params["model.distillation_weight"] == "1.0"
     verticals = _materialization(transferred["first"], "vertical_models").metadata["models"].value
     assert "vertical_feed_click" in verticals and "vertical_search_click" in verticals
     for name, entry in verticals.items():
@@ -99,6 +101,9 @@ def test_domain_models_and_verticals_carry_their_lineage(transferred):
         else:  # the predictions its verticals read are GEM's own
             assert tags["teacher.model_name"] == MODEL_NAME and tags["teacher.model_version"] == gem_version
         assert entry["promoted"] and tags["promotion.decision"] == "promoted"
+        # A vertical weighs its teacher's targets 4 times its labels by default, and its run says so.
+        assert client.get_run(client.get_model_version(name, entry["version"]).run_id).data.params[
+            "model.distillation_weight"] == "4.0"
         assert entry["shared_tables"] in ("fixed", "trained")  # "auto": both trained, the better on validation kept
         # One evaluation everywhere: the figures reported are the ones the promotion judged, with their count.
         assert entry["eval_examples"] == int(tags["promotion.examples"])

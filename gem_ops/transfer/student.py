@@ -120,13 +120,14 @@ def train_student(
         data = TeacherJoinedLogs(logs, predictions, teacher.representations)
     choices = shared_table_choices(transfer, teacher is not None, train_config.validation_days > 0)
     tracker = tracker or RunTracker.disabled()
-    runs, folders = [], []
+    runs, folders, settings = [], [], {}
     for i, fixed in enumerate(choices):
         training = {"model": config.to_dict(), "train": train_config.to_dict(),
                     "transfer": {**asdict(transfer), "freeze_shared": fixed}, "shuffling": asdict(shuffling),
                     "teacher": teacher.identity if teacher else None,
                     "train_examples": int(len(train_indices)), "eval_examples": int(len(eval_indices))}
         label = "fixed" if fixed else "trained"
+        settings[label] = training
         folder = Path(work_dir) / f"{label}_tables" if len(choices) > 1 else work_dir
         checkpoints = resumable_checkpoints(folder, training)
         folders.append(checkpoints)
@@ -151,7 +152,9 @@ def train_student(
     shared = {}
     if choices != (None,):
         shared = {"kept": label, "validation_ne": scores}
-        tracker.log_params({"shared_tables": label})
+        # With two candidates the settings sit on their runs; the student's own run (the registered version's) gets
+        # the kept one's too, so that it compares with any other model's run.
+        tracker.log_params({"shared_tables": label} | (settings[label] if len(runs) > 1 else {}))
     if len(runs) > 1:
         tracker.log_metrics({f"shared_tables.validation_ne.{who}": score for who, score in shared["validation_ne"].items()}
                             | flat_metrics(result.final_report), step=result.steps)
