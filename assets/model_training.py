@@ -42,6 +42,9 @@ class ModelTrainingConfig(dg.Config):
         0.0, description="Share of training examples whose history is cut to a random length, for a model served "
         "with adaptive history caps (0: whole histories).")
     calibrate: bool = Field(True, description="Fit Platt scaling per (domain, task) on the validation days at the end.")
+    calibration_rate: str = Field(
+        "backtested", description="The rate calibration aims at: the validation day's own (newest_day), or per (domain, "
+        "task) the newest days' pooled rate that best forecast each next day on the days before (backtested).")
     eval_max_examples: int = 20_000
     checkpoint_every: int = Field(50, description="Steps between checkpoints: a killed or restarted job resumes there.")
     precision: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp8.")

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 
+CALIBRATION_RATES = ("newest_day", "backtested")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     epochs: int = 1  # passes over the plan's steps (each pass in its own seeded order)
@@ -63,6 +66,9 @@ class TrainConfig:
     # weights are tracked from the first evaluation all the same
     early_stopping_min_steps: int = 0
     calibrate: bool = True  # with validation days: Platt scaling per (domain, task) fitted on them at the end
+    # The rate that calibration aims at: the validation day's own (newest_day), or per (domain, task) the newest
+    # days' pooled rate that best forecast each next day (backtested; gem_ops.train.calibration_rate)
+    calibration_rate: str = "backtested"
     eval_max_examples: int = 20_000  # a fixed subset of the eval split, for speed
     eval_batch_size: int = 512
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
@@ -96,6 +102,8 @@ class TrainConfig:
         if self.early_stopping_patience and not (self.validation_days and self.eval_every):
             raise ValueError("TrainConfig.early_stopping_patience needs validation_days >= 1 (what to judge on) "
                              "and eval_every >= 1 (how often)")
+        if self.calibration_rate not in CALIBRATION_RATES:
+            raise ValueError(f"TrainConfig.calibration_rate must be one of {CALIBRATION_RATES}, got {self.calibration_rate!r}")
         if not 0 <= self.history_cut_share <= 1:
             raise ValueError(f"TrainConfig.history_cut_share must be within [0, 1], got {self.history_cut_share}")
         if not 0 <= self.weight_average_decay < 1:

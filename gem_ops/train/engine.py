@@ -41,6 +41,7 @@ from gem_ops.tracking import RunTracker
 from gem_ops.train.acceleration import autocast_context, prepare_for_training
 from gem_ops.train.batches import newest_days, rank_schedule
 from gem_ops.train.calibration import fit_calibration, output_calibration, reset_calibration
+from gem_ops.train.calibration_rate import retarget_shifts
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, read_progress, save_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
@@ -457,12 +458,14 @@ class Trainer:
             return
         reset_calibration(self.module)
         out = gathered_predictions(self.module, self.logs, self.config, self.device, self.validation)
-        fitted = None
+        fitted, targets = None, {}
         if out is not None:
             fitted = fit_calibration(out["logits"], out["labels"], out["label_mask"], out["surface"], head.domains)
+            if self.config.calibration_rate == "backtested":
+                targets = retarget_shifts(*fitted, out, self.logs, self.validation)
         scale, shift = broadcast(fitted)
         head.set_calibration(scale, shift)
-        self.result.calibration = {"scale": scale.tolist(), "shift": shift.tolist()}
+        self.result.calibration = {"scale": scale.tolist(), "shift": shift.tolist(), **broadcast(targets)}
         if out is not None:
             calibrated = out["logits"] * scale[out["surface"]] + shift[out["surface"]]
             report = quality_report(calibrated, out["labels"], out["label_mask"], out["surface"],

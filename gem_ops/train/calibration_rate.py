@@ -1,0 +1,97 @@
+"""The label rate a calibration aims at: per (domain, task), the rate of the newest k labelled days pooled, k chosen
+by how well it forecast each next day over the days before (a backtest on counts only, no model).
+
+Platt scaling on the newest day alone (k = 1) puts the model at that day's rate. Where a day holds a hundred positives,
+its rate moves by 10% from sampling alone, and the next day's rate is forecast better by pooling several days; where
+the rate drifts, by the newest day. The backtest tells the two apart per group; the calibration keeps its slope and
+moves its shift until the mean prediction on the held-out day equals the forecast rate."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gem_ops.train.batches import MS_PER_DAY
+
+RATE_POOLS = (1, 3, 7, 0)  # days pooled, newest first; 0: every day
+MIN_BACKTEST_DAYS = 3  # a forecast is judged only from the 4th day on, so that every pool has days to pool
+
+
+def daily_label_counts(logs, indices: np.ndarray, domains: int) -> tuple[np.ndarray, np.ndarray]:
+    """(labelled examples, positives), each [days, domains, tasks], per calendar day (UTC) of `indices`, oldest first."""
+    indices = np.asarray(indices, dtype=np.int64)
+    day = logs.column("timestamp")[indices] // MS_PER_DAY
+    surface = logs.column("surface")[indices]
+    tasks = len(logs.objectives)
+    days = np.unique(day)
+    n, p = np.zeros((days.size, domains, tasks)), np.zeros((days.size, domains, tasks))
+    for i, d in enumerate(days):
+        for s in range(domains):
+            counts = logs.label_counts(indices[(day == d) & (surface == s)])
+            for t, name in enumerate(logs.objectives):
+                n[i, s, t], p[i, s, t] = counts[name]
+    return n, p
+
+
+def _log_odds(n: np.ndarray, p: np.ndarray) -> np.ndarray:
+    rate = (p + 0.5) / (n + 1.0)  # no day at 0 or 1
+    return np.log(rate / (1 - rate))
+
+
+def _pooled(n: np.ndarray, p: np.ndarray, k: int) -> np.ndarray:
+    """Log-odds of the newest `k` days' pooled rate (every day when k is 0 or beyond them)."""
+    take = slice(None) if k == 0 else slice(-k, None)
+    return _log_odds(n[take].sum(0), p[take].sum(0))
+
+
+def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS) -> np.ndarray:
+    """[domains, tasks] the pool whose forecast of each next day had the least squared log-odds error over the
+    days from the 4th on; 1 where there are too few days or no labels to judge (a tie keeps the fewer days)."""
+    days = n.shape[0]
+    chosen = np.ones(n.shape[1:], dtype=np.int64)
+    if days <= MIN_BACKTEST_DAYS:
+        return chosen
+    actual = _log_odds(n, p)
+    errors = np.stack([np.mean([(_pooled(n[:t], p[:t], k) - actual[t]) ** 2 for t in range(MIN_BACKTEST_DAYS, days)],
+                               axis=0) for k in pools])  # [pools, domains, tasks]
+    labelled = (n > 0).all(0)
+    best = np.asarray(pools)[np.argmin(errors, axis=0)]  # argmin keeps the first of equals: pools go from fewer days
+    return np.where(labelled, best, chosen)
+
+
+def forecast_rates(n: np.ndarray, p: np.ndarray, pools: np.ndarray) -> np.ndarray:
+    """[domains, tasks] the rate of each group's chosen pool of newest days."""
+    out = np.zeros(n.shape[1:])
+    for k in np.unique(pools):
+        z = _pooled(n, p, int(k))
+        out = np.where(pools == k, 1 / (1 + np.exp(-z)), out)
+    return out
+
+
+def shift_for_rate(logits: np.ndarray, scale: float, rate: float, iterations: int = 60) -> float:
+    """The shift b with mean(sigmoid(scale * logit + b)) = rate over `logits` (bisection: the mean rises with b)."""
+    z = scale * np.clip(np.asarray(logits, np.float64), -30, 30)
+    low, high = -30.0, 30.0
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        if np.mean(0.5 * (1.0 + np.tanh(0.5 * (z + mid)))) < rate:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def retarget_shifts(scale, shift, out: dict, logs, validation: np.ndarray) -> dict:
+    """Moves `shift` ([domains, tasks], in place) so that each group's mean calibrated prediction on the held-out
+    examples (`out`: their logits, label mask and surface) equals its backtested rate forecast, counted on the logs'
+    training split up to the held-out day. Returns the pools and rates, for the record."""
+    newest = (logs.column("timestamp")[validation] // MS_PER_DAY).max()
+    train = logs.split_indices("train")
+    n, p = daily_label_counts(logs, train[logs.column("timestamp")[train] // MS_PER_DAY <= newest], scale.shape[0])
+    pools = backtested_pools(n, p)
+    rates = forecast_rates(n, p, pools)
+    logits, mask, surface = out["logits"].numpy(), out["label_mask"].numpy(), out["surface"].numpy()
+    for d, t in zip(*np.nonzero(pools != 1)):
+        rows = mask[:, t] & (surface == d)
+        if rows.any():
+            shift[d, t] = shift_for_rate(logits[rows, t], float(scale[d, t]), float(rates[d, t]))
+    return {"rate_days": pools.tolist(), "target_rate": rates.tolist()}
