@@ -53,8 +53,9 @@ def long_log(tmp_path_factory):
                           sub_batch_size=16)
 
 
-@pytest.mark.parametrize("rate", ["backtested", "newest_day"])
-def test_training_calibrates_to_the_forecast_rate_on_the_held_out_day(long_log, rate):
+@pytest.mark.parametrize("rate, tasks", [("backtested", ()), ("backtested", ("conversion",)), ("newest_day", ())])
+def test_training_calibrates_to_the_forecast_rate_on_the_held_out_day(long_log, rate, tasks):
+    """Every objective of the data, or one of them (a vertical's model): its rates are its own objective's."""
     from gem_ops.model.config import model_config
     from gem_ops.train.batches import MS_PER_DAY, newest_days
     from gem_ops.train.engine import train
@@ -63,8 +64,9 @@ def test_training_calibrates_to_the_forecast_rate_on_the_held_out_day(long_log, 
     logs = long_log.open()
     config = TrainConfig(max_steps=6, eval_max_examples=100_000, validation_days=1, eval_every=3, warmup_steps=2,
                          calibration_rate=rate)
-    model, result = train(logs, long_log.plans[1], model_config("vertical", width=0.5, **{"sequence.max_history_len": 16}),
-                          config)
+    model_settings = model_config("vertical", width=0.5, **{"sequence.max_history_len": 16}, tasks=tasks)
+    model, result = train(logs, long_log.plans[1], model_settings, config)
+    assert model.objectives == (tasks or tuple(logs.objectives))
     held_out = newest_days(logs, long_log.plans[1], 1)
     out = gathered_predictions(model, logs, config, torch.device("cpu"), held_out)
     surface = out["surface"].numpy()
@@ -72,9 +74,9 @@ def test_training_calibrates_to_the_forecast_rate_on_the_held_out_day(long_log, 
         assert "rate_days" not in result.calibration
         return
     pools, targets = np.array(result.calibration["rate_days"]), np.array(result.calibration["target_rate"])
-    assert pools.shape == (len(logs.surfaces), len(logs.objectives)) and (pools != 1).any()
+    assert pools.shape == (len(logs.surfaces), len(model.objectives)) and (pools != 1).any()
     train_split = logs.split_indices("train")
-    n, p = daily_label_counts(logs, train_split, len(logs.surfaces))
+    n, p = daily_label_counts(logs, train_split, len(logs.surfaces), model.objectives)
     assert n.shape[0] == 7 and (logs.column("timestamp")[held_out] // MS_PER_DAY).max() == (
         logs.column("timestamp")[train_split] // MS_PER_DAY).max()
     for d, t in zip(*np.nonzero(pools != 1)):

@@ -16,18 +16,18 @@ RATE_POOLS = (1, 3, 7, 0)  # days pooled, newest first; 0: every day
 MIN_BACKTEST_DAYS = 3  # a forecast is judged only from the 4th day on, so that every pool has days to pool
 
 
-def daily_label_counts(logs, indices: np.ndarray, domains: int) -> tuple[np.ndarray, np.ndarray]:
-    """(labelled examples, positives), each [days, domains, tasks], per calendar day (UTC) of `indices`, oldest first."""
+def daily_label_counts(logs, indices: np.ndarray, domains: int, objectives) -> tuple[np.ndarray, np.ndarray]:
+    """(labelled examples, positives), each [days, domains, objectives], per calendar day (UTC) of `indices`, oldest
+    first, for the named objectives (a model's tasks, in its order)."""
     indices = np.asarray(indices, dtype=np.int64)
     day = logs.column("timestamp")[indices] // MS_PER_DAY
     surface = logs.column("surface")[indices]
-    tasks = len(logs.objectives)
     days = np.unique(day)
-    n, p = np.zeros((days.size, domains, tasks)), np.zeros((days.size, domains, tasks))
+    n, p = np.zeros((days.size, domains, len(objectives))), np.zeros((days.size, domains, len(objectives)))
     for i, d in enumerate(days):
         for s in range(domains):
             counts = logs.label_counts(indices[(day == d) & (surface == s)])
-            for t, name in enumerate(logs.objectives):
+            for t, name in enumerate(objectives):
                 n[i, s, t], p[i, s, t] = counts[name]
     return n, p
 
@@ -80,13 +80,14 @@ def shift_for_rate(logits: np.ndarray, scale: float, rate: float, iterations: in
     return (low + high) / 2
 
 
-def retarget_shifts(scale, shift, out: dict, logs, validation: np.ndarray) -> dict:
-    """Moves `shift` ([domains, tasks], in place) so that each group's mean calibrated prediction on the held-out
+def retarget_shifts(scale, shift, out: dict, logs, validation: np.ndarray, objectives) -> dict:
+    """Moves `shift` ([domains, objectives], in place) so that each group's mean calibrated prediction on the held-out
     examples (`out`: their logits, label mask and surface) equals its backtested rate forecast, counted on the logs'
     training split up to the held-out day. Returns the pools and rates, for the record."""
     newest = (logs.column("timestamp")[validation] // MS_PER_DAY).max()
     train = logs.split_indices("train")
-    n, p = daily_label_counts(logs, train[logs.column("timestamp")[train] // MS_PER_DAY <= newest], scale.shape[0])
+    n, p = daily_label_counts(logs, train[logs.column("timestamp")[train] // MS_PER_DAY <= newest], scale.shape[0],
+                              objectives)
     pools = backtested_pools(n, p)
     rates = forecast_rates(n, p, pools)
     logits, mask, surface = out["logits"].numpy(), out["label_mask"].numpy(), out["surface"].numpy()

@@ -462,7 +462,7 @@ class Trainer:
         if out is not None:
             fitted = fit_calibration(out["logits"], out["labels"], out["label_mask"], out["surface"], head.domains)
             if self.config.calibration_rate == "backtested":
-                targets = retarget_shifts(*fitted, out, self.logs, self.validation)
+                targets = retarget_shifts(*fitted, out, self.logs, self.validation, self.model.objectives)
         scale, shift = broadcast(fitted)
         head.set_calibration(scale, shift)
         self.result.calibration = {"scale": scale.tolist(), "shift": shift.tolist(), **broadcast(targets)}
