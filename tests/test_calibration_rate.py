@@ -74,6 +74,8 @@ def test_training_calibrates_to_the_forecast_rate_on_the_held_out_day(long_log, 
         assert "rate_days" not in result.calibration
         return
     pools, targets = np.array(result.calibration["rate_days"]), np.array(result.calibration["target_rate"])
+    kept = pools == 1  # Platt scaling's own shift stays where the newest day's rate forecasts best
+    assert np.array_equal(np.array(result.calibration["shift"])[kept], np.array(result.calibration["newest_day_shift"])[kept])
     assert pools.shape == (len(logs.surfaces), len(model.objectives)) and (pools != 1).any()
     train_split = logs.split_indices("train")
     n, p = daily_label_counts(logs, train_split, len(logs.surfaces), model.objectives)

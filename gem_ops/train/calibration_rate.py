@@ -1,5 +1,6 @@
 """The label rate a calibration aims at: per (domain, task), the rate of the newest k labelled days pooled, k chosen
-by how well it forecast each next day over the days before (a backtest on counts only, no model).
+by how well it forecast each next day over the days before (a backtest on counts only, no model), and only where
+it beat the newest day clearly.
 
 Platt scaling on the newest day alone (k = 1) puts the model at that day's rate. Where a day holds a hundred positives,
 its rate moves by 10% from sampling alone, and the next day's rate is forecast better by pooling several days; where
@@ -45,17 +46,22 @@ def _pooled(n: np.ndarray, p: np.ndarray, k: int) -> np.ndarray:
 
 def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS) -> np.ndarray:
     """[domains, tasks] the pool whose forecast of each next day had the least squared log-odds error over the
-    days from the 4th on; 1 where there are too few days or no labels to judge (a tie keeps the fewer days)."""
+    days from the 4th on, if it beat the newest day's by more than one standard error of the paired difference (the
+    one-standard-error rule: a dozen days judge a pool noisily, and a pool chosen on noise moves a calibration that
+    was right); else 1, as where there are too few days or a day without labels."""
+    assert pools[0] == 1, "the first pool is the newest day's, the one kept without clear evidence"
     days = n.shape[0]
     chosen = np.ones(n.shape[1:], dtype=np.int64)
-    if days <= MIN_BACKTEST_DAYS:
+    if days < MIN_BACKTEST_DAYS + 2:
         return chosen
     actual = _log_odds(n, p)
-    errors = np.stack([np.mean([(_pooled(n[:t], p[:t], k) - actual[t]) ** 2 for t in range(MIN_BACKTEST_DAYS, days)],
-                               axis=0) for k in pools])  # [pools, domains, tasks]
+    errors = np.stack([np.stack([(_pooled(n[:t], p[:t], k) - actual[t]) ** 2 for t in range(MIN_BACKTEST_DAYS, days)])
+                       for k in pools])  # [pools, judged days, domains, tasks]
+    best = np.argmin(errors.mean(1), axis=0)  # argmin keeps the first of equals: pools go from fewer days
+    gain = errors[0] - np.take_along_axis(errors, best[None, None], 0)[0]  # [judged days, domains, tasks]
+    clear = gain.mean(0) > gain.std(0, ddof=1) / np.sqrt(gain.shape[0])
     labelled = (n > 0).all(0)
-    best = np.asarray(pools)[np.argmin(errors, axis=0)]  # argmin keeps the first of equals: pools go from fewer days
-    return np.where(labelled, best, chosen)
+    return np.where(labelled & clear, np.asarray(pools)[best], chosen)
 
 
 def forecast_rates(n: np.ndarray, p: np.ndarray, pools: np.ndarray) -> np.ndarray:
@@ -83,7 +89,7 @@ def shift_for_rate(logits: np.ndarray, scale: float, rate: float, iterations: in
 def retarget_shifts(scale, shift, out: dict, logs, validation: np.ndarray, objectives) -> dict:
     """Moves `shift` ([domains, objectives], in place) so that each group's mean calibrated prediction on the held-out
     examples (`out`: their logits, label mask and surface) equals its backtested rate forecast, counted on the logs'
-    training split up to the held-out day. Returns the pools and rates, for the record."""
+    training split up to the held-out day. Returns the pools, the rates and the shifts before, for the record."""
     newest = (logs.column("timestamp")[validation] // MS_PER_DAY).max()
     train = logs.split_indices("train")
     n, p = daily_label_counts(logs, train[logs.column("timestamp")[train] // MS_PER_DAY <= newest], scale.shape[0],
@@ -91,8 +97,9 @@ def retarget_shifts(scale, shift, out: dict, logs, validation: np.ndarray, objec
     pools = backtested_pools(n, p)
     rates = forecast_rates(n, p, pools)
     logits, mask, surface = out["logits"].numpy(), out["label_mask"].numpy(), out["surface"].numpy()
+    newest_day_shift = shift.tolist()  # Platt scaling's own, on the held-out day alone
     for d, t in zip(*np.nonzero(pools != 1)):
         rows = mask[:, t] & (surface == d)
         if rows.any():
             shift[d, t] = shift_for_rate(logits[rows, t], float(scale[d, t]), float(rates[d, t]))
-    return {"rate_days": pools.tolist(), "target_rate": rates.tolist()}
+    return {"rate_days": pools.tolist(), "target_rate": rates.tolist(), "newest_day_shift": newest_day_shift}
