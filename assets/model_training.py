@@ -44,7 +44,7 @@ class ModelTrainingConfig(dg.Config):
     calibrate: bool = Field(True, description="Fit Platt scaling per (domain, task) on the validation days at the end.")
     calibration_rate: str = Field(
         "backtested", description="The rate calibration aims at: the validation day's own (newest_day), or per (domain, "
-        "task) the newest days' pooled rate that best forecast each next day on the days before (backtested).")
+        "task) the newest days' pooled rate that forecast each next day on the days before clearly better (backtested).")
     eval_max_examples: int = 20_000
     checkpoint_every: int = Field(50, description="Steps between checkpoints: a killed or restarted job resumes there.")
     precision: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp8.")

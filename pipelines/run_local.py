@@ -48,7 +48,7 @@ LOCAL_STUDENTS = {"max_steps": 60, "eval_every": 20, "eval_max_examples": 5_000,
 LOCAL_DATA = {"synthetic_preset": "strong_signal"}
 # The verticals learn from GEM directly, the teacher's targets on their serving heads: domain FMs trained for
 # LOCAL_STUDENTS' few steps are too weak to teach (hierarchical stays the asset's default). A vertical's 3 days are
-# a handful of steps an epoch (search: under 4): as many epochs as the 60 steps hold, validated every 5, the best
+# a handful of steps an epoch (search / click: under 4): as many epochs as the 60 steps hold, validated every 5, the best
 # kept (after one epoch, still in the warm-up, the direct verticals were 0.05-0.12 AUC lower on the eval day).
 LOCAL_VERTICALS = {**LOCAL_STUDENTS, "mode": "direct", "epochs": 20, "eval_every": 5}
 # GEM scores the students' days only: the FMs' 60 steps see fewer examples than those days hold (a domain FM

@@ -90,3 +90,11 @@ def test_training_calibrates_to_the_forecast_rate_on_the_held_out_day(long_log, 
         assert targets[d, t] == pytest.approx((p[days, d, t].sum() + 0.5) / (n[days, d, t].sum() + 1), rel=1e-6)
         mean_p = float(torch.sigmoid(out["logits"][rows, t]).mean())
         assert mean_p == pytest.approx(targets[d, t], rel=1e-3)
+
+
+def test_pools_must_start_with_the_newest_day():
+    n, p = _counts(np.full((10, 1), 0.1))
+    with pytest.raises(ValueError, match="newest day"):
+        backtested_pools(n, p, pools=(3, 1))
+    with pytest.raises(ValueError, match="calibration_rate"):
+        TrainConfig(calibration_rate="pooled")

@@ -49,7 +49,8 @@ def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE
     days from the 4th on, if it beat the newest day's by more than one standard error of the paired difference (the
     one-standard-error rule: a dozen days judge a pool noisily, and a pool chosen on noise moves a calibration that
     was right); else 1, as where there are too few days or a day without labels."""
-    assert pools[0] == 1, "the first pool is the newest day's, the one kept without clear evidence"
+    if pools[0] != 1:
+        raise ValueError(f"pools {pools}: the first must be 1, the newest day's rate, kept without clear evidence")
     days = n.shape[0]
     chosen = np.ones(n.shape[1:], dtype=np.int64)
     if days < MIN_BACKTEST_DAYS + 2:

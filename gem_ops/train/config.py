@@ -67,7 +67,7 @@ class TrainConfig:
     early_stopping_min_steps: int = 0
     calibrate: bool = True  # with validation days: Platt scaling per (domain, task) fitted on them at the end
     # The rate that calibration aims at: the validation day's own (newest_day), or per (domain, task) the newest
-    # days' pooled rate that best forecast each next day (backtested; gem_ops.train.calibration_rate)
+    # days' pooled rate that forecast each next day clearly better (backtested; gem_ops.train.calibration_rate)
     calibration_rate: str = "backtested"
     eval_max_examples: int = 20_000  # a fixed subset of the eval split, for speed
     eval_batch_size: int = 512
