@@ -5,6 +5,7 @@ over the newest k training days (`--pool-days`: a stationary rate's estimate wit
 day's), and every forecast (trend, pooled, and the newest day's rate held) backtested on the training days.
 
     python benchmarks/label_rates.py --data .gpu_data/transfer     # prepared by transfer.py --prepare-to
+    python benchmarks/label_rates.py --sequence-logs LAKE/sequence_logs/2026-11-14 --output-name label_rates_default_run
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.common import save  # noqa: E402
+from gem_ops.train.calibration_rate import backtest_gains, backtested_pools, pooled_log_odds  # noqa: E402
 
 MS_PER_DAY = 86_400_000
 
@@ -38,11 +40,6 @@ def trend_forecast(days: np.ndarray, log_odds: np.ndarray, at: np.ndarray) -> np
     return slope * at + intercept
 
 
-def pooled_forecast(n: np.ndarray, p: np.ndarray, k: int) -> float:
-    """Log-odds of the rate pooled over the last `k` days."""
-    return float(logit(p[-k:].sum() / n[-k:].sum()))
-
-
 def group_figures(train: tuple, held: tuple, trend_days: int, pool_days: list[int]) -> dict:
     (days, n, p), (eval_days, n_eval, p_eval) = train, held
     z, z_eval = logit(p / n), logit(p_eval / n_eval)
@@ -51,11 +48,13 @@ def group_figures(train: tuple, held: tuple, trend_days: int, pool_days: list[in
     backtest = [(trend_forecast(days[t - trend_days:t], z[t - trend_days:t], days[t:t + 1])[0] - z[t], z[t - 1] - z[t])
                 for t in range(start, len(z))]
     errors = np.array(backtest)
-    pooled = {k: {"log_odds_error": np.abs(pooled_forecast(n, p, k) - z_eval).tolist(),
-                  "backtest_mse": float(np.mean([(pooled_forecast(n[:t], p[:t], k) - z[t]) ** 2
+    pooled = {k: {"log_odds_error": np.abs(pooled_log_odds(n, p, k) - z_eval).tolist(),
+                  "backtest_mse": float(np.mean([(pooled_log_odds(n[:t], p[:t], k) - z[t]) ** 2
                                                  for t in range(start, len(z))]))} for k in pool_days}
-    return {"positives_per_day": float(p.mean()),
-            "pooled": pooled,
+    pool, in_errors = backtest_gains(n[:, None, None], p[:, None, None])  # what calibration_rate: backtested takes
+    return {"positives_per_day": float(p.mean()), "daily_rate": (p / n).tolist(),
+            "pooled": pooled, "calibration_pool": int(pool[0, 0]), "calibration_pool_gain_standard_errors":
+            float(in_errors[0, 0]), "calibration_pooled": bool(backtested_pools(n[:, None, None], p[:, None, None])[0, 0] != 1),
             "eval_rate_over_newest_training_day": (p_eval / n_eval / (p[-1] / n[-1])).tolist(),
             "log_odds_error_held": np.abs(z[-1] - z_eval).tolist(),
             "log_odds_error_trend": np.abs(trend - z_eval).tolist(),
@@ -65,18 +64,24 @@ def group_figures(train: tuple, held: tuple, trend_days: int, pool_days: list[in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, required=True, help="a folder of prepared datasets (<name>/sequence_logs)")
+    parser.add_argument("--data", type=Path, help="a folder of prepared datasets (<name>/sequence_logs)")
+    parser.add_argument("--sequence-logs", type=Path, help="instead: one sequence_logs folder (e.g. a lake's "
+                        "sequence_logs/<day>, as the default run leaves it), named `logs` in the results")
+    parser.add_argument("--output-name", default="label_rates")
     parser.add_argument("--datasets", nargs="+", default=["synthetic", "movielens"])
     parser.add_argument("--trend-days", type=int, default=5)
     parser.add_argument("--pool-days", type=int, nargs="+", default=[2, 3, 5, 7])
     parser.add_argument("--min-positives", type=int, default=30, help="per day, on every day")
     args = parser.parse_args()
 
-    from gem_ops.data.loader import TrainingData
+    from gem_ops.data.loader import SequenceLogs, TrainingData
 
+    if (args.data is None) == (args.sequence_logs is None):
+        parser.error("give --data or --sequence-logs")
+    opened = ({"logs": SequenceLogs(args.sequence_logs)} if args.sequence_logs else
+              {name: TrainingData.at(args.data / name).open() for name in args.datasets})
     results = {}
-    for name in args.datasets:
-        logs = TrainingData.at(args.data / name).open()
+    for name, logs in opened.items():
         surface = logs.column("surface")
         train, held = logs.split_indices("train"), logs.split_indices("eval")
         results[name] = {}
@@ -92,8 +97,10 @@ def main() -> None:
                       f"trend {np.round(row['log_odds_error_trend'], 3).tolist()}, pooled "
                       + ", ".join(f"{k} days {np.round(v['log_odds_error'], 3).tolist()}" for k, v in row["pooled"].items())
                       + f"; backtest MSE held {row['backtest_mse_held']:.4f} trend {row['backtest_mse_trend']:.4f} pooled "
-                      + ", ".join(f"{k} {v['backtest_mse']:.4f}" for k, v in row["pooled"].items()))
-    save("label_rates", vars(args), results)
+                      + ", ".join(f"{k} {v['backtest_mse']:.4f}" for k, v in row["pooled"].items())
+                      + f"; calibration's pool {row['calibration_pool']} (0: all), its lead "
+                      f"{row['calibration_pool_gain_standard_errors']:.2f} standard errors, taken: {row['calibration_pooled']}")
+    save(args.output_name, vars(args), results)
 
 
 if __name__ == "__main__":

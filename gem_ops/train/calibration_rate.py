@@ -38,38 +38,42 @@ def _log_odds(n: np.ndarray, p: np.ndarray) -> np.ndarray:
     return np.log(rate / (1 - rate))
 
 
-def _pooled(n: np.ndarray, p: np.ndarray, k: int) -> np.ndarray:
+def pooled_log_odds(n: np.ndarray, p: np.ndarray, k: int) -> np.ndarray:
     """Log-odds of the newest `k` days' pooled rate (every day when k is 0 or beyond them)."""
     take = slice(None) if k == 0 else slice(-k, None)
     return _log_odds(n[take].sum(0), p[take].sum(0))
 
 
-def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS) -> np.ndarray:
-    """[domains, tasks] the pool whose forecast of each next day had the least squared log-odds error over the
-    days from the 4th on, if it beat the newest day's by more than one standard error of the paired difference (the
-    one-standard-error rule: a dozen days judge a pool noisily, and a pool chosen on noise moves a calibration that
-    was right); else 1, as where there are too few days or a day without labels."""
+def backtest_gains(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS) -> tuple[np.ndarray, np.ndarray]:
+    """[domains, tasks] the pool whose forecast of each next day had the least squared log-odds error over the days
+    from the 4th on, and its lead over the newest day's (the first pool) in standard errors of the paired difference."""
     if pools[0] != 1:
         raise ValueError(f"pools {pools}: the first must be 1, the newest day's rate, kept without clear evidence")
-    days = n.shape[0]
-    chosen = np.ones(n.shape[1:], dtype=np.int64)
-    if days < MIN_BACKTEST_DAYS + 2:
-        return chosen
+    if n.shape[0] < MIN_BACKTEST_DAYS + 2:
+        return np.ones(n.shape[1:], dtype=np.int64), np.zeros(n.shape[1:])
     actual = _log_odds(n, p)
-    errors = np.stack([np.stack([(_pooled(n[:t], p[:t], k) - actual[t]) ** 2 for t in range(MIN_BACKTEST_DAYS, days)])
-                       for k in pools])  # [pools, judged days, domains, tasks]
+    errors = np.stack([np.stack([(pooled_log_odds(n[:t], p[:t], k) - actual[t]) ** 2
+                                 for t in range(MIN_BACKTEST_DAYS, n.shape[0])]) for k in pools])  # [pools, days, ...]
     best = np.argmin(errors.mean(1), axis=0)  # argmin keeps the first of equals: pools go from fewer days
     gain = errors[0] - np.take_along_axis(errors, best[None, None], 0)[0]  # [judged days, domains, tasks]
-    clear = gain.mean(0) > gain.std(0, ddof=1) / np.sqrt(gain.shape[0])
-    labelled = (n > 0).all(0)
-    return np.where(labelled & clear, np.asarray(pools)[best], chosen)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        in_errors = np.nan_to_num(gain.mean(0) / (gain.std(0, ddof=1) / np.sqrt(gain.shape[0])), nan=0.0)
+    return np.asarray(pools)[best], in_errors
+
+
+def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS) -> np.ndarray:
+    """[domains, tasks] the backtest's best pool where it beat the newest day's by more than one standard error (the
+    one-standard-error rule: a dozen days judge a pool noisily, and a pool chosen on noise moves a calibration that
+    was right); else 1, as where there are too few days or a day without labels."""
+    best, in_errors = backtest_gains(n, p, pools)
+    return np.where((n > 0).all(0) & (in_errors > 1), best, 1)
 
 
 def forecast_rates(n: np.ndarray, p: np.ndarray, pools: np.ndarray) -> np.ndarray:
     """[domains, tasks] the rate of each group's chosen pool of newest days."""
     out = np.zeros(n.shape[1:])
     for k in np.unique(pools):
-        z = _pooled(n, p, int(k))
+        z = pooled_log_odds(n, p, int(k))
         out = np.where(pools == k, 1 / (1 + np.exp(-z)), out)
     return out
 
