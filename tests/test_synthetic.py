@@ -90,6 +90,26 @@ def test_label_nulls_and_conversion_within_click(fortnight: pl.DataFrame, ads: p
     assert ads["label_conversion"].sum() > 0
 
 
+def test_label_probabilities_are_what_the_labels_were_drawn_with():
+    """The Bayes-optimal scores: the same events with or without them, null exactly where the labels are, and
+    the labels' rates within a few standard errors of the probabilities' means."""
+    days = [generate_day(FORTNIGHT, day(FORTNIGHT, i), label_probabilities=True) for i in range(3)]
+    events = pl.concat(days)
+    assert days[1].drop("p_click", "p_conversion").equals(generate_day(FORTNIGHT, day(FORTNIGHT, 1)))
+    for label, probability in (("label_click", "p_click"), ("label_conversion", "p_conversion")):
+        assert (events[label].is_null() == events[probability].is_null()).all()
+        known = events.filter(pl.col(label).is_not_null())
+        p, y = known[probability].to_numpy(), known[label].to_numpy()
+        assert ((p > 0) & (p <= 0.95)).all()
+        assert abs(y.sum() - p.sum()) < 4 * np.sqrt((p * (1 - p)).sum()), (label, y.sum(), p.sum())
+    converting = events.filter(pl.col("p_conversion").is_not_null())
+    assert (converting["p_conversion"] <= converting["p_click"]).all()
+    # The probabilities rank the labels far better than chance: they are the planted signal itself.
+    clicks = events.filter(pl.col("label_click").is_not_null())
+    hit = clicks.filter(pl.col("label_click") == 1)["p_click"].mean()
+    assert hit > 1.5 * clicks.filter(pl.col("label_click") == 0)["p_click"].mean()
+
+
 def test_surfaces_have_their_base_rates(ads: pl.DataFrame):
     rates = dict(ads.group_by("surface").agg(pl.col("label_click").mean()).iter_rows())
     for spec in DEFAULT_SURFACES:

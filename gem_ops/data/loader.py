@@ -117,6 +117,11 @@ class SequenceLogs:
         return {name: (int(mask[:, t].sum()), int((values[:, t] * mask[:, t]).sum()))
                 for t, name in enumerate(self.objectives)}
 
+    def labels(self, indices: np.ndarray) -> np.ndarray:
+        """[len(indices), n_objectives] float32 labels of the examples at `indices`, NaN where unlabelled."""
+        idx = np.asarray(indices, dtype=np.int64)
+        return np.where(self._label_mask[idx], self._label_values[idx], np.nan)
+
     def history_lengths(self, max_history_len: int | None = None) -> np.ndarray:
         limit = self.max_history_len if max_history_len is None else min(max_history_len, self.max_history_len)
         return np.minimum(self._examples["history_end"], limit)

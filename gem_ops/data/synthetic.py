@@ -202,8 +202,12 @@ a user's 10 early items shown at most once per such day: the pattern that only p
 still hold."""
 
 
-def generate_day(config: SyntheticConfig, day: date) -> pl.DataFrame:
-    """One day's events for the whole population, in canonical dtypes, sorted by timestamp."""
+def generate_day(config: SyntheticConfig, day: date, label_probabilities: bool = False) -> pl.DataFrame:
+    """One day's events for the whole population, in canonical dtypes, sorted by timestamp.
+
+    With label_probabilities, two more columns hold the probabilities each ad impression's labels were drawn
+    with (p_click, and p_conversion = P(click and conversion); null where the label is): the Bayes-optimal
+    scores, for measuring how far a model is from the best possible. The events are the same either way."""
     day_index = _day_index(config, day)
     catalog = _catalog(config)
     users = _users(config)
@@ -234,7 +238,9 @@ def generate_day(config: SyntheticConfig, day: date) -> pl.DataFrame:
 
     click = np.zeros(n, dtype=np.int8)
     conversion = np.zeros(n, dtype=np.int8)
-    click[ads], conversion[ads] = _ad_labels(
+    p_click = np.zeros(n)
+    p_conversion = np.zeros(n)
+    click[ads], conversion[ads], p_click[ads], p_conversion[ads] = _ad_labels(
         config, catalog, users, rng, ad_user, item[ads], surface[ads], interest[ad_user], retargeting_active, retarget_share,
         day_index,
     )
@@ -243,6 +249,8 @@ def generate_day(config: SyntheticConfig, day: date) -> pl.DataFrame:
 
     surface_names = pl.Series([s.name for s in config.surfaces], dtype=pl.String)
     event_names = pl.Series(EVENT_TYPES, dtype=pl.String)
+    probabilities = [pl.Series("p_click", p_click).set(pl.Series(~is_ad), None),
+                     pl.Series("p_conversion", p_conversion).set(pl.Series(~conversion_known), None)]
     return pl.DataFrame(
         [
             pl.Series("user_id", user),
@@ -257,6 +265,7 @@ def generate_day(config: SyntheticConfig, day: date) -> pl.DataFrame:
             pl.Series("item_category", catalog.category[item]),
             pl.Series("item_advertiser", catalog.advertiser[item]),
             pl.Series("item_bid", catalog.bid[item]),
+            *(probabilities if label_probabilities else []),
         ]
     ).with_columns(pl.col("timestamp").cast(TIMESTAMP_DTYPE))
 
@@ -474,7 +483,9 @@ def _ad_labels(
     retargeting_active: bool,
     retarget_share: float,
     day_index: int,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Click and conversion labels of ad impressions, and the probabilities they were drawn with (P(click),
+    P(click and conversion))."""
     ad = item - config.ad_id_start
     category = catalog.category[item]
     matches = category == interest
@@ -501,9 +512,10 @@ def _ad_labels(
         * np.where(seen_early, config.retarget_cvr_lift, 1.0)
         / (1.0 + (config.retarget_cvr_lift - 1.0) * _retarget_share_of_clicks(config, retarget_share))
     )
-    click = rng.random(user.size) < np.minimum(p_click, 0.95)
-    conversion = click & (rng.random(user.size) < np.minimum(p_conversion, 0.95))
-    return click.astype(np.int8), conversion.astype(np.int8)
+    p_click, p_conversion = np.minimum(p_click, 0.95), np.minimum(p_conversion, 0.95)
+    click = rng.random(user.size) < p_click
+    conversion = click & (rng.random(user.size) < p_conversion)
+    return click.astype(np.int8), conversion.astype(np.int8), p_click, p_click * p_conversion
 
 
 def _click_lift_mean(config: SyntheticConfig, share: float) -> float:
