@@ -1,7 +1,9 @@
 """The synthetic log's own label probabilities scored on its eval examples: the best AUC and NE any model can reach
 there, and the calibration a perfect model gets on the realised labels, with its binomial standard deviation (how far
 label noise alone moves a calibration figure). Day by day beside it, the true rate (the mean probability) against the
-realised one: a model calibrated on past days can only follow the true rate, and only as far as it is stationary.
+realised one: a model calibrated on past days can only follow the true rate, and only as far as it is stationary;
+and how far the rates a calibration can aim at (the newest training day's, the backtested pool's) lie from the eval
+days' true rates.
 
     python benchmarks/oracle_quality.py --sequence-logs LAKE/sequence_logs/2026-11-14 --log strong_signal \
         --compare benchmarks/results/default_run.json --output-name oracle_quality_default_run
@@ -128,6 +130,28 @@ def model_figures(results: dict, dataset: str) -> dict:
             for (model, group), seeds in reports.items()}
 
 
+def calibration_targets(daily: dict) -> dict:
+    """Per group, the log-odds error against each eval day's true rate of the rates a calibration can aim at, from
+    the training days' counts: the newest day's (Platt scaling alone) and the backtested pool's (the engine's
+    default); and their root mean square over the groups."""
+    from gem_ops.train.calibration_rate import backtested_pools, pooled_log_odds
+
+    out, errors = {}, {"newest_day": [], "backtested": []}
+    for group, days in daily.items():
+        train = ~np.array(days["eval"])
+        n = np.array(days["examples"], dtype=float)[train][:, None, None]
+        p = np.round(np.array(days["realised_rate"])[train][:, None, None] * n)
+        pool = int(backtested_pools(n, p)[0, 0])
+        truth = np.log(np.array(days["true_rate"])[~train] / (1 - np.array(days["true_rate"])[~train]))
+        row = {"newest_day": (pooled_log_odds(n, p, 1)[0, 0] - truth).tolist(),
+               "backtested": (pooled_log_odds(n, p, pool)[0, 0] - truth).tolist()}
+        out[group] = {"backtested_pool": pool, "log_odds_error_against_true_rate": row}
+        for how in errors:
+            errors[how] += row[how]
+    out["root_mean_square"] = {how: float(np.sqrt(np.mean(np.square(e)))) for how, e in errors.items()}
+    return out
+
+
 def compared(oracle: dict, models: dict) -> dict:
     """Each model against the perfect model on its group: calibration over the perfect model's (the model's mean
     prediction over the true rate, free of the eval days' label noise), and the AUC and NE left to reach."""
@@ -156,10 +180,19 @@ def main() -> None:
     eval_frame = frame.filter(frame["split"] == 1)
     oracle = group_quality(eval_frame, logs.surfaces, logs.objectives)
     results = {"eval": oracle, "daily": daily_rates(frame, logs.objectives)}
+    results["calibration_targets"] = calibration_targets(results["daily"])
     print(f"{'group':<20} {'positives':>9} {'AUC':>7} {'NE':>7} {'calibration':>11} {'stderr':>10}")
     for group, q in oracle.items():
         print(f"{group:<20} {q['positives']:>9} {q['auc']:>7.4f} {q['ne']:>7.4f} {q['calibration']:>11.3f} "
               f"{q['calibration_stderr']:>10.3f}")
+    targets = results["calibration_targets"]
+    print("\ncalibration targets' log-odds error against the eval days' true rates (newest day / backtested pool):")
+    for group, row in targets.items():
+        if group != "root_mean_square":
+            errors = row["log_odds_error_against_true_rate"]
+            print(f"  {group:<18} {np.round(errors['newest_day'], 3).tolist()} / {np.round(errors['backtested'], 3).tolist()}"
+                  f" (pool {row['backtested_pool']})")
+    print(f"  root mean square: {targets['root_mean_square']}")
     if args.compare:
         import json
 

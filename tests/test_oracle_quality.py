@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from benchmarks.oracle_quality import daily_rates, example_probabilities, group_quality
+from benchmarks.oracle_quality import calibration_targets, daily_rates, example_probabilities, group_quality
 from gem_ops.data.synthetic import STRONG_SIGNAL
 from tests.training_data import learnable_data
 
@@ -44,3 +44,18 @@ def test_the_perfect_model_ranks_well_and_is_calibrated_within_label_noise(logs)
         assert q["true_rate"] == pytest.approx(q["calibration"] * q["realised_rate"])
     days = daily_rates(frame, logs.objectives)["feed/click"]
     assert len(days["day"]) == 4 and days["eval"] == [False, False, False, True]
+
+
+def test_calibration_targets_are_judged_against_the_eval_days_true_rates(logs):
+    frame, _ = example_probabilities(logs, SMALL)
+    daily = daily_rates(frame, logs.objectives)
+    targets = calibration_targets(daily)
+    feed = targets["feed/click"]
+    assert feed["backtested_pool"] == 1  # three training days: too few to backtest, so the newest day's rate
+    errors = feed["log_odds_error_against_true_rate"]
+    assert errors["newest_day"] == errors["backtested"]
+    n = daily["feed/click"]["examples"][2]
+    newest = (round(daily["feed/click"]["realised_rate"][2] * n) + 0.5) / (n + 1)  # half a positive added, as calibration does
+    true = daily["feed/click"]["true_rate"][3]
+    assert errors["newest_day"][0] == pytest.approx(np.log(newest / (1 - newest)) - np.log(true / (1 - true)), rel=1e-9)
+    assert set(targets["root_mean_square"]) == {"newest_day", "backtested"}
