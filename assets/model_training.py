@@ -45,6 +45,9 @@ class ModelTrainingConfig(dg.Config):
     calibration_rate: str = Field(
         "backtested", description="The rate calibration aims at: the validation day's own (newest_day), or per (domain, "
         "task) the newest days' pooled rate that forecast each next day on the days before clearly better (backtested).")
+    calibration_trend: bool = Field(
+        True, description="Also carry a significant trend of the model's residual (labels over calibrated predictions, "
+        "day by day over the newest week) one day forward: a rate that trends has moved again by the day it serves.")
     eval_max_examples: int = 20_000
     checkpoint_every: int = Field(50, description="Steps between checkpoints: a killed or restarted job resumes there.")
     precision: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp8.")

@@ -1,7 +1,8 @@
-"""Calibration aimed at the backtested rate forecast against plain Platt scaling on the newest day, on the same
-trained models and the same eval examples: each model trains once per seed (`calibration_rate: backtested`), is
-scored on the eval days with its calibration, then again with the shift Platt scaling fitted on the held-out day
-alone (`newest_day`, which the engine records beside it). Per (domain, objective) with enough positives: the eval
+"""Calibration aimed at the backtested rate forecast, with and without the residual's trend carried a day forward,
+against plain Platt scaling on the newest day, on the same trained models and the same eval examples: each model
+trains once per seed (`calibration_rate: backtested`, `calibration_trend`), is scored on the eval days with its
+calibration (`trend`), then again with the shift before the trend (`backtested`) and with the shift Platt scaling
+fitted on the held-out day alone (`newest_day`), both of which the engine records beside it. Per (domain, objective) with enough positives: the eval
 days' calibration (mean prediction over mean label) and NE under both, paired by seed.
 
 GEM (half width, histories of 128, as transfer.py's teacher) and the vertical preset (the size of the models that
@@ -25,6 +26,7 @@ from benchmarks.common import save
 
 MODELS = {"gem": ("gem", 0.5), "vertical": ("vertical", 1.0)}
 FIGURES = ("calibration", "ne", "auc")
+RATES = ("newest_day", "backtested", "trend")  # Platt scaling alone (the baseline), the pooled rate, and its trend
 
 
 def run_seed(logs, plan, seed: int, args) -> dict:
@@ -47,16 +49,19 @@ def run_seed(logs, plan, seed: int, args) -> dict:
             "sequence.max_history_len": args.max_history_len}), config)
         head = output_calibration(model)
         scale, shift = torch.tensor(result.calibration["scale"]), torch.tensor(result.calibration["shift"])
-        reports = {"backtested": evaluate(model, logs, config, torch.device("cpu"))}
-        head.set_calibration(scale, torch.tensor(result.calibration["newest_day_shift"]))
-        reports["newest_day"] = evaluate(model, logs, config, torch.device("cpu"))
+        reports = {"trend": evaluate(model, logs, config, torch.device("cpu"))}
+        for how, before in (("newest_day", "newest_day_shift"), ("backtested", "shift_before_trend")):
+            head.set_calibration(scale, torch.tensor(result.calibration[before]))
+            reports[how] = evaluate(model, logs, config, torch.device("cpu"))
         head.set_calibration(scale, shift)
         out[label] = {"reports": {how: {g: {k: float(v[k]) for k in (*FIGURES, "positives")} for g, v in r.items()}
                                   for how, r in reports.items()},
-                      "rate_days": result.calibration["rate_days"], "steps": result.steps,
+                      "rate_days": result.calibration["rate_days"], "trend_slope": result.calibration["trend_slope"],
+                      "trend_taken": result.calibration["trend_taken"], "steps": result.steps,
                       "seconds": round(time.perf_counter() - began, 1)}
         print(f"seed {seed} {label}: {result.steps} steps, {out[label]['seconds']:.0f} s, rate days "
-              f"{result.calibration['rate_days']}", flush=True)
+              f"{result.calibration['rate_days']}, trends taken {result.calibration['trend_taken']} slopes "
+              f"{np.round(result.calibration['trend_slope'], 3).tolist()}", flush=True)
     return out
 
 
@@ -64,34 +69,36 @@ def summarize(runs: dict[int, dict], min_positives: int) -> dict:
     seeds = sorted(runs)
     summary = {}
     for label in MODELS:
-        first = runs[seeds[0]][label]["reports"]["backtested"]
+        first = runs[seeds[0]][label]["reports"]["newest_day"]
         groups = [g for g, v in first.items() if "/" in g and v["positives"] >= min_positives]
         summary[label] = {}
         for g in groups:
             row = {}
-            for how in ("newest_day", "backtested"):
+            for how in RATES:
                 for k in FIGURES:
                     values = [runs[s][label]["reports"][how][g][k] for s in seeds]
                     row[f"{how}.{k}"] = {"mean": float(np.mean(values)),
                                          "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0}
-            miss = {how: [abs(runs[s][label]["reports"][how][g]["calibration"] - 1) for s in seeds]
-                    for how in ("newest_day", "backtested")}
-            row["calibration_miss_change"] = {"per_seed": [b - a for a, b in zip(miss["newest_day"], miss["backtested"])]}
-            row["ne_change"] = {"per_seed": [runs[s][label]["reports"]["backtested"][g]["ne"]
-                                             - runs[s][label]["reports"]["newest_day"][g]["ne"] for s in seeds]}
-            for key in ("calibration_miss_change", "ne_change"):
-                row[key]["mean"] = float(np.mean(row[key]["per_seed"]))
+            miss = {how: [abs(runs[s][label]["reports"][how][g]["calibration"] - 1) for s in seeds] for how in RATES}
+            for how in RATES[1:]:  # each against Platt scaling's newest day, paired by seed
+                row[f"{how}.calibration_miss_change"] = {"per_seed": [b - a for a, b in zip(miss[RATES[0]], miss[how])]}
+                row[f"{how}.ne_change"] = {"per_seed": [runs[s][label]["reports"][how][g]["ne"]
+                                                        - runs[s][label]["reports"][RATES[0]][g]["ne"] for s in seeds]}
+                for key in ("calibration_miss_change", "ne_change"):
+                    row[f"{how}.{key}"]["mean"] = float(np.mean(row[f"{how}.{key}"]["per_seed"]))
             summary[label][g] = row
     return summary
 
 
 def table(name: str, summary: dict) -> list[str]:
     f = lambda s: f"{s['mean']:.3f} ± {s['std']:.3f}"  # noqa: E731
-    lines = [f"{name}: model | group | calibration newest day / backtested | NE newest day / backtested | NE change"]
+    lines = [f"{name}: model | group | calibration {' / '.join(RATES)} | NE {' / '.join(RATES)} | NE change "
+             f"{' / '.join(RATES[1:])}"]
     for label, groups in summary.items():
         for g, row in groups.items():
-            lines.append(f"{label} | {g} | {f(row['newest_day.calibration'])} / {f(row['backtested.calibration'])} | "
-                         f"{f(row['newest_day.ne'])} / {f(row['backtested.ne'])} | {row['ne_change']['mean']:+.4f}")
+            lines.append(f"{label} | {g} | {' / '.join(f(row[f'{how}.calibration']) for how in RATES)} | "
+                         f"{' / '.join(f(row[f'{how}.ne']) for how in RATES)} | "
+                         f"{' / '.join(format(row[f'{how}.ne_change']['mean'], '+.4f') for how in RATES[1:])}")
     return lines
 
 

@@ -75,7 +75,8 @@ def test_training_calibrates_to_the_forecast_rate_on_the_held_out_day(long_log, 
         return
     pools, targets = np.array(result.calibration["rate_days"]), np.array(result.calibration["target_rate"])
     kept = pools == 1  # Platt scaling's own shift stays where the newest day's rate forecasts best
-    assert np.array_equal(np.array(result.calibration["shift"])[kept], np.array(result.calibration["newest_day_shift"])[kept])
+    pooled = np.array(result.calibration["shift_before_trend"])  # the residual's trend moves the shift after the pool
+    assert np.array_equal(pooled[kept], np.array(result.calibration["newest_day_shift"])[kept])
     assert pools.shape == (len(logs.surfaces), len(model.objectives)) and (pools != 1).any()
     train_split = logs.split_indices("train")
     n, p = daily_label_counts(logs, train_split, len(logs.surfaces), model.objectives)
@@ -88,7 +89,8 @@ def test_training_calibrates_to_the_forecast_rate_on_the_held_out_day(long_log, 
         days = slice(None) if pools[d, t] == 0 else slice(-pools[d, t], None)
         # the pooled days' rate (half a positive added, so that no rate is 0 or 1)
         assert targets[d, t] == pytest.approx((p[days, d, t].sum() + 0.5) / (n[days, d, t].sum() + 1), rel=1e-6)
-        mean_p = float(torch.sigmoid(out["logits"][rows, t]).mean())
+        shift = np.array(result.calibration["shift"])[d, t]
+        mean_p = float(torch.sigmoid(out["logits"][rows, t] - shift + pooled[d, t]).mean())
         assert mean_p == pytest.approx(targets[d, t], rel=1e-3)
 
 

@@ -69,6 +69,9 @@ class TrainConfig:
     # The rate that calibration aims at: the validation day's own (newest_day), or per (domain, task) the newest
     # days' pooled rate that forecast each next day clearly better (backtested; gem_ops.train.calibration_rate)
     calibration_rate: str = "backtested"
+    # Also carry a significant trend of the model's residual over the newest week one day forward
+    # (gem_ops.train.calibration_trend): a rate that trends has moved again by the day the model serves
+    calibration_trend: bool = True
     eval_max_examples: int = 20_000  # a fixed subset of the eval split, for speed
     eval_batch_size: int = 512
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from gem_ops.data.batch_shuffling import read_plan
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.metrics.flops import batch_flops
 from gem_ops.metrics.mfu import StepMFU
@@ -42,6 +43,7 @@ from gem_ops.train.acceleration import autocast_context, prepare_for_training
 from gem_ops.train.batches import newest_days, rank_schedule
 from gem_ops.train.calibration import fit_calibration, output_calibration, reset_calibration
 from gem_ops.train.calibration_rate import retarget_shifts
+from gem_ops.train.calibration_trend import extrapolate_trends, trend_examples
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, read_progress, save_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
@@ -458,11 +460,19 @@ class Trainer:
             return
         reset_calibration(self.module)
         out = gathered_predictions(self.module, self.logs, self.config, self.device, self.validation)
+        recent = None
+        if self.config.calibration_trend:  # the days before the held-out one, for the residual's trend
+            before = trend_examples(self.logs, read_plan(self.plan_path).reshape(-1), self.validation, self.config.seed)
+            if before.size:
+                recent = gathered_predictions(self.module, self.logs, self.config, self.device, before)
         fitted, targets = None, {}
         if out is not None:
             fitted = fit_calibration(out["logits"], out["labels"], out["label_mask"], out["surface"], head.domains)
             if self.config.calibration_rate == "backtested":
                 targets = retarget_shifts(*fitted, out, self.logs, self.validation, self.model.objectives)
+            if recent is not None:
+                targets["shift_before_trend"] = fitted[1].tolist()
+                targets |= extrapolate_trends(*fitted, out, recent, self.logs, head.domains)
         scale, shift = broadcast(fitted)
         head.set_calibration(scale, shift)
         self.result.calibration = {"scale": scale.tolist(), "shift": shift.tolist(), **broadcast(targets)}
