@@ -113,9 +113,9 @@ def daily_rates(frame, objectives: list[str]) -> dict:
     return out
 
 
-def model_figures(results: dict, dataset: str) -> dict:
+def model_figures(results: dict, dataset: str, report: str = "backtested") -> dict:
     """name -> (group, {figure: mean over seeds}) of a default_run.json's GEM, verticals and alone models, or of
-    a calibration_rate.json's models (their backtested calibration) on `dataset`."""
+    a calibration_rate.json's models on `dataset` under one of its calibrations (`report`)."""
     if "gem" in results and "verticals" in results:  # default_run.json
         out = {f"gem {g.replace('.', '/')}": (g.replace(".", "/"), {m: v[m]["mean"] for m in FIGURES})
                for g, v in results["gem"].items()}
@@ -124,8 +124,8 @@ def model_figures(results: dict, dataset: str) -> dict:
                     for role in ("vertical", "alone")}
         return out
     runs = results[dataset]["runs"]  # calibration_rate.json
-    reports = {(model, group): [run[model]["reports"]["backtested"][group] for run in runs.values()]
-               for model in next(iter(runs.values())) for group in next(iter(runs.values()))[model]["reports"]["backtested"]}
+    reports = {(model, group): [run[model]["reports"][report][group] for run in runs.values()]
+               for model in next(iter(runs.values())) for group in next(iter(runs.values()))[model]["reports"][report]}
     return {f"{model} {group}": (group, {m: float(np.mean([r[m] for r in seeds])) for m in FIGURES})
             for (model, group), seeds in reports.items()}
 
@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, help="a default_run.json or calibration_rate.json whose models to set "
                                                      "beside the perfect model")
     parser.add_argument("--compare-dataset", default="synthetic", help="the dataset of a calibration_rate.json")
+    parser.add_argument("--compare-report", default="backtested",
+                        help="which calibration of a calibration_rate.json: backtested, newest_day or trend")
     parser.add_argument("--output-name", default="oracle_quality")
     args = parser.parse_args()
 
@@ -197,7 +199,7 @@ def main() -> None:
         import json
 
         results["models"] = compared(oracle, model_figures(json.loads(args.compare.read_text())["results"],
-                                                            args.compare_dataset))
+                                                            args.compare_dataset, args.compare_report))
         print(f"\n{'model':<26} {'calibration':>11} {'over perfect':>12} {'AUC to reach':>12} {'NE over':>8}")
         for name, m in results["models"].items():
             print(f"{name:<26} {m['calibration']:>11.3f} {m['calibration_over_perfect_model']:>12.3f} "
