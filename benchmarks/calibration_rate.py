@@ -2,8 +2,8 @@
 against plain Platt scaling on the newest day, on the same trained models and the same eval examples: each model
 trains once per seed (`calibration_rate: backtested`, `calibration_trend`), is scored on the eval days with its
 calibration (`trend`), then again with the shift before the trend (`backtested`) and with the shift Platt scaling
-fitted on the held-out day alone (`newest_day`), both of which the engine records beside it. Per (domain, objective) with enough positives: the eval
-days' calibration (mean prediction over mean label) and NE under both, paired by seed.
+fitted on the held-out day alone (`newest_day`), both of which the engine records beside it. Per (domain, objective)
+with enough positives: the eval days' calibration (mean prediction over mean label) and NE under each, paired by seed.
 
 GEM (half width, histories of 128, as transfer.py's teacher) and the vertical preset (the size of the models that
 serve) train on every domain of the prepared logs (`transfer.py --prepare-to DIR`).

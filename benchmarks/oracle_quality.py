@@ -10,8 +10,9 @@ days' true rates.
     python benchmarks/oracle_quality.py --sequence-logs .gpu_data/transfer/synthetic/sequence_logs --log transfer \
         --compare benchmarks/results/calibration_rate.json --output-name oracle_quality_transfer
 
-With --compare (a default_run.json, or calibration_rate.json's synthetic models), each model's calibration is also divided by the perfect model's on the same
-group: the model's mean prediction over the true rate, free of the eval day's label noise.
+With --compare (a default_run.json, or a calibration_rate file's synthetic models), each model's calibration is also
+divided by the perfect model's on the same group: the model's mean prediction over the true rate, free of the eval
+day's label noise; --compare-report picks a calibration_rate file's calibration (backtested, newest_day or trend).
 """
 
 from __future__ import annotations
@@ -192,8 +193,8 @@ def main() -> None:
     for group, row in targets.items():
         if group != "root_mean_square":
             errors = row["log_odds_error_against_true_rate"]
-            print(f"  {group:<18} {np.round(errors['newest_day'], 3).tolist()} / {np.round(errors['backtested'], 3).tolist()}"
-                  f" (pool {row['backtested_pool']})")
+            newest, pooled = (np.round(errors[how], 3).tolist() for how in ("newest_day", "backtested"))
+            print(f"  {group:<18} {newest} / {pooled} (pool {row['backtested_pool']})")
     print(f"  root mean square: {targets['root_mean_square']}")
     if args.compare:
         import json

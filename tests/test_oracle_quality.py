@@ -55,7 +55,8 @@ def test_calibration_targets_are_judged_against_the_eval_days_true_rates(logs):
     errors = feed["log_odds_error_against_true_rate"]
     assert errors["newest_day"] == errors["backtested"]
     n = daily["feed/click"]["examples"][2]
-    newest = (round(daily["feed/click"]["realised_rate"][2] * n) + 0.5) / (n + 1)  # half a positive added, as calibration does
+    # half a positive added, as calibration does
+    newest = (round(daily["feed/click"]["realised_rate"][2] * n) + 0.5) / (n + 1)
     true = daily["feed/click"]["true_rate"][3]
     assert errors["newest_day"][0] == pytest.approx(np.log(newest / (1 - newest)) - np.log(true / (1 - true)), rel=1e-9)
     assert set(targets["root_mean_square"]) == {"newest_day", "backtested"}

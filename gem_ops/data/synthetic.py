@@ -241,8 +241,8 @@ def generate_day(config: SyntheticConfig, day: date, label_probabilities: bool =
     p_click = np.zeros(n)
     p_conversion = np.zeros(n)
     click[ads], conversion[ads], p_click[ads], p_conversion[ads] = _ad_labels(
-        config, catalog, users, rng, ad_user, item[ads], surface[ads], interest[ad_user], retargeting_active, retarget_share,
-        day_index,
+        config, catalog, users, rng, ad_user, item[ads], surface[ads], interest[ad_user], retargeting_active,
+        retarget_share, day_index,
     )
     tracks_conversion = np.array([s.cvr is not None for s in config.surfaces])
     conversion_known = is_ad & tracks_conversion[surface]

@@ -38,7 +38,8 @@ def residual_trends(days: np.ndarray, probabilities: np.ndarray, labels: np.ndar
                     surface: np.ndarray, domains: int) -> tuple[np.ndarray, np.ndarray]:
     """[domains, tasks] the slope per day of log((labels + 1/2) / (predictions + 1/2)) summed per day, and its standard
     error: weighted least squares, each day weighed by its positives (the ratio's binomial variance is about 1 /
-    positives), the error widened by the fit's own scatter where that exceeds the binomial. NaN with fewer than 4 days."""
+    positives), the error widened by the fit's own scatter where that exceeds the binomial. NaN with fewer than 4
+    days."""
     tasks = labels.shape[1]
     slope, error = np.full((domains, tasks), np.nan), np.full((domains, tasks), np.nan)
     for d in range(domains):
