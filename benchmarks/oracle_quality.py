@@ -105,12 +105,14 @@ def daily_rates(frame, objectives: list[str]) -> dict:
         labelled = frame.filter(pl.col(f"label_{task}").is_not_nan())
         per_day = (labelled.group_by("surface", "day", "split")
                    .agg(pl.col(OBJECTIVES[task]).mean().alias("true"), pl.col(f"label_{task}").mean().alias("realised"),
-                        pl.len().alias("examples")).sort("surface", "day"))
+                        pl.len().alias("examples"), pl.col(f"label_{task}").sum().alias("positives"))
+                   .sort("surface", "day"))
         for (surface,), rows in per_day.group_by("surface", maintain_order=True):
             out[f"{surface}/{task}"] = {
                 "day": [str(date(1970, 1, 1) + timedelta(days=int(d))) for d in rows["day"]],
                 "eval": (rows["split"] == 1).to_list(), "true_rate": rows["true"].to_list(),
-                "realised_rate": rows["realised"].to_list(), "examples": rows["examples"].to_list()}
+                "realised_rate": rows["realised"].to_list(), "examples": rows["examples"].to_list(),
+                "positives": rows["positives"].to_list()}
     return out
 
 
@@ -141,7 +143,7 @@ def calibration_targets(daily: dict) -> dict:
     for group, days in daily.items():
         train = ~np.array(days["eval"])
         n = np.array(days["examples"], dtype=float)[train][:, None, None]
-        p = np.round(np.array(days["realised_rate"])[train][:, None, None] * n)
+        p = np.array(days["positives"], dtype=float)[train][:, None, None]
         pool = int(backtested_pools(n, p)[0, 0])
         truth = np.log(np.array(days["true_rate"])[~train] / (1 - np.array(days["true_rate"])[~train]))
         row = {"newest_day": (pooled_log_odds(n, p, 1)[0, 0] - truth).tolist(),

@@ -56,7 +56,7 @@ def test_calibration_targets_are_judged_against_the_eval_days_true_rates(logs):
     assert errors["newest_day"] == errors["backtested"]
     n = daily["feed/click"]["examples"][2]
     # half a positive added, as calibration does
-    newest = (round(daily["feed/click"]["realised_rate"][2] * n) + 0.5) / (n + 1)
+    newest = (daily["feed/click"]["positives"][2] + 0.5) / (n + 1)
     true = daily["feed/click"]["true_rate"][3]
     assert errors["newest_day"][0] == pytest.approx(np.log(newest / (1 - newest)) - np.log(true / (1 - true)), rel=1e-9)
     assert set(targets["root_mean_square"]) == {"newest_day", "backtested"}
