@@ -1,0 +1,160 @@
+"""Which rate a calibration should aim at, judged where the answer is known: each rule's forecast of the eval days'
+label rate per (surface, objective), from the training days' counts alone (no model).
+
+- Synthetic logs (`--configs`, `--seeds`): the generator's own probabilities give each eval day's true rate, so the
+  error is the rule's alone, free of the eval labels' noise; every seed is a new population and a new draw.
+- Prepared logs (`--sequence-logs`, e.g. MovieLens): no true rate, so each day from the 7th on is forecast from the
+  days before it (a rolling origin) and judged against its realised rate, on groups with at least
+  --min-positives positives every day (where the realised rate is near the true one).
+
+Rules: the newest day (Platt scaling alone), the engine's backtested pool (calibration_rate.backtested_pools: a
+longer pool only where its backtest beats the newest day's by more than one standard error), the backtest's best pool
+however slight its lead, and fixed pools of 3, 7 and every day. Figures: the root mean square log-odds error over the
+groups (and eval days) per seed or log, and each rule's difference from the engine's, paired by seed.
+
+    python benchmarks/calibration_targets.py --seeds 0 1 2 3 4 5 6 7 8 9 10 11 \
+        --sequence-logs .gpu_data/transfer/movielens/sequence_logs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from datetime import date, timedelta
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.common import save  # noqa: E402
+
+ENGINE_RULE = "backtested"
+FIRST_ROLLING_DAY = 6  # the 7th day: the backtest needs MIN_BACKTEST_DAYS + 2 days before it
+LAST_DAY = date(2026, 11, 14)
+DAYS = 14
+EVAL_DAYS = {"strong_signal": 1, "recurring": 2, "transfer": 2}  # default_run, adaptive_compute, transfer
+
+
+def rule_pools(n: np.ndarray, p: np.ndarray) -> dict[str, int]:
+    """Each rule's pool of newest days (0: every day) for one group's daily counts, oldest first."""
+    from gem_ops.train.calibration_rate import backtest_gains, backtested_pools
+
+    counts = n[:, None, None], p[:, None, None]
+    best, _ = backtest_gains(*counts)
+    return {"newest_day": 1, ENGINE_RULE: int(backtested_pools(*counts)[0, 0]), "best_backtest": int(best[0, 0]),
+            "pool_3": 3, "pool_7": 7, "every_day": 0}
+
+
+def forecast_errors(n: np.ndarray, p: np.ndarray, truth: np.ndarray) -> dict[str, list[float]]:
+    """Each rule's log-odds error against `truth` (the log-odds of the days forecast) from the counts before them."""
+    from gem_ops.train.calibration_rate import pooled_log_odds
+
+    return {rule: (pooled_log_odds(n[:, None, None], p[:, None, None], k)[0, 0] - truth).tolist()
+            for rule, k in rule_pools(n, p).items()}
+
+
+def synthetic_daily_counts(config) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """group -> (labelled impressions, positives, true rate), each per day of the DAYS days to LAST_DAY, oldest first:
+    the generator's ad impressions, as a prepared log's examples are."""
+    import polars as pl
+
+    from gem_ops.data.synthetic import generate_day
+
+    frames = []
+    for i in range(DAYS):
+        day = LAST_DAY - timedelta(days=DAYS - 1 - i)
+        events = generate_day(config, day, label_probabilities=True).filter(pl.col("event_type") == "ad_impression")
+        for task in ("click", "conversion"):
+            frames.append(events.filter(pl.col(f"label_{task}").is_not_null()).group_by("surface").agg(
+                pl.len().alias("n"), pl.col(f"label_{task}").sum().alias("p"), pl.col(f"p_{task}").mean().alias("true"))
+                .with_columns(group=pl.col("surface") + f"/{task}", day=pl.lit(i)))
+    daily = pl.concat(frames).sort("day")
+    out = {}
+    for (group,), rows in daily.group_by("group", maintain_order=True):
+        if rows.height == DAYS:  # a group missing a day (no impression) has no rate to forecast there
+            out[group] = tuple(rows[c].to_numpy().astype(np.float64) for c in ("n", "p", "true"))
+    return out
+
+
+def synthetic_run(log: str, seed: int) -> dict[str, float]:
+    """Root mean square error per rule over the groups and eval days of one synthetic log."""
+    from benchmarks.oracle_quality import synthetic_config
+
+    eval_days, errors = EVAL_DAYS[log], {}
+    for n, p, true in synthetic_daily_counts(synthetic_config(log, seed)).values():
+        truth = np.log(true[-eval_days:] / (1 - true[-eval_days:]))
+        for rule, e in forecast_errors(n[:-eval_days], p[:-eval_days], truth).items():
+            errors.setdefault(rule, []).extend(e)
+    return {rule: float(np.sqrt(np.mean(np.square(e)))) for rule, e in errors.items()}
+
+
+def rolling_run(path: Path, min_positives: int) -> dict:
+    """Each day from FIRST_ROLLING_DAY on forecast from the days before, per group with enough positives every day:
+    root mean square error per rule, overall and per group."""
+    from gem_ops.data.loader import SequenceLogs
+    from gem_ops.train.calibration_rate import daily_label_counts, pooled_log_odds
+
+    logs = SequenceLogs(path)
+    n, p = daily_label_counts(logs, np.arange(len(logs)), len(logs.surfaces), logs.objectives)
+    per_group = {}
+    for s, surface in enumerate(logs.surfaces):
+        for t, task in enumerate(logs.objectives):
+            if (p[:, s, t] < min_positives).any():
+                continue
+            errors = per_group.setdefault(f"{surface}/{task}", {})
+            for day in range(FIRST_ROLLING_DAY, n.shape[0]):
+                truth = pooled_log_odds(n[day : day + 1, s, t], p[day : day + 1, s, t], 1)[None]  # its realised rate
+                for rule, e in forecast_errors(n[:day, s, t], p[:day, s, t], truth).items():
+                    errors.setdefault(rule, []).extend(e)
+    if not per_group:
+        raise ValueError(f"{path}: no (surface, objective) with at least {min_positives} positives on every day "
+                         f"(--min-positives)")
+    rules = next(iter(per_group.values()))
+    rms = lambda e: float(np.sqrt(np.mean(np.square(e))))
+    return {"forecasts": sum(len(e[ENGINE_RULE]) for e in per_group.values()),
+            "root_mean_square": {r: rms([x for e in per_group.values() for x in e[r]]) for r in rules},
+            "per_group": {g: {r: rms(v) for r, v in e.items()} for g, e in per_group.items()}}
+
+
+def paired_summary(runs: list[dict[str, float]]) -> dict:
+    """Mean ± standard error over seeds of each rule's error, and its difference from the engine rule's per seed."""
+    out = {}
+    for rule in runs[0]:
+        values = np.array([r[rule] for r in runs])
+        diff = values - np.array([r[ENGINE_RULE] for r in runs])
+        se = lambda x: float(np.std(x, ddof=1) / np.sqrt(x.size)) if x.size > 1 else 0.0
+        out[rule] = {"mean": float(values.mean()), "standard_error": se(values),
+                     "minus_engine_rule": float(diff.mean()), "minus_engine_rule_standard_error": se(diff),
+                     "seeds_better_than_engine_rule": int((diff < 0).sum())}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", choices=sorted(EVAL_DAYS), default=sorted(EVAL_DAYS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(12)))
+    parser.add_argument("--sequence-logs", type=Path, nargs="*", default=[],
+                        help="prepared logs judged by a rolling origin against their realised rates")
+    parser.add_argument("--min-positives", type=int, default=50)
+    parser.add_argument("--output-name", default="calibration_targets")
+    args = parser.parse_args()
+
+    results = {"synthetic": {}, "rolling": {}}
+    for log in args.configs:
+        runs = [synthetic_run(log, seed) for seed in args.seeds]
+        results["synthetic"][log] = {"per_seed": runs, "summary": paired_summary(runs)}
+        print(log, " ".join(f"{r} {v['mean']:.4f} ({v['minus_engine_rule']:+.4f} ± "
+                            f"{v['minus_engine_rule_standard_error']:.4f})"
+                            for r, v in results["synthetic"][log]["summary"].items()), flush=True)
+    for path in args.sequence_logs:
+        results["rolling"][str(path)] = run = rolling_run(path, args.min_positives)
+        print(path, run["forecasts"], "forecasts:",
+              " ".join(f"{r} {v:.4f}" for r, v in run["root_mean_square"].items()), flush=True)
+    save(args.output_name, {**vars(args), "last_day": LAST_DAY, "days": DAYS, "eval_days": EVAL_DAYS,
+                            "first_rolling_day": FIRST_ROLLING_DAY + 1}, results)
+
+
+if __name__ == "__main__":
+    main()
