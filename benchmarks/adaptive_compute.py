@@ -56,6 +56,10 @@ def main() -> None:
     parser.add_argument("--width", type=float, default=0.5)
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--lr-dense", type=float, default=3e-3)
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="after the warm-up (TrainConfig.lr_schedule); cosine, as gem_quality.py and transfer.py")
+    parser.add_argument("--weight-average-decay", type=float, default=0.0,
+                        help="keep a moving average of the weights (TrainConfig.weight_average_decay; 0: off)")
     parser.add_argument("--models-dir", type=Path, default=None)
     parser.add_argument("--history-cut-share", type=float, default=0.0,
                         help="train on histories cut to random lengths for this share of examples (TrainConfig)")
@@ -135,10 +139,13 @@ def main() -> None:
 
         def trained(seed: int, retrieved_events: int = 0):
             train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
+                                       lr_schedule=args.lr_schedule, weight_average_decay=args.weight_average_decay,
                                        eval_max_examples=1000, validation_days=1, seed=seed,
                                        history_cut_share=args.history_cut_share)
             found = f"_found{retrieved_events}" if retrieved_events else ""
             found += f"_by_{args.retrieval_key}" if retrieved_events and args.retrieval_key != "item" else ""
+            found += f"_{args.lr_schedule}" if args.lr_schedule != "constant" else ""
+            found += f"_average{args.weight_average_decay:g}" if args.weight_average_decay else ""
             cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_cut{args.history_cut_share:g}{found}_v1.pt" \
                 if args.models_dir else None
             if cached is not None and cached.exists():
