@@ -22,7 +22,7 @@ import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import save
+from benchmarks.common import mean_std, save
 
 MODELS = {"gem": ("gem", 0.5), "vertical": ("vertical", 1.0)}
 FIGURES = ("calibration", "ne", "auc")
@@ -91,7 +91,7 @@ def summarize(runs: dict[int, dict], min_positives: int) -> dict:
 
 
 def table(name: str, summary: dict) -> list[str]:
-    f = lambda s: f"{s['mean']:.3f} ± {s['std']:.3f}"  # noqa: E731
+    f = mean_std
     lines = [f"{name}: model | group | calibration {' / '.join(RATES)} | NE {' / '.join(RATES)} | NE change "
              f"{' / '.join(RATES[1:])}"]
     for label, groups in summary.items():

@@ -104,3 +104,8 @@ class Quiet:
 
 
 commit()  # the tree the benchmark starts from
+
+
+def mean_std(figure: dict) -> str:
+    """A {"mean", "std"} figure as a table cell: 0.812 ± 0.004."""
+    return f"{figure['mean']:.3f} ± {figure['std']:.3f}"

@@ -24,7 +24,7 @@ import yaml
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import save
+from benchmarks.common import mean_std, save
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SEEDED_OPS = ("shuffled_batches", "gem_foundation_model", "domain_foundation_models", "vertical_models")
@@ -96,7 +96,7 @@ def summarize(runs: dict[int, dict]) -> dict:
 
 
 def table(summary: dict) -> list[str]:
-    f = lambda s: f"{s['mean']:.3f} ± {s['std']:.3f}"  # noqa: E731
+    f = mean_std
     lines = ["| GEM group | positives | AUC | NE | calibration |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {g} | {v['positives']['mean']:.0f} | {f(v['auc'])} | {f(v['ne'])} | {f(v['calibration']) if 'calibration' in v else '—'} |"
               for g, v in summary["gem"].items() if v["positives"]["mean"] >= MIN_POSITIVES]

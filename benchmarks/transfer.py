@@ -317,6 +317,19 @@ def with_validated_pair(row: dict, pair: tuple[str, str] | None) -> dict:
     return {**row, "validated_tables": {**kept, "kept_fixed_tables": float(kept is fixed)}}
 
 
+# Each Student Adapter against none (and the category adapter against the plain one), with a stale teacher.
+ADAPTER_PAIRS = (
+    ("stale_direct_serving", "stale_direct_serving_no_adapter"),
+    ("stale_direct_serving_category_adapter", "stale_direct_serving_no_adapter"),
+    ("stale_direct_serving_category_adapter", "stale_direct_serving"),
+    ("stale_direct_serving_shrunk_adapter", "stale_direct_serving_no_adapter"),
+    ("stale_direct_serving_shrunk_category_adapter", "stale_direct_serving_no_adapter"),
+    ("stale_direct_serving_held_out_adapter", "stale_direct_serving_no_adapter"),
+    ("stale_direct_serving_held_out_category_adapter", "stale_direct_serving_no_adapter"),
+    ("stale_direct_serving_shift_category_adapter", "stale_direct_serving_no_adapter"),
+)
+
+
 def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) -> dict:
     """Per vertical: each variant's figures as mean and spread over seeds, the gap closed where real, and
     the protocol's comparisons."""
@@ -348,14 +361,7 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                     # Each mechanism's own worth: the full transfer against it without that mechanism.
                     "mechanisms": {f"{with_} over {without}": _gain(per, with_, without) for with_, without in (
                         ("stale_direct", "stale_direct_no_adapter"),
-                        ("stale_direct_serving", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_category_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_category_adapter", "stale_direct_serving"),
-                        ("stale_direct_serving_shrunk_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_shrunk_category_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_held_out_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_held_out_category_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_shift_category_adapter", "stale_direct_serving_no_adapter"),
+                        *ADAPTER_PAIRS,
                         ("direct_serving", "direct_serving_no_adapter"),
                         ("direct_serving", "direct_serving_no_representation"),
                         ("direct_serving", "direct_serving_no_sharing"),
@@ -370,14 +376,7 @@ def summarize(seeds: list[dict], validated_pair: tuple[str, str] | None = None) 
                         ("direct_serving_weight4", "distillation_serving_weight4"),
                         ("distillation_serving_weight4", "distillation_serving"),
                         ("validated_tables", "distillation_serving"),
-                        ("stale_direct_serving", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_category_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_category_adapter", "stale_direct_serving"),
-                        ("stale_direct_serving_shrunk_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_shrunk_category_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_held_out_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_held_out_category_adapter", "stale_direct_serving_no_adapter"),
-                        ("stale_direct_serving_shift_category_adapter", "stale_direct_serving_no_adapter"),
+                        *ADAPTER_PAIRS,
                         ("hierarchical", "alone"), ("hierarchical_serving", "alone"),
                         ("hierarchical_serving_gated", "alone"),
                         ("hierarchical_serving_weight4_gated", "alone"),
