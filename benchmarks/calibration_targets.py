@@ -8,9 +8,11 @@ label rate per (surface, objective), from the training days' counts alone (no mo
   --min-positives positives every day (where the realised rate is near the true one).
 
 Rules: the newest day (Platt scaling alone), the engine's backtested pool (calibration_rate.backtested_pools: a
-longer pool only where its backtest beats the newest day's by more than one standard error), the backtest's best pool
-however slight its lead, and fixed pools of 3, 7 and every day. Figures: the root mean square log-odds error over the
-groups (and eval days) per seed or log, and each rule's difference from the engine's, paired by seed.
+group's own backtest where it is clear by one standard error, else the pool the other groups' backtests clearly
+favour together), each group's own backtest alone (the engine's rule before the groups were judged together), the
+backtest's best pool however slight its lead, and fixed pools of 3, 7 and every day. Figures: the root mean square
+log-odds error over the groups (and eval days) per seed or log, and each rule's difference from the engine's, paired
+by seed.
 
     python benchmarks/calibration_targets.py --seeds 0 1 2 3 4 5 6 7 8 9 10 11 \
         --sequence-logs .gpu_data/transfer/movielens/sequence_logs
@@ -37,22 +39,29 @@ DAYS = 14
 EVAL_DAYS = {"strong_signal": 1, "recurring": 2, "transfer": 2}  # default_run, adaptive_compute, transfer
 
 
-def rule_pools(n: np.ndarray, p: np.ndarray) -> dict[str, int]:
-    """Each rule's pool of newest days (0: every day) for one group's daily counts, oldest first."""
+def rule_pools(n: np.ndarray, p: np.ndarray) -> dict[str, np.ndarray]:
+    """Each rule's pool of newest days (0: every day) per group, from the groups' daily counts [days, groups], oldest
+    first: the engine's judges the groups together, as it does a model's (domain, task) groups."""
     from gem_ops.train.calibration_rate import backtest_gains, backtested_pools
 
-    counts = n[:, None, None], p[:, None, None]
-    best, _ = backtest_gains(*counts)
-    return {"newest_day": 1, ENGINE_RULE: int(backtested_pools(*counts)[0, 0]), "best_backtest": int(best[0, 0]),
-            "pool_3": 3, "pool_7": 7, "every_day": 0}
+    groups = n.shape[1]
+    full = lambda k: np.full(groups, k)  # noqa: E731
+    return {"newest_day": full(1), ENGINE_RULE: backtested_pools(n[:, None], p[:, None])[0],
+            "own_backtest": np.array([backtested_pools(n[:, None, [g]], p[:, None, [g]])[0, 0] for g in range(groups)]),
+            "best_backtest": backtest_gains(n[:, None], p[:, None])[0][0],
+            "pool_3": full(3), "pool_7": full(7), "every_day": full(0)}
 
 
-def forecast_errors(n: np.ndarray, p: np.ndarray, truth: np.ndarray) -> dict[str, list[float]]:
-    """Each rule's log-odds error against `truth` (the log-odds of the days forecast) from the counts before them."""
+def forecast_errors(n: np.ndarray, p: np.ndarray, truth: np.ndarray) -> dict[str, np.ndarray]:
+    """Each rule's log-odds error [days forecast, groups] against `truth` (the log-odds of the days forecast, [days,
+    groups]) from the counts [days, groups] before them."""
     from gem_ops.train.calibration_rate import pooled_log_odds
 
-    return {rule: (pooled_log_odds(n[:, None, None], p[:, None, None], k)[0, 0] - truth).tolist()
-            for rule, k in rule_pools(n, p).items()}
+    out = {}
+    for rule, pools in rule_pools(n, p).items():
+        forecast = np.array([pooled_log_odds(n[:, g], p[:, g], int(k)) for g, k in enumerate(pools)])
+        out[rule] = forecast[None, :] - truth
+    return out
 
 
 def synthetic_daily_counts(config) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -82,40 +91,38 @@ def synthetic_run(log: str, seed: int) -> dict[str, float]:
     """Root mean square error per rule over the groups and eval days of one synthetic log."""
     from benchmarks.oracle_quality import synthetic_config
 
-    eval_days, errors = EVAL_DAYS[log], {}
-    for n, p, true in synthetic_daily_counts(synthetic_config(log, seed)).values():
-        truth = np.log(true[-eval_days:] / (1 - true[-eval_days:]))
-        for rule, e in forecast_errors(n[:-eval_days], p[:-eval_days], truth).items():
-            errors.setdefault(rule, []).extend(e)
-    return {rule: float(np.sqrt(np.mean(np.square(e)))) for rule, e in errors.items()}
+    eval_days = EVAL_DAYS[log]
+    n, p, true = (np.stack(c, 1) for c in zip(*synthetic_daily_counts(synthetic_config(log, seed)).values()))
+    truth = np.log(true[-eval_days:] / (1 - true[-eval_days:]))
+    return {rule: float(np.sqrt(np.mean(np.square(e))))
+            for rule, e in forecast_errors(n[:-eval_days], p[:-eval_days], truth).items()}
 
 
 def rolling_run(path: Path, min_positives: int) -> dict:
-    """Each day from FIRST_ROLLING_DAY on forecast from the days before, per group with enough positives every day:
-    root mean square error per rule, overall and per group."""
+    """Each day from FIRST_ROLLING_DAY on forecast from the days before, the groups with enough positives every day
+    judged together: root mean square error per rule, overall and per group."""
     from gem_ops.data.loader import SequenceLogs
     from gem_ops.train.calibration_rate import daily_label_counts, pooled_log_odds
 
     logs = SequenceLogs(path)
     n, p = daily_label_counts(logs, np.arange(len(logs)), len(logs.surfaces), logs.objectives)
-    per_group = {}
-    for s, surface in enumerate(logs.surfaces):
-        for t, task in enumerate(logs.objectives):
-            if (p[:, s, t] < min_positives).any():
-                continue
-            errors = per_group.setdefault(f"{surface}/{task}", {})
-            for day in range(FIRST_ROLLING_DAY, n.shape[0]):
-                truth = pooled_log_odds(n[day : day + 1, s, t], p[day : day + 1, s, t], 1)[None]  # its realised rate
-                for rule, e in forecast_errors(n[:day, s, t], p[:day, s, t], truth).items():
-                    errors.setdefault(rule, []).extend(e)
-    if not per_group:
+    names = [f"{surface}/{task}" for surface in logs.surfaces for task in logs.objectives]
+    n, p = n.reshape(n.shape[0], -1), p.reshape(p.shape[0], -1)  # [days, groups], the names' order
+    kept = (p >= min_positives).all(0)
+    if not kept.any():
         raise ValueError(f"{path}: no (surface, objective) with at least {min_positives} positives on every day "
                          f"(--min-positives)")
-    rules = next(iter(per_group.values()))
-    rms = lambda e: float(np.sqrt(np.mean(np.square(e))))
-    return {"forecasts": sum(len(e[ENGINE_RULE]) for e in per_group.values()),
-            "root_mean_square": {r: rms([x for e in per_group.values() for x in e[r]]) for r in rules},
-            "per_group": {g: {r: rms(v) for r, v in e.items()} for g, e in per_group.items()}}
+    n, p, names = n[:, kept], p[:, kept], [g for g, k in zip(names, kept) if k]
+    errors = {}
+    for day in range(FIRST_ROLLING_DAY, n.shape[0]):
+        realised = pooled_log_odds(n[day : day + 1], p[day : day + 1], 1)[None]  # the day's own rate, [1, groups]
+        for rule, e in forecast_errors(n[:day], p[:day], realised).items():
+            errors.setdefault(rule, []).append(e[0])
+    errors = {rule: np.stack(e) for rule, e in errors.items()}  # [forecast days, groups]
+    rms = lambda e: float(np.sqrt(np.mean(np.square(e))))  # noqa: E731
+    return {"forecasts": int(errors[ENGINE_RULE].size),
+            "root_mean_square": {r: rms(e) for r, e in errors.items()},
+            "per_group": {g: {r: rms(e[:, i]) for r, e in errors.items()} for i, g in enumerate(names)}}
 
 
 def paired_summary(runs: list[dict[str, float]]) -> dict:

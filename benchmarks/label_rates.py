@@ -51,7 +51,7 @@ def group_figures(train: tuple, held: tuple, trend_days: int, pool_days: list[in
     pooled = {k: {"log_odds_error": np.abs(pooled_log_odds(n, p, k) - z_eval).tolist(),
                   "backtest_mse": float(np.mean([(pooled_log_odds(n[:t], p[:t], k) - z[t]) ** 2
                                                  for t in range(start, len(z))]))} for k in pool_days}
-    pool, in_errors = backtest_gains(n[:, None, None], p[:, None, None])  # what calibration_rate: backtested takes
+    pool, in_errors = backtest_gains(n[:, None, None], p[:, None, None])  # the group's own backtest
     return {"positives_per_day": float(p.mean()), "daily_rate": (p / n).tolist(),
             "pooled": pooled, "calibration_pool": int(pool[0, 0]), "calibration_pool_gain_standard_errors":
             float(in_errors[0, 0]), "calibration_pooled": bool(backtested_pools(n[:, None, None], p[:, None, None])[0, 0] != 1),

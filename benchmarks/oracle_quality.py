@@ -136,19 +136,23 @@ def model_figures(results: dict, dataset: str, report: str = "backtested") -> di
 def calibration_targets(daily: dict) -> dict:
     """Per group, the log-odds error against each eval day's true rate of the rates a calibration can aim at, from
     the training days' counts: the newest day's (Platt scaling alone) and the backtested pool's (the engine's
-    default); and their root mean square over the groups."""
+    default, every group judged together as the engine judges a model's); and their root mean square over the
+    groups."""
     from gem_ops.train.calibration_rate import backtested_pools, pooled_log_odds
 
+    groups = list(daily)
+    train = {g: ~np.array(daily[g]["eval"]) for g in groups}
+    counts = {key: np.stack([np.array(daily[g][key], dtype=float)[train[g]] for g in groups], 1)[:, None]
+              for key in ("examples", "positives")}  # [training days, 1, groups]
+    pools = backtested_pools(counts["examples"], counts["positives"])[0]
     out, errors = {}, {"newest_day": [], "backtested": []}
-    for group, days in daily.items():
-        train = ~np.array(days["eval"])
-        n = np.array(days["examples"], dtype=float)[train][:, None, None]
-        p = np.array(days["positives"], dtype=float)[train][:, None, None]
-        pool = int(backtested_pools(n, p)[0, 0])
-        truth = np.log(np.array(days["true_rate"])[~train] / (1 - np.array(days["true_rate"])[~train]))
-        row = {"newest_day": (pooled_log_odds(n, p, 1)[0, 0] - truth).tolist(),
-               "backtested": (pooled_log_odds(n, p, pool)[0, 0] - truth).tolist()}
-        out[group] = {"backtested_pool": pool, "log_odds_error_against_true_rate": row}
+    for i, group in enumerate(groups):
+        n, p = counts["examples"][:, 0, i], counts["positives"][:, 0, i]
+        truth = np.log(np.array(daily[group]["true_rate"])[~train[group]]
+                       / (1 - np.array(daily[group]["true_rate"])[~train[group]]))
+        row = {"newest_day": (pooled_log_odds(n, p, 1) - truth).tolist(),
+               "backtested": (pooled_log_odds(n, p, int(pools[i])) - truth).tolist()}
+        out[group] = {"backtested_pool": int(pools[i]), "log_odds_error_against_true_rate": row}
         for how in errors:
             errors[how] += row[how]
     out["root_mean_square"] = {how: float(np.sqrt(np.mean(np.square(e)))) for how, e in errors.items()}

@@ -39,6 +39,25 @@ def test_too_few_days_or_an_unlabelled_day_keep_the_newest_days_rate():
     assert backtested_pools(n, p)[0, 1] == 1
 
 
+def _scattering_groups(groups: int = 8, examples: int = 400, seed: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """[13 days, 1 domain, groups] counts of groups whose rate only scatters around 10%, forty positives a day."""
+    return _counts(np.full((13, groups), 0.1), examples, seed)
+
+
+def test_groups_that_scatter_alike_pool_together_where_each_alone_is_unclear():
+    n, p = _scattering_groups()
+    alone = np.array([backtested_pools(n[:, :, [g]], p[:, :, [g]])[0, 0] for g in range(n.shape[2])])
+    assert (alone == 1).sum() >= 3  # a dozen days judge one group's pools noisily
+    assert (backtested_pools(n, p) != 1).all()  # every group's days together are clear
+
+
+def test_a_drifting_group_keeps_the_newest_day_while_the_others_pool():
+    n, p = _scattering_groups()
+    drift_n, drift_p = _counts(np.linspace(0.05, 0.15, 13)[:, None], examples=4000, seed=1)
+    pools = backtested_pools(np.concatenate([n, drift_n], 2), np.concatenate([p, drift_p], 2))
+    assert (pools[0, :-1] != 1).all() and pools[0, -1] == 1
+
+
 def test_the_shift_puts_the_mean_prediction_at_the_rate():
     logits = np.random.default_rng(1).normal(size=2000)
     for scale, rate in ((1.0, 0.1), (0.5, 0.7)):

@@ -1,6 +1,6 @@
 """The label rate a calibration aims at: per (domain, task), the rate of the newest k labelled days pooled, k chosen
 by how well it forecast each next day over the days before (a backtest on counts only, no model), and only where
-it beat the newest day clearly.
+it beat the newest day clearly: in the group's own backtest, or in every group's together.
 
 Platt scaling on the newest day alone (k = 1) puts the model at that day's rate. Where a day holds a hundred positives,
 its rate moves by 10% from sampling alone, and the next day's rate is forecast better by pooling several days; where
@@ -44,29 +44,65 @@ def pooled_log_odds(n: np.ndarray, p: np.ndarray, k: int) -> np.ndarray:
     return _log_odds(n[take].sum(0), p[take].sum(0))
 
 
+def _backtest_errors(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...]) -> np.ndarray:
+    """[pools, judged days, domains, tasks] squared log-odds error of each pool's forecast of each next day, the days
+    from the 4th on."""
+    actual = _log_odds(n, p)
+    return np.stack([np.stack([(pooled_log_odds(n[:t], p[:t], k) - actual[t]) ** 2
+                               for t in range(MIN_BACKTEST_DAYS, n.shape[0])]) for k in pools])
+
+
+def _in_standard_errors(gain: np.ndarray) -> np.ndarray:
+    """The mean of `gain` over its first axis in standard errors of that mean (0 where it has no spread)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.nan_to_num(gain.mean(0) / (gain.std(0, ddof=1) / np.sqrt(gain.shape[0])), nan=0.0)
+
+
+def _check_pools(pools: tuple[int, ...]) -> None:
+    if pools[0] != 1:
+        raise ValueError(f"pools {pools}: the first must be 1, the newest day's rate, kept without clear evidence")
+
+
 def backtest_gains(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS) -> tuple[np.ndarray, np.ndarray]:
     """[domains, tasks] the pool whose forecast of each next day had the least squared log-odds error over the days
     from the 4th on, and its lead over the newest day's (the first pool) in standard errors of the paired difference."""
-    if pools[0] != 1:
-        raise ValueError(f"pools {pools}: the first must be 1, the newest day's rate, kept without clear evidence")
+    _check_pools(pools)
     if n.shape[0] < MIN_BACKTEST_DAYS + 2:
         return np.ones(n.shape[1:], dtype=np.int64), np.zeros(n.shape[1:])
-    actual = _log_odds(n, p)
-    errors = np.stack([np.stack([(pooled_log_odds(n[:t], p[:t], k) - actual[t]) ** 2
-                                 for t in range(MIN_BACKTEST_DAYS, n.shape[0])]) for k in pools])  # [pools, days, ...]
+    errors = _backtest_errors(n, p, pools)
     best = np.argmin(errors.mean(1), axis=0)  # argmin keeps the first of equals: pools go from fewer days
     gain = errors[0] - np.take_along_axis(errors, best[None, None], 0)[0]  # [judged days, domains, tasks]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        in_errors = np.nan_to_num(gain.mean(0) / (gain.std(0, ddof=1) / np.sqrt(gain.shape[0])), nan=0.0)
-    return np.asarray(pools)[best], in_errors
+    return np.asarray(pools)[best], _in_standard_errors(gain)
 
 
 def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS) -> np.ndarray:
-    """[domains, tasks] the backtest's best pool where it beat the newest day's by more than one standard error (the
-    one-standard-error rule: a dozen days judge a pool noisily, and a pool chosen on noise moves a calibration that
-    was right); else 1, as where there are too few days or a day without labels."""
-    best, in_errors = backtest_gains(n, p, pools)
-    return np.where((n > 0).all(0) & (in_errors > 1), best, 1)
+    """[domains, tasks] the pool each group's rate is forecast with. A dozen days judge one group's pools noisily, so
+    a group's own backtest decides only where it is clear (the one-standard-error rule): its best pool where that
+    beats the newest day's by more than one standard error, the newest day where every pool is that far behind it (a
+    drifting rate). Elsewhere the groups are judged together, the drifting ones left out: the pool that beats the
+    newest day by more than one standard error over all their judged days, where the group's own backtest does not put
+    it that far behind. The newest day's (1) where nothing is clear, where there are too few days, and for a group
+    with a day without labels.
+
+    On the synthetic logs, whose rates scatter, this forecasts the eval days' true rates better than each group's own
+    backtest alone; on MovieLens, whose rates move, it keeps the newest day (benchmarks/calibration_targets.py)."""
+    _check_pools(pools)
+    ones = np.ones(n.shape[1:], dtype=np.int64)
+    if n.shape[0] < MIN_BACKTEST_DAYS + 2:
+        return ones
+    labelled = (n > 0).all(0)
+    errors = _backtest_errors(n, p, pools)
+    leads = np.stack([_in_standard_errors(errors[0] - errors[k]) for k in range(len(pools))])  # [pools, ...]
+    best = np.argmin(errors.mean(1), axis=0)
+    own = np.where(labelled & (np.take_along_axis(leads, best[None], 0)[0] > 1), np.asarray(pools)[best], 1)
+    voters = labelled & ~(leads[1:] < -1).all(0)  # every group but those clearly drifting
+    if not voters.any():
+        return own
+    together = errors[:, :, voters].reshape(len(pools), -1)  # [pools, the voting groups' judged days]
+    shared = int(np.argmin(together.mean(1)))
+    if shared == 0 or _in_standard_errors(together[0] - together[shared]) <= 1:
+        return own
+    return np.where((own == 1) & voters & (leads[shared] >= -1), pools[shared], own)
 
 
 def forecast_rates(n: np.ndarray, p: np.ndarray, pools: np.ndarray) -> np.ndarray:
