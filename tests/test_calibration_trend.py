@@ -103,3 +103,26 @@ def test_without_the_trend_nothing_is_recorded(trending_log):
     _, result = train(logs, trending_log.plans[1], model_config("vertical", width=0.5, **{
         "sequence.max_history_len": 16}), config)
     assert "trend_slope" not in result.calibration and "shift_before_trend" not in result.calibration
+
+
+def test_a_taken_trend_steps_from_the_held_out_days_level_not_from_a_pooled_one():
+    from gem_ops.train.calibration_rate import shift_for_rate
+    from gem_ops.train.calibration_trend import extrapolate_trends
+
+    days, p, y, mask, surface = _days_of_predictions(np.exp(0.1 * np.arange(7)))
+    logits = np.log(p / (1 - p))
+    part = lambda rows: {"logits": torch.tensor(logits[rows]), "labels": torch.tensor(y[rows]),  # noqa: E731
+                         "label_mask": torch.tensor(mask[rows]), "surface": torch.tensor(surface[rows]),
+                         "example_index": torch.tensor(np.nonzero(rows)[0])}
+    logs = type("Logs", (), {"column": lambda self, name: days * MS_PER_DAY})()
+    held, recent = part(days == 6), part(days < 6)
+    newest_rate = y[days == 6].mean()
+    newest = shift_for_rate(logits[days == 6, 0], 1.0, newest_rate)
+    pooled = shift_for_rate(logits[days == 6, 0], 1.0, y[days >= 4].mean())  # three days pooled: lags the trend
+    mean_after = lambda shift: float(np.mean(1 / (1 + np.exp(-(logits[days == 6, 0] + shift)))))  # noqa: E731
+    for base, expected in ((None, y[days >= 4].mean()), ([[newest]], newest_rate)):
+        shift = torch.tensor([[pooled]])
+        record = extrapolate_trends(torch.ones(1, 1), shift, held, recent, logs, 1, base)
+        assert record["trend_taken"] == [[True]]
+        step = np.exp(np.clip(record["trend_slope"][0][0], -MAX_DAILY_TREND, MAX_DAILY_TREND))
+        assert mean_after(float(shift[0, 0])) == pytest.approx(expected * step, rel=0.02)

@@ -60,10 +60,12 @@ def residual_trends(days: np.ndarray, probabilities: np.ndarray, labels: np.ndar
     return slope, error
 
 
-def extrapolate_trends(scale, shift, held: dict, recent: dict, logs, domains: int) -> dict:
+def extrapolate_trends(scale, shift, held: dict, recent: dict, logs, domains: int, newest_day_shift=None) -> dict:
     """Moves `shift` ([domains, tasks], in place) by each group's significant residual trend, one day forward: `held`
     and `recent` are the raw logits, labels, masks, surfaces and example indices of the held-out examples and of
-    trend_examples. Returns the slopes, their errors and which were taken, for the record."""
+    trend_examples. With `newest_day_shift` (Platt scaling's own, on the held-out day), a group whose trend is taken
+    steps from the held-out day's level, not from a rate pooled over older days: a rate that trends is where its
+    newest day put it. Returns the slopes, their errors and which were taken, for the record."""
     parts = {k: np.concatenate([held[k].numpy(), recent[k].numpy()]) for k in
              ("logits", "labels", "label_mask", "surface", "example_index")}
     scale_np, shift_np = np.asarray(scale, dtype=np.float64), np.asarray(shift, dtype=np.float64)
@@ -75,6 +77,8 @@ def extrapolate_trends(scale, shift, held: dict, recent: dict, logs, domains: in
     logits, mask, surface = held["logits"].numpy(), held["label_mask"].numpy(), held["surface"].numpy()
     for d, t in zip(*np.nonzero(taken)):
         rows = mask[:, t] & (surface == d)
+        if newest_day_shift is not None:
+            shift[d, t] = shift_np[d, t] = newest_day_shift[d][t]
         if rows.any():
             mean = np.mean(1 / (1 + np.exp(-(scale_np[d, t] * logits[rows, t] + shift_np[d, t]))))
             step = np.clip(slope[d, t], -MAX_DAILY_TREND, MAX_DAILY_TREND)

@@ -472,7 +472,8 @@ class Trainer:
                 targets = retarget_shifts(*fitted, out, self.logs, self.validation, self.model.objectives)
             if recent is not None:
                 targets["shift_before_trend"] = fitted[1].tolist()
-                targets |= extrapolate_trends(*fitted, out, recent, self.logs, head.domains)
+                targets |= extrapolate_trends(*fitted, out, recent, self.logs, head.domains,
+                                              targets.get("newest_day_shift"))
         scale, shift = broadcast(fitted)
         head.set_calibration(scale, shift)
         self.result.calibration = {"scale": scale.tolist(), "shift": shift.tolist(), **broadcast(targets)}
