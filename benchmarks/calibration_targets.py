@@ -55,13 +55,14 @@ def rule_pools(n: np.ndarray, p: np.ndarray) -> dict[str, np.ndarray]:
 def forecast_errors(n: np.ndarray, p: np.ndarray, truth: np.ndarray) -> dict[str, np.ndarray]:
     """Each rule's log-odds error [days forecast, groups] against `truth` (the log-odds of the days forecast, [days,
     groups]) from the counts [days, groups] before them."""
+    return {rule: forecasts(n, p, pools)[None, :] - truth for rule, pools in rule_pools(n, p).items()}
+
+
+def forecasts(n: np.ndarray, p: np.ndarray, pools: np.ndarray) -> np.ndarray:
+    """[groups] the log-odds of each group's pooled rate, its pool of newest days from `pools`."""
     from gem_ops.train.calibration_rate import pooled_log_odds
 
-    out = {}
-    for rule, pools in rule_pools(n, p).items():
-        forecast = np.array([pooled_log_odds(n[:, g], p[:, g], int(k)) for g, k in enumerate(pools)])
-        out[rule] = forecast[None, :] - truth
-    return out
+    return np.array([pooled_log_odds(n[:, g], p[:, g], int(k)) for g, k in enumerate(pools)])
 
 
 def synthetic_daily_counts(config) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:

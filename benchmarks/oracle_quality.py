@@ -138,23 +138,19 @@ def calibration_targets(daily: dict) -> dict:
     the training days' counts: the newest day's (Platt scaling alone) and the backtested pool's (the engine's
     default, every group judged together as the engine judges a model's); and their root mean square over the
     groups."""
-    from gem_ops.train.calibration_rate import backtested_pools, pooled_log_odds
+    from benchmarks.calibration_targets import forecasts, rule_pools
 
     groups = list(daily)
-    train = {g: ~np.array(daily[g]["eval"]) for g in groups}
-    counts = {key: np.stack([np.array(daily[g][key], dtype=float)[train[g]] for g in groups], 1)[:, None]
-              for key in ("examples", "positives")}  # [training days, 1, groups]
-    pools = backtested_pools(counts["examples"], counts["positives"])[0]
-    out, errors = {}, {"newest_day": [], "backtested": []}
-    for i, group in enumerate(groups):
-        n, p = counts["examples"][:, 0, i], counts["positives"][:, 0, i]
-        truth = np.log(np.array(daily[group]["true_rate"])[~train[group]]
-                       / (1 - np.array(daily[group]["true_rate"])[~train[group]]))
-        row = {"newest_day": (pooled_log_odds(n, p, 1) - truth).tolist(),
-               "backtested": (pooled_log_odds(n, p, int(pools[i])) - truth).tolist()}
-        out[group] = {"backtested_pool": int(pools[i]), "log_odds_error_against_true_rate": row}
-        for how in errors:
-            errors[how] += row[how]
+    train = ~np.array(daily[groups[0]]["eval"])  # every group of a synthetic log has every day
+    n, p, true = (np.stack([np.array(daily[g][key], dtype=float) for g in groups], 1)
+                  for key in ("examples", "positives", "true_rate"))
+    truth = np.log(true[~train] / (1 - true[~train]))  # [eval days, groups]
+    every_rule = rule_pools(n[train], p[train])
+    pools = {how: every_rule[how] for how in ("newest_day", "backtested")}
+    errors = {how: forecasts(n[train], p[train], k)[None, :] - truth for how, k in pools.items()}
+    out = {g: {"backtested_pool": int(pools["backtested"][i]),
+               "log_odds_error_against_true_rate": {how: e[:, i].tolist() for how, e in errors.items()}}
+           for i, g in enumerate(groups)}
     out["root_mean_square"] = {how: float(np.sqrt(np.mean(np.square(e)))) for how, e in errors.items()}
     return out
 

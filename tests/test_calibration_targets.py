@@ -20,7 +20,7 @@ def test_on_a_steady_rate_pooling_every_day_forecasts_better_than_the_newest_day
     assert set(rms) == {"newest_day", ENGINE_RULE, "own_backtest", "best_backtest", "pool_3", "pool_7", "every_day"}
     assert rms["every_day"] < 0.5 * rms["newest_day"]
     assert rms["every_day"] <= rms["best_backtest"] <= rms["newest_day"]
-    assert rms[ENGINE_RULE] <= rms["own_backtest"]  # judged together, the groups pool where alone some would not
+    assert rms[ENGINE_RULE] < 0.8 * rms["own_backtest"]  # judged together the groups pool where alone some would not
 
 
 def test_on_a_shifted_rate_the_backtest_keeps_the_newest_day():
