@@ -58,6 +58,21 @@ def test_a_drifting_group_keeps_the_newest_day_while_the_others_pool():
     assert (pools[0, :-1] != 1).all() and pools[0, -1] == 1
 
 
+def test_a_trending_group_keeps_the_newest_day_and_does_not_vote():
+    n, p = _scattering_groups()
+    alone = np.array([backtested_pools(n[:, :, [g]], p[:, :, [g]])[0, 0] for g in range(n.shape[2])])
+    unclear = int(np.flatnonzero(alone == 1)[0])
+    trending = np.zeros(n.shape[1:], dtype=bool)
+    trending[0, :3] = True
+    pools = backtested_pools(n, p, trending=trending)
+    assert (pools[0, :3] == 1).all() and (pools[0, 3:] != 1).all()
+    # With every other group trending, no vote is left to pool the unclear group.
+    others = np.ones(n.shape[1:], dtype=bool)
+    others[0, unclear] = False
+    assert backtested_pools(n, p, trending=others)[0, unclear] == 1
+    assert backtested_pools(n, p)[0, unclear] != 1
+
+
 def test_the_shift_puts_the_mean_prediction_at_the_rate():
     logits = np.random.default_rng(1).normal(size=2000)
     for scale, rate in ((1.0, 0.1), (0.5, 0.7)):

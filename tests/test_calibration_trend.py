@@ -64,12 +64,17 @@ def test_the_trend_examples_are_the_days_before_the_held_out_one(trending_log):
     assert np.bincount(days - days.min()).max() <= TREND_EXAMPLES_PER_DAY and not np.isin(picked, held).any()
 
 
-def test_training_carries_the_feed_trend_into_its_calibration(trending_log):
+def test_training_carries_the_feed_trend_into_its_calibration(trending_log, monkeypatch):
     from gem_ops.model.config import model_config
+    from gem_ops.train import calibration_rate
     from gem_ops.train.batches import newest_days
     from gem_ops.train.engine import train
     from gem_ops.train.evaluation import gathered_predictions
 
+    # Every group's rate pooled over 3 days unless marked trending: the engine must mark the feed clicks, whose
+    # calibration then steps from the held-out day's own level.
+    pooled = lambda n, p, trending=None: np.where(np.asarray(trending), 1, 3)  # noqa: E731
+    monkeypatch.setattr(calibration_rate, "backtested_pools", pooled)
     logs = trending_log.open()
     config = TrainConfig(max_steps=30, eval_max_examples=100_000, validation_days=1, eval_every=10, warmup_steps=2,
                          lr_dense=3e-3)
@@ -81,6 +86,7 @@ def test_training_carries_the_feed_trend_into_its_calibration(trending_log):
     slope, taken = np.array(record["trend_slope"]), np.array(record["trend_taken"])
     assert taken[feed, click] and 0.05 < slope[feed, click] <= MAX_DAILY_TREND
     assert not taken[reels, click]
+    assert record["rate_days"][feed][click] == 1 and record["rate_days"][reels][click] == 3
     # The held-out day's mean feed prediction rose by the slope's day over the shift before the trend.
     held = newest_days(logs, trending_log.plans[1], 1)
     out = gathered_predictions(model, logs, config, torch.device("cpu"), held)
@@ -105,24 +111,16 @@ def test_without_the_trend_nothing_is_recorded(trending_log):
     assert "trend_slope" not in result.calibration and "shift_before_trend" not in result.calibration
 
 
-def test_a_taken_trend_steps_from_the_held_out_days_level_not_from_a_pooled_one():
-    from gem_ops.train.calibration_rate import shift_for_rate
-    from gem_ops.train.calibration_trend import extrapolate_trends
+def test_a_taken_trend_moves_the_held_out_days_mean_prediction_by_its_slope_and_no_other():
+    from gem_ops.train.calibration_trend import step_trends
 
-    days, p, y, mask, surface = _days_of_predictions(np.exp(0.1 * np.arange(7)))
-    logits = np.log(p / (1 - p))
-    part = lambda rows: {"logits": torch.tensor(logits[rows]), "labels": torch.tensor(y[rows]),  # noqa: E731
-                         "label_mask": torch.tensor(mask[rows]), "surface": torch.tensor(surface[rows]),
-                         "example_index": torch.tensor(np.nonzero(rows)[0])}
-    logs = type("Logs", (), {"column": lambda self, name: days * MS_PER_DAY})()
-    held, recent = part(days == 6), part(days < 6)
-    newest_rate = y[days == 6].mean()
-    newest = shift_for_rate(logits[days == 6, 0], 1.0, newest_rate)
-    pooled = shift_for_rate(logits[days == 6, 0], 1.0, y[days >= 4].mean())  # three days pooled: lags the trend
-    mean_after = lambda shift: float(np.mean(1 / (1 + np.exp(-(logits[days == 6, 0] + shift)))))  # noqa: E731
-    for base, expected in ((None, y[days >= 4].mean()), ([[newest]], newest_rate)):
-        shift = torch.tensor([[pooled]])
-        record = extrapolate_trends(torch.ones(1, 1), shift, held, recent, logs, 1, base)
-        assert record["trend_taken"] == [[True]]
-        step = np.exp(np.clip(record["trend_slope"][0][0], -MAX_DAILY_TREND, MAX_DAILY_TREND))
-        assert mean_after(float(shift[0, 0])) == pytest.approx(expected * step, rel=0.02)
+    logits = torch.tensor(np.random.default_rng(0).normal(-2, 1, (3000, 1)))
+    held = {"logits": logits, "label_mask": torch.ones_like(logits, dtype=torch.bool),
+            "surface": torch.tensor(np.arange(3000) % 2)}
+    scale, shift = torch.tensor([[0.8], [0.8]]), torch.tensor([[0.3], [0.3]])
+    mean = lambda d: torch.sigmoid(scale[d, 0] * logits[held["surface"] == d, 0] + shift[d, 0]).mean().item()  # noqa: E731
+    before = [mean(0), mean(1)]
+    step_trends(scale, shift, held, {"trend_slope": [[0.1], [1.0]], "trend_taken": [[True], [False]]})
+    assert mean(0) == pytest.approx(before[0] * np.exp(0.1), rel=1e-4) and mean(1) == before[1]
+    step_trends(scale, shift, held, {"trend_slope": [[0.0], [-1.0]], "trend_taken": [[False], [True]]})
+    assert mean(1) == pytest.approx(before[1] * np.exp(-MAX_DAILY_TREND), rel=1e-4)  # clipped

@@ -75,14 +75,16 @@ def backtest_gains(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_P
     return np.asarray(pools)[best], _in_standard_errors(gain)
 
 
-def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS) -> np.ndarray:
+def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS,
+                     trending: np.ndarray | None = None) -> np.ndarray:
     """[domains, tasks] the pool each group's rate is forecast with. A dozen days judge one group's pools noisily, so
     a group's own backtest decides only where it is clear (the one-standard-error rule): its best pool where that
     beats the newest day's by more than one standard error, the newest day where every pool is that far behind it (a
     drifting rate). Elsewhere the groups are judged together, the drifting ones left out: the pool that beats the
     newest day by more than one standard error over all their judged days, where the group's own backtest does not put
-    it that far behind. The newest day's (1) where nothing is clear, where there are too few days, and for a group
-    with a day without labels.
+    it that far behind. The newest day's (1) where nothing is clear, where there are too few days, for a group with a
+    day without labels, and for the groups marked `trending` ([domains, tasks] booleans: a rate found to trend is
+    where its newest day put it; they do not vote either).
 
     On the synthetic logs, whose rates scatter, this forecasts the eval days' true rates better than each group's own
     backtest alone; on MovieLens, whose rates move, it keeps the newest day (benchmarks/calibration_targets.py)."""
@@ -90,12 +92,14 @@ def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE
     ones = np.ones(n.shape[1:], dtype=np.int64)
     if n.shape[0] < MIN_BACKTEST_DAYS + 2:
         return ones
-    labelled = (n > 0).all(0)
+    eligible = (n > 0).all(0)
+    if trending is not None:
+        eligible &= ~np.asarray(trending, dtype=bool)
     errors = _backtest_errors(n, p, pools)
     leads = np.stack([_in_standard_errors(errors[0] - errors[k]) for k in range(len(pools))])  # [pools, ...]
     best = np.argmin(errors.mean(1), axis=0)
-    own = np.where(labelled & (np.take_along_axis(leads, best[None], 0)[0] > 1), np.asarray(pools)[best], 1)
-    voters = labelled & ~(leads[1:] < -1).all(0)  # every group but those clearly drifting
+    own = np.where(eligible & (np.take_along_axis(leads, best[None], 0)[0] > 1), np.asarray(pools)[best], 1)
+    voters = eligible & ~(leads[1:] < -1).all(0)  # every group but those clearly drifting
     if not voters.any():
         return own
     together = errors[:, :, voters].reshape(len(pools), -1)  # [pools, the voting groups' judged days]
@@ -127,18 +131,19 @@ def shift_for_rate(logits: np.ndarray, scale: float, rate: float, iterations: in
     return (low + high) / 2
 
 
-def retarget_shifts(scale, shift, out: dict, logs, validation: np.ndarray, objectives) -> dict:
+def retarget_shifts(scale, shift, out: dict, logs, validation: np.ndarray, objectives, trending=None) -> dict:
     """Moves `shift` ([domains, objectives], in place) so that each group's mean calibrated prediction on the held-out
     examples (`out`: their logits, label mask and surface) equals its backtested rate forecast, counted on the logs'
-    training split up to the held-out day. Returns the pools, the rates and the shifts before, for the record."""
+    training split up to the held-out day; the `trending` groups keep the newest day (backtested_pools). Returns the
+    pools, the rates and Platt scaling's own shifts (the held-out day's alone), for the record."""
     newest = (logs.column("timestamp")[validation] // MS_PER_DAY).max()
     train = logs.split_indices("train")
     n, p = daily_label_counts(logs, train[logs.column("timestamp")[train] // MS_PER_DAY <= newest], scale.shape[0],
                               objectives)
-    pools = backtested_pools(n, p)
+    pools = backtested_pools(n, p, trending=trending)
     rates = forecast_rates(n, p, pools)
     logits, mask, surface = out["logits"].numpy(), out["label_mask"].numpy(), out["surface"].numpy()
-    newest_day_shift = shift.tolist()  # Platt scaling's own, on the held-out day alone
+    newest_day_shift = shift.tolist()
     for d, t in zip(*np.nonzero(pools != 1)):
         rows = mask[:, t] & (surface == d)
         if rows.any():

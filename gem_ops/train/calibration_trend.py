@@ -6,8 +6,9 @@ residual, log(labels / calibrated predictions) day by day, trends with it, and t
 further along. The residual, unlike the raw label rate, is free of the days' mix of users and ads (the model explains
 that), so a trend shows through the labels' noise within a week. Per (domain, task), the slope of the residual over
 the newest TREND_DAYS days (the held-out day last) is fitted by weighted least squares; where it differs from zero by
-more than TREND_STANDARD_ERRORS standard errors, the shift is moved so the held-out day's mean prediction grows by
-that slope's one day (clipped to MAX_DAILY_TREND)."""
+more than TREND_STANDARD_ERRORS standard errors, the group keeps the held-out day's rate (calibration_rate pools no
+older days for it) and the shift is moved so the held-out day's mean prediction grows by that slope's one day
+(clipped to MAX_DAILY_TREND)."""
 
 from __future__ import annotations
 
@@ -60,12 +61,11 @@ def residual_trends(days: np.ndarray, probabilities: np.ndarray, labels: np.ndar
     return slope, error
 
 
-def extrapolate_trends(scale, shift, held: dict, recent: dict, logs, domains: int, newest_day_shift=None) -> dict:
-    """Moves `shift` ([domains, tasks], in place) by each group's significant residual trend, one day forward: `held`
-    and `recent` are the raw logits, labels, masks, surfaces and example indices of the held-out examples and of
-    trend_examples. With `newest_day_shift` (Platt scaling's own, on the held-out day), a group whose trend is taken
-    steps from the held-out day's level, not from a rate pooled over older days: a rate that trends is where its
-    newest day put it. Returns the slopes, their errors and which were taken, for the record."""
+def find_trends(scale, shift, held: dict, recent: dict, logs, domains: int) -> dict:
+    """Each (domain, task)'s residual trend under the calibration (`scale`, `shift`: [domains, tasks], Platt scaling on
+    the held-out day): `held` and `recent` are the raw logits, labels, masks, surfaces and example indices of the
+    held-out examples and of trend_examples. Returns the slopes, their errors and which are taken (beyond
+    TREND_STANDARD_ERRORS), for the record and for step_trends."""
     parts = {k: np.concatenate([held[k].numpy(), recent[k].numpy()]) for k in
              ("logits", "labels", "label_mask", "surface", "example_index")}
     scale_np, shift_np = np.asarray(scale, dtype=np.float64), np.asarray(shift, dtype=np.float64)
@@ -74,14 +74,21 @@ def extrapolate_trends(scale, shift, held: dict, recent: dict, logs, domains: in
     slope, error = residual_trends(days, 1 / (1 + np.exp(-calibrated)), parts["labels"], parts["label_mask"],
                                    parts["surface"], domains)
     taken = np.nan_to_num(np.abs(slope) / error, nan=0.0) > TREND_STANDARD_ERRORS
-    logits, mask, surface = held["logits"].numpy(), held["label_mask"].numpy(), held["surface"].numpy()
-    for d, t in zip(*np.nonzero(taken)):
-        rows = mask[:, t] & (surface == d)
-        if newest_day_shift is not None:
-            shift[d, t] = shift_np[d, t] = newest_day_shift[d][t]
-        if rows.any():
-            mean = np.mean(1 / (1 + np.exp(-(scale_np[d, t] * logits[rows, t] + shift_np[d, t]))))
-            step = np.clip(slope[d, t], -MAX_DAILY_TREND, MAX_DAILY_TREND)
-            shift[d, t] = shift_for_rate(logits[rows, t], float(scale_np[d, t]), float(min(mean * np.exp(step), 0.99)))
     return {"trend_slope": np.nan_to_num(slope).tolist(), "trend_standard_error": np.nan_to_num(error).tolist(),
             "trend_taken": taken.tolist()}
+
+
+def step_trends(scale, shift, held: dict, trends: dict) -> None:
+    """Moves `shift` ([domains, tasks], in place) so that the held-out day's mean prediction of each group whose trend
+    is taken grows by its slope's one day (clipped to MAX_DAILY_TREND). The group's shift is to be the held-out
+    day's own level (a trending rate is where its newest day put it: calibration_rate keeps it there)."""
+    scale_np = np.asarray(scale, dtype=np.float64)
+    logits, mask, surface = held["logits"].numpy(), held["label_mask"].numpy(), held["surface"].numpy()
+    slope = np.asarray(trends["trend_slope"])
+    for d, t in zip(*np.nonzero(np.asarray(trends["trend_taken"]))):
+        rows = mask[:, t] & (surface == d)
+        if rows.any():
+            level = float(shift[d, t])
+            mean = np.mean(1 / (1 + np.exp(-(scale_np[d, t] * logits[rows, t] + level))))
+            step = np.clip(slope[d, t], -MAX_DAILY_TREND, MAX_DAILY_TREND)
+            shift[d, t] = shift_for_rate(logits[rows, t], float(scale_np[d, t]), float(min(mean * np.exp(step), 0.99)))

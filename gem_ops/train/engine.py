@@ -43,7 +43,7 @@ from gem_ops.train.acceleration import autocast_context, prepare_for_training
 from gem_ops.train.batches import newest_days, rank_schedule
 from gem_ops.train.calibration import fit_calibration, output_calibration, reset_calibration
 from gem_ops.train.calibration_rate import retarget_shifts
-from gem_ops.train.calibration_trend import extrapolate_trends, trend_examples
+from gem_ops.train.calibration_trend import find_trends, step_trends, trend_examples
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, read_progress, save_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
@@ -468,12 +468,13 @@ class Trainer:
         fitted, targets = None, {}
         if out is not None:
             fitted = fit_calibration(out["logits"], out["labels"], out["label_mask"], out["surface"], head.domains)
+            trends = None if recent is None else find_trends(*fitted, out, recent, self.logs, head.domains)
             if self.config.calibration_rate == "backtested":
-                targets = retarget_shifts(*fitted, out, self.logs, self.validation, self.model.objectives)
-            if recent is not None:
-                targets["shift_before_trend"] = fitted[1].tolist()
-                targets |= extrapolate_trends(*fitted, out, recent, self.logs, head.domains,
-                                              targets.get("newest_day_shift"))
+                targets = retarget_shifts(*fitted, out, self.logs, self.validation, self.model.objectives,
+                                          trending=None if trends is None else trends["trend_taken"])
+            if trends is not None:
+                targets |= trends | {"shift_before_trend": fitted[1].tolist()}
+                step_trends(*fitted, out, trends)
         scale, shift = broadcast(fitted)
         head.set_calibration(scale, shift)
         self.result.calibration = {"scale": scale.tolist(), "shift": shift.tolist(), **broadcast(targets)}
