@@ -60,3 +60,31 @@ def models_quality_table(reports: dict[str, dict[str, dict[str, float]]]) -> Tab
 def mapping_table(mapping: dict[str, Any], key: str, value: str) -> Table:
     """A two-column table of a flat mapping (e.g. each embedding table and how it is sharded)."""
     return Table(((key, "string"), (value, "string")), tuple({key: k, value: str(v)} for k, v in mapping.items()))
+
+
+def _rate_source(days: int | None) -> str:
+    if days is None:
+        return "held-out day"
+    return {0: "every day", 1: "held-out day"}.get(days, f"newest {days} days")
+
+
+def calibration_table(calibration: dict[str, Any], surfaces, objectives) -> Table:
+    """One row per (surface, objective) of a fitted calibration (TrainResult.calibration, [domains][tasks] lists):
+    Platt scaling's scale and final shift, the days whose label rate the shift aims at and that rate, and the
+    residual's trend per day where it was looked for (taken: it moved the shift)."""
+    def cell(key: str, d: int, t: int, default: Any = math.nan) -> Any:
+        return calibration[key][d][t] if key in calibration else default
+
+    records = []
+    for d, surface in enumerate(surfaces):
+        for t, objective in enumerate(objectives):
+            fitted_trend = cell("trend_standard_error", d, t, 1.0) > 0  # find_trends records 0 where days were few
+            records.append({"group": f"{surface}/{objective}", "scale": _number(cell("scale", d, t)),
+                            "shift": _number(cell("shift", d, t)),
+                            "rate_from": _rate_source(cell("rate_days", d, t, None)),
+                            "target_rate": _number(cell("target_rate", d, t)),
+                            "trend_per_day": _number(cell("trend_slope", d, t) if fitted_trend else math.nan),
+                            "trend_taken": bool(cell("trend_taken", d, t, False))})
+    columns = (("group", "string"), ("scale", "float"), ("shift", "float"), ("rate_from", "string"),
+               ("target_rate", "float"), ("trend_per_day", "float"), ("trend_taken", "bool"))
+    return Table(columns, tuple(records))

@@ -118,7 +118,10 @@ def test_a_taken_trend_moves_the_held_out_days_mean_prediction_by_its_slope_and_
     held = {"logits": logits, "label_mask": torch.ones_like(logits, dtype=torch.bool),
             "surface": torch.tensor(np.arange(3000) % 2)}
     scale, shift = torch.tensor([[0.8], [0.8]]), torch.tensor([[0.3], [0.3]])
-    mean = lambda d: torch.sigmoid(scale[d, 0] * logits[held["surface"] == d, 0] + shift[d, 0]).mean().item()  # noqa: E731
+
+    def mean(d: int) -> float:
+        return torch.sigmoid(scale[d, 0] * logits[held["surface"] == d, 0] + shift[d, 0]).mean().item()
+
     before = [mean(0), mean(1)]
     step_trends(scale, shift, held, {"trend_slope": [[0.1], [1.0]], "trend_taken": [[True], [False]]})
     assert mean(0) == pytest.approx(before[0] * np.exp(0.1), rel=1e-4) and mean(1) == before[1]

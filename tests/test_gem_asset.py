@@ -40,6 +40,25 @@ def test_runs_succeed_and_report_quality_as_metadata(gem_asset_runs):
     assert "losses" not in meta
 
 
+def test_the_run_page_shows_the_calibration_the_model_serves_with(gem_asset_runs):
+    """One row per (surface, objective), the very scale and shift of the run's calibration.json in MLflow."""
+    import mlflow.artifacts
+
+    meta = _metadata(gem_asset_runs["results"][DAYS[2]])
+    rows = {record.data["group"]: record.data for record in meta["calibration"].value.records}
+    run_id = meta["mlflow_run_id"].value
+    artifacts = gem_asset_runs["client"].get_run(run_id).info.artifact_uri
+    fitted = mlflow.artifacts.load_dict(f"{artifacts}/calibration.json")
+    surfaces = list(dict.fromkeys(group.split("/")[0] for group in rows))  # rows come in the model's order
+    assert len(rows) == len(surfaces) * 2 and {"feed/click", "feed/conversion"} <= set(rows)
+    for d, surface in enumerate(surfaces):
+        for t, objective in enumerate(("click", "conversion")):
+            row = rows[f"{surface}/{objective}"]
+            assert row["scale"] == fitted["scale"][d][t] and row["shift"] == fitted["shift"][d][t]
+            # Three days of logs: too few to backtest a pool or fit a trend.
+            assert row["rate_from"] == "held-out day" and row["trend_taken"] is False
+
+
 def test_pipes_streams_progress_into_the_run_log(gem_asset_runs):
     messages = gem_asset_runs["logs"][DAYS[2]]
     assert any("step 6/6: loss" in m for m in messages), messages[-20:]

@@ -136,15 +136,19 @@ def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: TrainResult, 
     return log_model(tracker.client, tracker.run_id, model, input_example(logs, rows, model), registered_name)
 
 
-def run_page_views(result: TrainResult) -> dict[str, Any]:
-    """What a person reads on the run page: eval quality and the sharding plan as tables, the loss curves."""
-    from gem_ops.metadata_views import figure_markdown, mapping_table, quality_table
+def run_page_views(result: TrainResult, surfaces, objectives) -> dict[str, Any]:
+    """What a person reads on the run page: eval quality, the calibration per (surface, objective) and the
+    sharding plan as tables, the loss curves."""
+    from gem_ops.metadata_views import calibration_table, figure_markdown, mapping_table, quality_table
     from gem_ops.train.plots import loss_curves
 
-    return {"eval": quality_table(result.final_report),
-            "sharding_plan": mapping_table(result.sharding_plan, "table", "sharding"),
-            "loss_curves": figure_markdown(loss_curves(result.losses, result.eval_steps, result.eval_reports),
-                                           "training loss and eval NE by step")}
+    views = {"eval": quality_table(result.final_report),
+             "sharding_plan": mapping_table(result.sharding_plan, "table", "sharding"),
+             "loss_curves": figure_markdown(loss_curves(result.losses, result.eval_steps, result.eval_reports),
+                                            "training loss and eval NE by step")}
+    if result.calibration:
+        views["calibration"] = calibration_table(result.calibration, surfaces, objectives)
+    return views
 
 
 def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> int:
@@ -167,7 +171,8 @@ def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> 
                               union_of_ranks=args.union_of_ranks, reporter=reporter, step_hooks=step_hooks,
                               export_model_state=True)
             metadata = {**result.metadata(), "losses": result.losses}
-            views = run_page_views(result) if rank == 0 else {}
+            objectives = tuple(model.tasks) or tuple(logs.objectives)
+            views = run_page_views(result, logs.surfaces, objectives) if rank == 0 else {}
             if rank == 0:
                 metadata["model_version"] = log_to_mlflow(tracker, logs, result, args.registered_model_name)
         else:
