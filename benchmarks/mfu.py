@@ -231,17 +231,20 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
         command = engine_command(args, shape, variant, output)
         env = _allocator_env()
         began = time.perf_counter()
+        cut = False
         try:
             returncode, last_lines = _run_echoing(command, env, None if math.isinf(seconds_left) else seconds_left)
         except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {seconds_left:.0f} s", "command": command}
+            if not output.exists():
+                return {"error": f"timed out after {seconds_left:.0f} s", "command": command}
+            cut = True  # stopped while it shut down: its result was written (whole: the job writes it atomically)
         if not output.exists():
             return {"error": f"the engine's job exited with code {returncode} and no result", "command": command,
                     "stderr_tail": last_lines}
         reported = json.loads(output.read_text())
     report = reported["mfu_report"]
     run = {"path": reported["path"], "launch": "torchrun", "command": command,
-           "wall_seconds": time.perf_counter() - began,
+           "wall_seconds": time.perf_counter() - began, **({"cut_after_its_result": True} if cut else {}),
            "world_size": reported["world_size"], "embedding_sharding": reported["embedding_sharding"],
            "mfu_window_mean": report["mfu"], "mfu_median_step": report["mfu_median_step"],
            **{k: report[k] for k in ("model_tflops", "samples_per_second", "step_seconds_mean", "step_seconds_median",

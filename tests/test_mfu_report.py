@@ -179,6 +179,29 @@ def test_mfu_benchmark_starts_no_run_that_the_time_left_cannot_finish():
     assert "skipped" in end_to_end(None, "preset", {}, "bf16", seconds_left=59.0)
 
 
+def test_a_run_stopped_by_the_budget_after_writing_its_result_keeps_its_figures(monkeypatch):
+    """The job writes its result, then shuts down; a budget that ends during the shutdown keeps the figures."""
+    import sys
+
+    import benchmarks.mfu as mfu
+
+    report = {"mfu": 0.3, "mfu_median_step": 0.31, "model_tflops": 300.0, "samples_per_second": 4500.0,
+              "step_seconds_mean": 0.2, "step_seconds_median": 0.2}
+    result = {"path": "engine", "world_size": 1, "embedding_sharding": "none", "mfu_report": report}
+
+    def job(args, shape, variant, output):
+        script = f"import pathlib, time; pathlib.Path({str(output)!r}).write_text({json.dumps(result)!r}); time.sleep(60)"
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(mfu, "engine_command", job)
+    run = mfu.end_to_end(None, "preset", {}, "bf16", seconds_left=3.0, seconds_needed=0.0)
+    assert run["cut_after_its_result"] and run["mfu_window_mean"] == 0.3 and run["samples_per_second"] == 4500.0
+    # Stopped before it wrote anything: no figures.
+    monkeypatch.setattr(mfu, "engine_command", lambda *a: [sys.executable, "-c", "import time; time.sleep(60)"])
+    assert mfu.end_to_end(None, "preset", {}, "bf16", seconds_left=3.0, seconds_needed=0.0)["error"].startswith(
+        "timed out")
+
+
 def test_step_ratios_compare_the_same_batches_and_replace_chosen_steps():
     from benchmarks.mfu_step_ratios import compare
 

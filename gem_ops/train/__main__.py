@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from gem_ops.data.atomic import atomic_path
 from gem_ops.data.loader import SequenceLogs
 from gem_ops.model.config import model_config
 from gem_ops.tracking import RunTracker
@@ -180,9 +181,9 @@ def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> 
             views = {}
         if rank == 0:
             metadata.update({"plan": str(plan), "mlflow_run_id": args.mlflow_run_id})
-            if args.result_json is not None:
-                args.result_json.parent.mkdir(parents=True, exist_ok=True)
-                args.result_json.write_text(json.dumps(metadata, indent=2, default=str))
+            if args.result_json is not None:  # whole or absent: a caller may stop the job once it exists
+                with atomic_path(args.result_json) as tmp:
+                    tmp.write_text(json.dumps(metadata, indent=2, default=str))
             # The run page shows tables and the loss curves where the result file holds raw figures.
             reporter.finish({k: v for k, v in metadata.items() if k not in ("losses", "eval", "sharding_plan")} | views)
     return 0
