@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from datetime import date, timedelta
 from pathlib import Path
 
