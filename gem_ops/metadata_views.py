@@ -53,7 +53,8 @@ def quality_table(report: dict[str, dict[str, float]]) -> Table:
 def models_quality_table(reports: dict[str, dict[str, dict[str, float]]]) -> Table:
     """quality_table's rows for several models at once, each row led by its model."""
     base = quality_table({})
-    records = tuple({"model": model, **row} for model, report in reports.items() for row in quality_table(report).records)
+    records = tuple({"model": model, **row} for model, report in reports.items()
+                    for row in quality_table(report).records)
     return Table((("model", "string"), *base.columns), records)
 
 

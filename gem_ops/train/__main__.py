@@ -70,7 +70,8 @@ def _add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
         if typing.get_origin(base) is typing.Literal:
             group.add_argument(f"--{f.name.replace('_', '-')}", choices=typing.get_args(base), default=f.default)
         elif base is bool:  # --name / --no-name: bool("False") would be True
-            group.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
+                               default=f.default)
         else:
             group.add_argument(f"--{f.name.replace('_', '-')}", type=base, default=f.default)
 
@@ -98,10 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "kernels are missing), or none (one rank, the plain model)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
-    parser.add_argument("--warm-start", type=Path, default=None, help="a checkpoint (or folder of them) to take weights from")
+    parser.add_argument("--warm-start", type=Path, default=None,
+                        help="a checkpoint (or folder of them) to take weights from")
     parser.add_argument("--mlflow-run-id", default=None)
     parser.add_argument("--mlflow-tracking-uri", default=None,
-                        help="the store or server the run is in (default: MLFLOW_TRACKING_URI, else the project's store)")
+                        help="the store or server the run is in (default: MLFLOW_TRACKING_URI, else the "
+                             "project's store)")
     parser.add_argument("--registered-model-name", default=None,
                         help="rank 0 logs the trained model to the MLflow run and registers it under this name")
     parser.add_argument("--progress-every", type=int, default=10, help="steps between progress lines")
@@ -118,7 +121,8 @@ def train_config_from(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
 
 
-def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: TrainResult, registered_name: str | None) -> str | None:
+def log_to_mlflow(tracker: RunTracker, logs: SequenceLogs, result: TrainResult,
+                  registered_name: str | None) -> str | None:
     """Rank 0: curves, eval report and (when named) the packaged model from the exported full state."""
     if not tracker.enabled:
         return None
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> 
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     # TorchRec and fbgemm log every table batch at INFO on the root logger: only warnings from them.
-    logging.basicConfig(force=True, level=logging.WARNING, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(force=True, level=logging.WARNING,
+                        format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s")
     logging.getLogger("gem_ops").setLevel(args.log_level)
     config = train_config_from(args)
     model = model_config(args.preset, args.depth, args.width, **parse_model_overrides(args.model_override))
@@ -189,8 +194,8 @@ def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> 
     return 0
 
 
-def measure_mfu(window: MFUWindow, logs: SequenceLogs, plan: Path, model, config: TrainConfig, args, tracker: RunTracker,
-                reporter, step_hooks: Sequence[StepHook], rank: int) -> dict[str, Any]:
+def measure_mfu(window: MFUWindow, logs: SequenceLogs, plan: Path, model, config: TrainConfig, args,
+                tracker: RunTracker, reporter, step_hooks: Sequence[StepHook], rank: int) -> dict[str, Any]:
     """The window's run through the engine; rank 0's figures (MFU, where the time goes) as metadata."""
     import torch
 

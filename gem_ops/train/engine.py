@@ -264,7 +264,8 @@ class Trainer:
                 self.say(f"eval: {objective} cannot be scored ({counts}); its metrics are left out")
         if self.latest is not None:
             progress = self._load_training_state(self.latest)
-            self.start, self.result.losses, self.result.resumed_from = progress["step"], list(progress["losses"]), progress["step"]
+            self.start, self.result.resumed_from = progress["step"], progress["step"]
+            self.result.losses = list(progress["losses"])
             self.result.steps = self.start  # what the model has trained, also when nothing is left to train
             self.result.balance = BalanceLog.from_dict(progress["balance"])
             validation = progress.get("validation", {})
@@ -272,7 +273,8 @@ class Trainer:
             self.best_score = validation.get("best_score", math.inf)
             self.evals_since_best = validation.get("evals_since_best", 0)
             self.result.stopped_early = progress.get("stopped_early", False)
-            self.say(f"resumed from {self.latest} at step {self.start}" + (" (stopped early)" if self.result.stopped_early else ""))
+            stopped = " (stopped early)" if self.result.stopped_early else ""
+            self.say(f"resumed from {self.latest} at step {self.start}{stopped}")
         self.tracker.log_params({
             "model": self.model_config.to_dict(), "train": self.config.to_dict(), "steps": self.total,
             **{f"parameters.{kind}": n for kind, n in parameters.items()},
@@ -346,7 +348,8 @@ class Trainer:
                 metrics = {"train.loss": value, "train.lr_dense": lr, "train.grad_norm": norm,
                            "train.step_seconds": result.step_seconds[-1],
                            **step_mfu.metrics(result.step_flops[-1], result.step_seconds[-1]),
-                           **{f"train.loss.{t}": float(v) for t, v in zip(objectives, rows[:, n + 2 + tasks : n + 2 + 2 * tasks].sum(0))},
+                           **{f"train.loss.{t}": float(v)
+                              for t, v in zip(objectives, rows[:, n + 2 + tasks : n + 2 + 2 * tasks].sum(0))},
                            **{f"train.imbalance.{m}": r for m, r in ratios.items()}}
                 pending[step] = metrics
                 if self.topology.rank == 0:
