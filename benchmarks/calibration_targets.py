@@ -127,11 +127,13 @@ def rolling_run(path: Path, min_positives: int) -> dict:
 
 def paired_summary(runs: list[dict[str, float]]) -> dict:
     """Mean ± standard error over seeds of each rule's error, and its difference from the engine rule's per seed."""
+    def se(x: np.ndarray) -> float:
+        return float(np.std(x, ddof=1) / np.sqrt(x.size)) if x.size > 1 else 0.0
+
     out = {}
     for rule in runs[0]:
         values = np.array([r[rule] for r in runs])
         diff = values - np.array([r[ENGINE_RULE] for r in runs])
-        se = lambda x: float(np.std(x, ddof=1) / np.sqrt(x.size)) if x.size > 1 else 0.0
         out[rule] = {"mean": float(values.mean()), "standard_error": se(values),
                      "minus_engine_rule": float(diff.mean()), "minus_engine_rule_standard_error": se(diff),
                      "seeds_better_than_engine_rule": int((diff < 0).sum())}

@@ -58,6 +58,15 @@ def _in_standard_errors(gain: np.ndarray) -> np.ndarray:
         return np.nan_to_num(gain.mean(0) / (gain.std(0, ddof=1) / np.sqrt(gain.shape[0])), nan=0.0)
 
 
+def _backtest(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The backtest's squared errors [pools, judged days, domains, tasks], each pool's lead over the newest day's in
+    standard errors of the paired difference [pools, domains, tasks], and the index of the pool with the least mean
+    error [domains, tasks] (argmin keeps the first of equals: pools go from fewer days)."""
+    errors = _backtest_errors(n, p, pools)
+    leads = np.stack([_in_standard_errors(errors[0] - errors[k]) for k in range(len(pools))])
+    return errors, leads, np.argmin(errors.mean(1), axis=0)
+
+
 def _check_pools(pools: tuple[int, ...]) -> None:
     if pools[0] != 1:
         raise ValueError(f"pools {pools}: the first must be 1, the newest day's rate, kept without clear evidence")
@@ -69,10 +78,8 @@ def backtest_gains(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_P
     _check_pools(pools)
     if n.shape[0] < MIN_BACKTEST_DAYS + 2:
         return np.ones(n.shape[1:], dtype=np.int64), np.zeros(n.shape[1:])
-    errors = _backtest_errors(n, p, pools)
-    best = np.argmin(errors.mean(1), axis=0)  # argmin keeps the first of equals: pools go from fewer days
-    gain = errors[0] - np.take_along_axis(errors, best[None, None], 0)[0]  # [judged days, domains, tasks]
-    return np.asarray(pools)[best], _in_standard_errors(gain)
+    _, leads, best = _backtest(n, p, pools)
+    return np.asarray(pools)[best], np.take_along_axis(leads, best[None], 0)[0]
 
 
 def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE_POOLS,
@@ -95,9 +102,7 @@ def backtested_pools(n: np.ndarray, p: np.ndarray, pools: tuple[int, ...] = RATE
     eligible = (n > 0).all(0)
     if trending is not None:
         eligible &= ~np.asarray(trending, dtype=bool)
-    errors = _backtest_errors(n, p, pools)
-    leads = np.stack([_in_standard_errors(errors[0] - errors[k]) for k in range(len(pools))])  # [pools, ...]
-    best = np.argmin(errors.mean(1), axis=0)
+    errors, leads, best = _backtest(n, p, pools)
     own = np.where(eligible & (np.take_along_axis(leads, best[None], 0)[0] > 1), np.asarray(pools)[best], 1)
     voters = eligible & ~(leads[1:] < -1).all(0)  # every group but those clearly drifting
     if not voters.any():
