@@ -49,10 +49,10 @@ def test_the_run_page_shows_the_calibration_the_model_serves_with(gem_asset_runs
     run_id = meta["mlflow_run_id"].value
     artifacts = gem_asset_runs["client"].get_run(run_id).info.artifact_uri
     fitted = mlflow.artifacts.load_dict(f"{artifacts}/calibration.json")
-    surfaces = list(dict.fromkeys(group.split("/")[0] for group in rows))  # rows come in the model's order
-    assert len(rows) == len(surfaces) * 2 and {"feed/click", "feed/conversion"} <= set(rows)
-    for d, surface in enumerate(surfaces):
-        for t, objective in enumerate(("click", "conversion")):
+    logs = SequenceLogs(gem_asset_runs["root"] / "lake" / "sequence_logs" / DAYS[2].isoformat())
+    assert len(rows) == len(logs.surfaces) * len(logs.objectives)
+    for d, surface in enumerate(logs.surfaces):  # the calibration's rows are the logs' surfaces and objectives
+        for t, objective in enumerate(logs.objectives):
             row = rows[f"{surface}/{objective}"]
             assert row["scale"] == fitted["scale"][d][t] and row["shift"] == fitted["shift"][d][t]
             # Three days of logs: too few to backtest a pool or fit a trend.
