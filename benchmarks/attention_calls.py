@@ -1,0 +1,129 @@
+"""Where a GEM step's attention work goes, counted on the host from a prepared plan (no GPU): every jagged attention
+call of the model's forward on real plan steps, by block, branch and kind (self attention over [summary tokens,
+history], the candidate's cross attention over it), with its sequences, its visible pairs, and how much of the work a
+kernel does is real: the tiles' fill (visible pairs over BLOCK_M x BLOCK_N tiles covering each sequence) and the head
+dim over its padded size. The lengths do not depend on the model's width, so the forward runs at a small width; the
+head dim is the configured shape's.
+
+    python -m benchmarks.mfu_data .gpu_data/mfu
+    python -m benchmarks.attention_calls --data .gpu_data/mfu --width 0.5 --max-history-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import save
+
+TILES = ((128, 64), (128, 128), (64, 64), (32, 32))  # (BLOCK_M, BLOCK_N): the forward's configs, and a smaller one
+RUN_WIDTH = 0.0625  # the forward that records the calls: lengths are the same at every width
+
+
+def padded_head_dim(dim: int) -> int:
+    """The head dim the kernels compute at (kernels/triton: powers of two from 16)."""
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+def tile_work(q_lengths: np.ndarray, kv_lengths: np.ndarray, block_m: int, block_n: int) -> float:
+    """Query-key pairs the tiles covering every sequence compute (non-causal: every tile of a sequence is visited)."""
+    return float((np.ceil(q_lengths / block_m) * block_m * np.ceil(kv_lengths / block_n) * block_n).sum())
+
+
+def recorded_calls(spec, config, batch) -> list[tuple[np.ndarray, np.ndarray, bool]]:
+    """(query lengths, key lengths, causal) of every attention call of the model's forward on a loader batch, in
+    order."""
+    import torch
+
+    import gem_ops.model.sequence as sequence_layers
+    from gem_ops.model.features import model_input
+    from gem_ops.train.model_state import seeded_model
+
+    calls = []
+    attention = sequence_layers.jagged_attention
+
+    def recording(q, k, v, q_offsets, kv_offsets=None, causal=False, **kwargs):
+        keys = q_offsets if kv_offsets is None else kv_offsets
+        calls.append((np.diff(q_offsets.numpy()), np.diff(keys.numpy()), causal))
+        return attention(q, k, v, q_offsets, kv_offsets, causal=causal, **kwargs)
+
+    model = seeded_model(spec, config)
+    sequence_layers.jagged_attention = recording
+    try:
+        with torch.no_grad():
+            model(model_input(batch, spec, config, with_level_sizes=True))
+    finally:
+        sequence_layers.jagged_attention = attention
+    return calls
+
+
+def call_names(config) -> list[str]:
+    """Each call's place, in the forward's order: per block, per branch, its self then its cross attention."""
+    return [f"block {b} {branch} {kind}" for b in range(config.blocks) for branch in config.sequence.branches
+            for kind in ("self", "cross")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, required=True, help="mfu_data's folder (sequence_logs, plans)")
+    parser.add_argument("--preset", default="gem_gpu")
+    parser.add_argument("--width", type=float, default=0.5)
+    parser.add_argument("--max-history-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8, help="plan steps, evenly spaced over the plan")
+    parser.add_argument("--output-name", default="attention_calls_w05_L512")
+    args = parser.parse_args()
+
+    from gem_ops.data.batch_shuffling import read_rank_plan
+    from gem_ops.data.loader import SequenceLogs
+    from gem_ops.model.config import model_config
+    from gem_ops.model.features import FeatureSpec
+
+    history = {"sequence.max_history_len": args.max_history_len}
+    shape = model_config(args.preset, width=args.width, **history)
+    head_dim = shape.embedding.sequence_dim // shape.sequence.heads
+    logs = SequenceLogs(args.data / "sequence_logs")
+    plan = read_rank_plan(args.data / "plans" / "world_size=1.parquet", 0)
+    spec, run_config = FeatureSpec.from_logs(logs), model_config(args.preset, width=RUN_WIDTH, **history)
+    names = call_names(run_config)
+    totals = {name: {"pairs": 0.0, "sequences": 0, "queries": 0.0, "keys": 0.0, **{f"{m}x{n}": 0.0 for m, n in TILES}}
+              for name in names}
+    steps = np.linspace(0, len(plan) - 1, args.steps).round().astype(int)
+    for step in steps:
+        calls = recorded_calls(spec, run_config, logs.batch(plan[step], args.max_history_len))
+        if len(calls) != len(names):
+            raise RuntimeError(f"{len(calls)} attention calls, expected {len(names)} ({names})")
+        for name, (q, kv, _) in zip(names, calls):
+            row = totals[name]
+            row["pairs"] += float((q * kv).sum())
+            row["sequences"] += q.size
+            row["queries"] += float(q.sum())
+            row["keys"] += float(kv.sum())
+            for m, n in TILES:
+                row[f"{m}x{n}"] += tile_work(q, kv, m, n)
+    all_pairs = sum(row["pairs"] for row in totals.values())
+    per_call = {name: {"share_of_pairs": row["pairs"] / all_pairs,
+                       "mean_query_length": row["queries"] / row["sequences"],
+                       "mean_key_length": row["keys"] / row["sequences"],
+                       "tile_fill": {tile: row["pairs"] / row[tile] for tile in row if "x" in tile}}
+                for name, row in totals.items()}
+    fill = {f"{m}x{n}": all_pairs / sum(row[f"{m}x{n}"] for row in totals.values()) for m, n in TILES}
+    results = {"head_dim": head_dim, "padded_head_dim": padded_head_dim(head_dim),
+               "head_dim_fill": head_dim / padded_head_dim(head_dim), "tile_fill": fill,
+               "real_work_share": {tile: f * head_dim / padded_head_dim(head_dim) for tile, f in fill.items()},
+               "calls_per_step": len(names), "per_call": per_call}
+    print(f"head dim {head_dim} (computed at {padded_head_dim(head_dim)}), {len(names)} calls a step, "
+          f"{len(steps)} steps")
+    for name, row in per_call.items():
+        print(f"  {name:24s} pairs {row['share_of_pairs']:6.1%}  lengths q {row['mean_query_length']:6.1f} "
+              f"kv {row['mean_key_length']:6.1f}  fill " +
+              " ".join(f"{tile} {f:.2f}" for tile, f in row["tile_fill"].items()))
+    print("every call: fill " + " ".join(f"{tile} {f:.2f}" for tile, f in fill.items()) +
+          f"; real work with the head dim's padding: " +
+          " ".join(f"{tile} {f:.2f}" for tile, f in results["real_work_share"].items()))
+    save(args.output_name, {**vars(args), "steps_used": steps.tolist(), "tiles": TILES}, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""benchmarks/attention_calls.py: every attention call of GEM's forward is recorded under the name of its place
+(block, branch, self or cross), and the tile counts are those of tiles covering each sequence."""
+
+import numpy as np
+
+from benchmarks.attention_calls import call_names, padded_head_dim, recorded_calls, tile_work
+from gem_ops.model.config import model_config
+from tests.model_inputs import SPEC, random_batch
+
+
+def test_each_call_is_named_by_its_place_in_the_forward():
+    config = model_config("gem", width=0.5, blocks=2, **{"embedding.item_buckets": 1024,
+                                                         "embedding.user_buckets": 1024})
+    lengths = [3, 0, 40, 9, 70]
+    calls = recorded_calls(SPEC, config, random_batch(lengths))
+    names = call_names(config)
+    assert len(calls) == len(names) == 2 * len(config.sequence.branches) * 2
+    for name, (q, kv, causal) in zip(names, calls):
+        assert q.size == kv.size == len(lengths) and not causal
+        if name.endswith("self"):
+            np.testing.assert_array_equal(q, kv)
+        else:  # the candidate's queries, one set per example, over the history the self attention saw
+            assert len(set(q.tolist())) == 1
+    first_all_self = calls[names.index("block 0 all self")]
+    summary = config.sequence.summary_tokens
+    np.testing.assert_array_equal(first_all_self[0], np.minimum(lengths, config.sequence.max_history_len) + summary)
+
+
+def test_tiles_cover_each_sequence_and_head_dims_pad_to_powers_of_two():
+    q, kv = np.array([1, 64, 65]), np.array([1, 64, 65])
+    assert tile_work(q, kv, 64, 64) == 64 * 64 + 64 * 64 + 128 * 128
+    assert tile_work(np.array([2]), np.array([130]), 128, 64) == 128 * 192
+    assert [padded_head_dim(d) for d in (8, 16, 24, 96, 128, 192)] == [16, 16, 32, 128, 128, 256]
