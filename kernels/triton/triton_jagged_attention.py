@@ -90,8 +90,8 @@ else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config that _choose_configs
     # matmuls. At D=128 the same shapes spill or need two programs' worth of shared memory, and lost
     # (benchmarks/results/jagged_attention_overhead_L8192.json, source commit 539d58a).
     _FWD_SMALL_HEAD = _configs([(128, 32, 4, 3)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
-    _DQ_SMALL_HEAD = _configs([(64, 32, 4, 3), (128, 32, 4, 5)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
-    _DKDV_SMALL_HEAD = _configs([(64, 64, 4, 5)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    _DQ_SMALL_HEAD = _configs([(64, 32, 4, 3), (128, 32, 4, 5), (128, 64, 4, 4)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
+    _DKDV_SMALL_HEAD = _configs([(64, 64, 4, 5), (128, 64, 4, 4)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
     # The *_LARGE_HEAD configs alone run for head dims above LARGE_HEAD_DIM (padded to 256): there the shapes
     # above need up to 396 KB of shared memory (the H200 has 227 KB), so these take two stages, or a smaller
     # inner block, and 8 warps where the dk/dv accumulators need them (4 spill kilobytes). Their tile blocks
