@@ -54,7 +54,9 @@ def jagged_attention(
     kv_offsets=None (the same offsets); cross attention passes its own, e.g. one query per sample
     over a jagged history. Returns [total_q, heads, dv]. Offsets are non-decreasing (not checked:
     that would read device values back to the host); rows no sequence owns, before the first
-    offset or from the last one on, come out 0 and get zero gradients.
+    offset or from the last one on, come out 0 and get zero gradients. Finite values never mix across
+    sequences; a NaN or Inf can reach the sequence before its own where the Triton kernel loads
+    through tensor descriptors (power-of-two head dims; kernels/triton/triton_jagged_attention.py).
 
     causal: query i sees keys j <= i + (Lk - Lq) (aligned to the end; plain causal when Lq == Lk).
     activation: "softmax", or "silu": weights silu(s) / Lk, a pointwise Generalized Dot-Product

@@ -126,7 +126,7 @@ def test_bf16_inputs_give_bf16_outputs_close_to_fp32(activation):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-def nan_stays_in_its_sequence(backend: str, device: str, causal: bool, activation: str) -> None:
+def nan_stays_in_its_sequence(backend: str, device: str, causal: bool, activation: str, dim: int = 8) -> None:
     """A NaN in one sequence's q, k or v reaches no other sequence's output or gradient, whether the other
     sequences have keys or none (examples in a batch never affect each other)."""
     q_lengths, kv_lengths = [2, 2, 2, 3, 1, 2], [0, 3, 0, 2, 1, 0]
@@ -135,7 +135,7 @@ def nan_stays_in_its_sequence(backend: str, device: str, causal: bool, activatio
     # Sequence 2 has no keys, sequence 3 has some.
     for which, poisoned in (("q", 2), ("q", 3), ("k", 3), ("v", 3)):
         torch.manual_seed(0)
-        q, k, v = (torch.randn(int(o[-1]), 2, 8, device=device) for o in (q_offsets, kv_offsets, kv_offsets))
+        q, k, v = (torch.randn(int(o[-1]), 2, dim, device=device) for o in (q_offsets, kv_offsets, kv_offsets))
         target, offsets = {"q": (q, q_offsets), "k": (k, kv_offsets), "v": (v, kv_offsets)}[which]
         target[int(offsets[poisoned])] = float("nan")
         inputs = [x.requires_grad_() for x in (q, k, v)]
