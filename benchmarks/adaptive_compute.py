@@ -35,12 +35,16 @@ import dataclasses
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import numpy as np  # noqa: E402
 
 from benchmarks.common import save  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 FIXED_CAPS = (16, 64, 256, 1024)
 MENU_CAPS = (16, 32, 64, 128, 256, 512, 1024)
@@ -273,7 +277,7 @@ def _request_losses(model, logs, indices, cap: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def _scores(model, logs, indices, caps, retrieved_events: int = 0) -> dict[str, "torch.Tensor"]:
+def _scores(model, logs, indices, caps, retrieved_events: int = 0) -> dict[str, torch.Tensor]:
     """Logits, labels, label mask and surface of `indices`, each example's history cut to its cap (the same
     examples for every policy), with up to `retrieved_events` older events of the candidate's item before those."""
     import torch

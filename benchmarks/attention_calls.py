@@ -120,7 +120,7 @@ def main() -> None:
               f"kv {row['mean_key_length']:6.1f}  fill " +
               " ".join(f"{tile} {f:.2f}" for tile, f in row["tile_fill"].items()))
     print("every call: fill " + " ".join(f"{tile} {f:.2f}" for tile, f in fill.items()) +
-          f"; real work with the head dim's padding: " +
+          "; real work with the head dim's padding: " +
           " ".join(f"{tile} {f:.2f}" for tile, f in results["real_work_share"].items()))
     save(args.output_name, {**vars(args), "steps_used": steps.tolist(), "tiles": TILES}, results)
 

@@ -19,7 +19,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def machine() -> dict:
     cpu = ""
     try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -38,7 +38,7 @@ def commit() -> dict:
     if os.environ.get("GEM_SOURCE_COMMIT"):  # a copied tree whose .git may be stale (the GPU machine)
         return {"commit": os.environ["GEM_SOURCE_COMMIT"], "dirty": os.environ.get("GEM_SOURCE_DIRTY") == "1"}
     root = Path(__file__).resolve().parents[1]
-    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
     return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
 
 

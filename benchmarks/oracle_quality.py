@@ -22,12 +22,16 @@ import sys
 from dataclasses import replace
 from datetime import date, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.common import save  # noqa: E402
+
+if TYPE_CHECKING:
+    import polars as pl
 
 MS_PER_DAY = 86_400_000
 OBJECTIVES = {"click": "p_click", "conversion": "p_conversion"}
@@ -45,7 +49,7 @@ def synthetic_config(log: str, seed: int):
     return replace({"strong_signal": STRONG_SIGNAL, "recurring": RECURRING_SIGNAL}[log], seed=seed)
 
 
-def example_probabilities(logs, config) -> "pl.DataFrame":
+def example_probabilities(logs, config) -> pl.DataFrame:
     """Every labelled example of `logs` with its day, split, labels and the probabilities its labels were drawn
     with, joined from the regenerated raw events on (user, time, item)."""
     import polars as pl
