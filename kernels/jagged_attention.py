@@ -56,7 +56,8 @@ def jagged_attention(
     that would read device values back to the host); rows no sequence owns, before the first
     offset or from the last one on, come out 0 and get zero gradients. Finite values never mix across
     sequences; a NaN or Inf can reach the sequence before its own where the Triton kernel loads
-    through tensor descriptors (power-of-two head dims; kernels/triton/triton_jagged_attention.py).
+    through tensor descriptors (power-of-two head dims; JAGGED_ATTENTION_TMA=0 confines it;
+    kernels/triton/triton_jagged_attention.py).
 
     causal: query i sees keys j <= i + (Lk - Lq) (aligned to the end; plain causal when Lq == Lk).
     activation: "softmax", or "silu": weights silu(s) / Lk, a pointwise Generalized Dot-Product

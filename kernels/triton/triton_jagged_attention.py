@@ -20,7 +20,7 @@ Contract: kernels.jagged_attention.jagged_attention. Launches need CUDA or TRITO
 before this module is imported. Known gap: on the descriptor path, a block past a sequence's end holds the
 next sequence's rows, kept out of results by zero weights; a NaN or Inf there still reaches the sequence
 before it (zero times NaN), so a non-finite input is confined to its batch, not to its sequence (finite
-inputs never mix). Zeroing those rows in registers cost 6% of the forward and a third of the backward
+inputs never mix; JAGGED_ATTENTION_TMA=0, pointer loads, confines it). Zeroing those rows in registers cost 6% of the forward and a third of the backward
 (benchmarks/README.md, jagged attention, tried and dropped).
 """
 
