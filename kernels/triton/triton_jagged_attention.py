@@ -16,12 +16,12 @@ power-of-two head dims the inner loops read their blocks through tensor descript
 per-element addresses out of the registers. FP8 (e4m3) inputs run the forward only: QK^T in FP8, the
 weights times V in fp16, the per-tensor factors applied to the scores' scale and to the output.
 
-Contract: kernels.jagged_attention.jagged_attention. Launches need CUDA or TRITON_INTERPRET=1 set
-before this module is imported. Known gap: on the descriptor path, a block past a sequence's end holds the
-next sequence's rows, kept out of results by zero weights; a NaN or Inf there still reaches the sequence
-before it (zero times NaN), so a non-finite input is confined to its batch, not to its sequence (finite
-inputs never mix; JAGGED_ATTENTION_TMA=0, pointer loads, confines it). Zeroing those rows in registers cost 6% of the forward and a third of the backward
-(benchmarks/README.md, jagged attention, tried and dropped).
+Contract: kernels.jagged_attention.jagged_attention. Launches need CUDA or TRITON_INTERPRET=1 set before this
+module is imported. Known gap: on the descriptor path, a block past a sequence's end holds the next sequence's
+rows, kept out of results by zero weights; a NaN or Inf there still reaches the sequence before it (zero times
+NaN), so a non-finite input is confined to its batch, not to its sequence (finite inputs never mix;
+JAGGED_ATTENTION_TMA=0, pointer loads, confines it). Zeroing those rows in registers cost 6% of the forward
+and a third of the backward (benchmarks/README.md, jagged attention, tried and dropped).
 """
 
 from __future__ import annotations
