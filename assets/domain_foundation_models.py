@@ -33,7 +33,8 @@ def fm_predictions_path(lake: LakeResource, day: str, domain: str):
     return lake.path("domain_foundation_models", day, f"{domain}.parquet")
 
 
-@dg.asset(partitions_def=daily_partitions, deps=[teacher_predictions], group_name="transfer", kinds={"pytorch", "mlflow"})
+@dg.asset(partitions_def=daily_partitions, deps=[teacher_predictions], group_name="transfer",
+          kinds={"pytorch", "mlflow"})
 def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFoundationModelsConfig,
                              lake: LakeResource, mlflow: MLflowResource):
     """Per domain: a domain FM trained on the domain's days (teacher_predictions' domain_fm_days) with GEM's
@@ -68,6 +69,7 @@ def domain_foundation_models(context: dg.AssetExecutionContext, config: DomainFo
             context.log.info(f"{fm.name} v{fm.version}: {summary[domain]}")
         if skipped:
             run.set_tags({f"skipped.{d}": r for d, r in skipped.items()})
-    return dg.MaterializeResult(metadata={"models": dg.MetadataValue.json(summary), "skipped": dg.MetadataValue.json(skipped),
+    return dg.MaterializeResult(metadata={"models": dg.MetadataValue.json(summary),
+                                          "skipped": dg.MetadataValue.json(skipped),
                                           "quality": metadata_value(models_quality_table(reports)),
                                           "teacher_version": identity["version"]})

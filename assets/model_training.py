@@ -15,7 +15,8 @@ class ModelTrainingConfig(dg.Config):
     depth: float = Field(1.0, description="Scales the number of InterFormer blocks.")
     width: float = Field(1.0, description="Scales embedding and hidden widths.")
     model_overrides: dict[str, str] = Field(
-        default_factory=dict, description='Dotted model settings, values in YAML, e.g. {"sequence.max_history_len": "256"}.'
+        default_factory=dict,
+        description='Dotted model settings, values in YAML, e.g. {"sequence.max_history_len": "256"}.'
     )
     epochs: int = 1
     max_steps: int | None = None
@@ -25,7 +26,8 @@ class ModelTrainingConfig(dg.Config):
     warmup_share: float = Field(
         0.0, description="When > 0, the warm-up is at most this share of the run's steps (for short runs, e.g. "
         "students on one fresh day); 0: warmup_steps as given.")
-    lr_schedule: str = Field("cosine", description="After the warm-up: cosine (decay to min_lr_ratio x lr_dense) or constant.")
+    lr_schedule: str = Field("cosine", description="After the warm-up: cosine (decay to min_lr_ratio x lr_dense) or "
+                             "constant.")
     min_lr_ratio: float = 0.1
     validation_days: int = Field(
         1, description="Newest training days held out for early stopping and calibration (0: none).")
@@ -43,8 +45,9 @@ class ModelTrainingConfig(dg.Config):
         "with adaptive history caps (0: whole histories).")
     calibrate: bool = Field(True, description="Fit Platt scaling per (domain, task) on the validation days at the end.")
     calibration_rate: str = Field(
-        "backtested", description="The rate calibration aims at: the validation day's own (newest_day), or per (domain, "
-        "task) the newest days' pooled rate that forecast each next day on the days before clearly better (backtested).")
+        "backtested", description="The rate calibration aims at: the validation day's own (newest_day), or per "
+        "(domain, task) the newest days' pooled rate that forecast each next day on the days before clearly better "
+        "(backtested).")
     calibration_trend: bool = Field(
         True, description="Also carry a significant trend of the model's residual (labels over calibrated predictions, "
         "day by day over the newest week) one day forward: a rate that trends has moved again by the day it serves.")
@@ -52,13 +55,15 @@ class ModelTrainingConfig(dg.Config):
     checkpoint_every: int = Field(50, description="Steps between checkpoints: a killed or restarted job resumes there.")
     precision: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp8.")
     fp8_recipe: str = Field(
-        "tensorwise_triton", description="With precision fp8: tensorwise_triton (the fastest), or torchao's tensorwise, "
-        "tensorwise_fast_accum or rowwise.")
+        "tensorwise_triton", description="With precision fp8: tensorwise_triton (the fastest), or torchao's "
+        "tensorwise, tensorwise_fast_accum or rowwise.")
     compile: str = Field("none", description="dense: torch.compile of the dense blocks and sequence layers; model: of "
                          "the whole step after the embedding lookups, as one graph.")
     sparse_table_gradients: bool = Field(
-        False, description="One-process training: update only the embedding rows a batch looked up (slower on the H200).")
-    activation_checkpointing: str = Field("none", description="sequence: recompute the sequence layers in the backward.")
+        False, description="One-process training: update only the embedding rows a batch looked up (slower on the "
+        "H200).")
+    activation_checkpointing: str = Field("none", description="sequence: recompute the sequence layers in the "
+                                          "backward.")
     seed: int = 0
 
     def model(self) -> ModelConfig:
@@ -67,7 +72,8 @@ class ModelTrainingConfig(dg.Config):
 
     def train_settings(self) -> dict:
         """TrainConfig's fields that this config sets."""
-        return {name: getattr(self, name) for name in TrainConfig.__dataclass_fields__ if name in type(self).model_fields}
+        return {name: getattr(self, name) for name in TrainConfig.__dataclass_fields__
+                if name in type(self).model_fields}
 
     def train(self) -> TrainConfig:
         return TrainConfig(**self.train_settings())
@@ -77,7 +83,8 @@ class ModelTrainingConfig(dg.Config):
 class TorchrunJobConfig(ModelTrainingConfig):
     """A model trained by the engine as a torchrun job (gem_foundation_model, mfu_report)."""
 
-    nproc_per_node: int = Field(1, description="Training processes (torchrun ranks); a plan for this world size must exist.")
+    nproc_per_node: int = Field(1, description="Training processes (torchrun ranks); a plan for this world size must "
+                                "exist.")
     max_restarts: int = Field(2, description="torchrun restarts of the whole job when a rank dies.")
     embedding_sharding: str = Field(
         "auto", description="auto (TorchRec planner; one rank: none), table_wise, row_wise, fsdp or none.")

@@ -17,7 +17,8 @@ from gem_ops.data.synthetic import RECURRING_SIGNAL, STRONG_SIGNAL, SyntheticCon
 MAX_FEATURE_NULL_RATE = 0.05
 
 
-SYNTHETIC_PRESETS = {"ads": SyntheticConfig(n_users=5_000), "strong_signal": STRONG_SIGNAL, "recurring": RECURRING_SIGNAL}
+SYNTHETIC_PRESETS = {"ads": SyntheticConfig(n_users=5_000), "strong_signal": STRONG_SIGNAL,
+                     "recurring": RECURRING_SIGNAL}
 
 
 class RawEventLogsConfig(dg.Config):
@@ -28,7 +29,8 @@ class RawEventLogsConfig(dg.Config):
                            "(strong_signal with retargeting every other day: far history that power users need).")
     synthetic_users: int | None = Field(None, description="Users in the synthetic population (None: the preset's; "
                                                           "ads 5,000, strong_signal and recurring 3,000).")
-    synthetic_events_per_user_per_day: float | None = Field(None, description="None: the preset's (ads 3, the others 2).")
+    synthetic_events_per_user_per_day: float | None = Field(None, description="None: the preset's (ads 3, the "
+                                                                              "others 2).")
     synthetic_seed: int = 0
     parquet_template: str = Field("", description="For source=parquet: a path with {date}, e.g. /data/{date}.parquet")
     movielens_dir: str = Field("", description="For source=movielens: the ml-latest-small folder (default: bundled).")
@@ -41,7 +43,8 @@ class RawEventLogsConfig(dg.Config):
         preset = SYNTHETIC_PRESETS[self.synthetic_preset]
         synthetic = replace(preset, seed=self.synthetic_seed,
                             n_users=self.synthetic_users or preset.n_users,
-                            events_per_user_per_day=self.synthetic_events_per_user_per_day or preset.events_per_user_per_day)
+                            events_per_user_per_day=self.synthetic_events_per_user_per_day
+                                                    or preset.events_per_user_per_day)
         extra = {"movielens_dir": self.movielens_dir} if self.movielens_dir else {}
         return EventSource(kind=self.source, synthetic=synthetic, parquet_template=self.parquet_template,
                            movielens_replay_days=self.movielens_replay_days, **extra)
@@ -72,7 +75,8 @@ def raw_event_logs(
         frame = load_day(config.event_source(), day)
         path = write_partition(frame, raw_partition_path(lake, context.partition_key))
         counts = {"events": frame.height, "users": frame["user_id"].n_unique()}
-        counts |= {f"events_{row['event_type']}": row["len"] for row in frame["event_type"].value_counts(name="len").to_dicts()}
+        counts |= {f"events_{row['event_type']}": row["len"]
+                   for row in frame["event_type"].value_counts(name="len").to_dicts()}
         rates = null_rates(frame)
         run.log_params({"source": config.source, "partition": context.partition_key, **config.model_dump()})
         run.log_metrics(counts | {f"null_rate.{k}": v for k, v in rates.items()})
@@ -87,7 +91,8 @@ def raw_event_logs(
     return dg.MaterializeResult(
         metadata={"path": dg.MetadataValue.path(str(path)), "dagster/row_count": frame.height, **counts},
         check_results=[
-            dg.AssetCheckResult(check_name="schema", passed=schema_ok, metadata={"error": schema_error, "columns": frame.columns}),
+            dg.AssetCheckResult(check_name="schema", passed=schema_ok,
+                                metadata={"error": schema_error, "columns": frame.columns}),
             dg.AssetCheckResult(
                 check_name="null_rate",
                 passed=worst <= MAX_FEATURE_NULL_RATE,

@@ -73,7 +73,8 @@ def sequence_logs(
     paths = [raw_partition_path(lake, d.isoformat()) for d in days]
     missing = [d.isoformat() for d, p in zip(days, paths) if not p.exists()]
     if missing:
-        raise FileNotFoundError(f"raw_event_logs partitions missing for this window: {', '.join(missing)}; materialize them first")
+        raise FileNotFoundError(f"raw_event_logs partitions missing for this window: {', '.join(missing)}; "
+                                "materialize them first")
     builder = config.builder_config()
     destination = sequence_logs_path(lake, context.partition_key)
     with lake.partition_lock(context), mlflow.asset_run(context) as run:
@@ -84,9 +85,11 @@ def sequence_logs(
         timeline_lengths = logs.timeline_offsets[1:] - logs.timeline_offsets[:-1]
         figure = length_histogram({"history at request": logs.history_lengths(), "user timeline": timeline_lengths},
                                   f"sequence_logs {context.partition_key}")
-        counts = {k: getattr(summary, k) for k in ("n_events", "n_users", "n_examples", "n_train", "n_eval", "n_buckets")}
+        counts = {k: getattr(summary, k)
+                  for k in ("n_events", "n_users", "n_examples", "n_train", "n_eval", "n_buckets")}
         run.log_params(config.model_dump() | {"window": f"{days[0]}..{days[-1]}"})
-        run.log_metrics(counts | {f"history_len.{k}": v for k, v in history.items()} | {f"leakage.{k}": v for k, v in leaks.items()})
+        run.log_metrics(counts | {f"history_len.{k}": v for k, v in history.items()}
+                        | {f"leakage.{k}": v for k, v in leaks.items()})
         run.log_figure(figure, "length_histogram.png")
         histogram = metadata_value(figure_markdown(figure, "history and timeline lengths"))
         run.log_artifact(str(destination / "manifest.json"))

@@ -20,9 +20,11 @@ class ServingModelsConfig(dg.Config):
         100.0, description=f"A champion serves only if its p99 latency at {GATE_CANDIDATES} candidates per request "
                           "(history at the model's maximum, measured here) is at most this many milliseconds.")
     format: str = Field("exported_program", description=f"Serving artifact: one of {list(FORMATS)} (aot_inductor "
-                                                         "compiles ahead of time: about a minute per model on 2 cores).")
+                                                         "compiles ahead of time: about a minute per model on 2 "
+                                                         "cores).")
     registered_model_prefix: str = Field("vertical", description="Serve the champions of <prefix>_* registered models.")
-    models: list[str] = Field(default_factory=list, description="Only these registered models; empty: all of the prefix.")
+    models: list[str] = Field(default_factory=list,
+                              description="Only these registered models; empty: all of the prefix.")
     latency_requests: int = Field(50, description="Timed requests per candidate count (1, 100 and 1000).")
     latency_threads: int = Field(0, description="torch threads while timing; 0: the process's setting.")
 

@@ -11,7 +11,8 @@ class StudentTrainingConfig(ModelTrainingConfig):
     preset: str = Field("vertical", description="Model preset of the student (domain_fm, vertical, ...).")
     domains: list[str] = Field(default_factory=list, description="Domains (surfaces) to train; empty: every domain.")
     sub_batch_size: int = 128
-    sub_batches_per_rank: int = Field(4, description="A step's batch is sub_batches_per_rank x sub_batch_size examples.")
+    sub_batches_per_rank: int = Field(4, description="A step's batch is sub_batches_per_rank x sub_batch_size "
+                                      "examples.")
     distillation_weight: float = Field(TransferConfig.distillation_weight, description="Weight of the loss on the "
                                        "teacher's targets against the labels'; 0: none.")
     distillation_head: str = Field(

@@ -23,10 +23,12 @@ from gem_ops.transfer.windows import eval_examples
 
 class TeacherPredictionsConfig(dg.Config):
     registered_model_name: str = "gem_foundation_model"
-    staleness_days: int = Field(0, description="Score with the GEM of the partition this many days earlier (a stale teacher).")
+    staleness_days: int = Field(0, description="Score with the GEM of the partition this many days earlier (a stale "
+                                "teacher).")
     student_days: int = Field(3, description="Newest training days the vertical models learn from.")
     domain_fm_days: int | None = Field(None, description="Newest training days the domain FMs learn from (None: every "
-                                       "training day; at least student_days). Every student's days and the eval split are scored.")
+                                       "training day; at least student_days). Every student's days and the eval split "
+                                       "are scored.")
     batch_size: int = 1024
     log_artifact: bool = Field(True, description="Also store the predictions file in the MLflow run.")
 
@@ -35,7 +37,8 @@ def predictions_path(lake: LakeResource, day: str):
     return lake.path("teacher_predictions", f"{day}.parquet")
 
 
-@dg.asset(partitions_def=daily_partitions, deps=[gem_foundation_model], group_name="transfer", kinds={"pytorch", "mlflow"})
+@dg.asset(partitions_def=daily_partitions, deps=[gem_foundation_model], group_name="transfer",
+          kinds={"pytorch", "mlflow"})
 def teacher_predictions(context: dg.AssetExecutionContext, config: TeacherPredictionsConfig, lake: LakeResource,
                         mlflow: MLflowResource):
     """GEM's logits per task of the students' examples, and its candidate-independent representation of
@@ -64,8 +67,10 @@ def teacher_predictions(context: dg.AssetExecutionContext, config: TeacherPredic
             run.log_artifact(path, "teacher_predictions")
             run.log_artifact(representations, "teacher_predictions")
         if run.run_id:  # the model version points back at what it scored
-            client.set_model_version_tag(config.registered_model_name, version, f"teacher_predictions.{day}", run.run_id)
-    context.log.info(f"{config.registered_model_name} v{version} (trained on {trained_on}) scored {len(predictions)} examples")
+            client.set_model_version_tag(config.registered_model_name, version, f"teacher_predictions.{day}",
+                                         run.run_id)
+    context.log.info(f"{config.registered_model_name} v{version} (trained on {trained_on}) scored {len(predictions)} "
+                     "examples")
     return dg.MaterializeResult(metadata={
         "path": dg.MetadataValue.path(str(path)), "teacher_version": version, "teacher_partition": trained_on,
         "examples": len(predictions), "representation_dim": predictions.representation_dim,

@@ -31,13 +31,17 @@ class VerticalModelsConfig(StudentTrainingConfig):
     # The transfer benchmark's students train up to 4 epochs, evaluated every 10 steps, the best kept.
     epochs: int = Field(4, description="Passes over the vertical's training days (early stopping keeps the best).")
     eval_every: int = Field(10, description="Steps between evaluations on the validation days (0: at the end only).")
-    registered_model_prefix: str = Field("vertical", description="Each model registers as <prefix>_<domain>_<objective>.")
-    ne_tolerance: float = Field(0.0, description="A challenger is not worse when its NE <= the champion's + this (+ ne_standard_errors standard errors; negative: it must improve by that much).")
+    registered_model_prefix: str = Field("vertical",
+                                         description="Each model registers as <prefix>_<domain>_<objective>.")
+    ne_tolerance: float = Field(0.0, description="A challenger is not worse when its NE <= the champion's + this (+ "
+                                                 "ne_standard_errors standard errors; negative: it must improve by "
+                                                 "that much).")
     ne_standard_errors: float = Field(
         1.645, description="Standard errors of the paired NE difference (challenger minus champion, same examples) "
                            "allowed on top of ne_tolerance: 1.645 keeps a challenger out only when it is worse at 95% "
                            "one-sided confidence; 0 keeps out any excess, however small the sample.")
-    promotion_max_examples: int = Field(20_000, description="Eval examples per domain on which challenger and champion are compared.")
+    promotion_max_examples: int = Field(20_000, description="Eval examples per domain on which challenger and "
+                                                            "champion are compared.")
     compare_alone: bool = Field(True, description="Also train each vertical without its teacher (not registered), to "
                                                   "report it beside the transferred one.")
     min_positives: int = Field(50, description="An objective gets a vertical only with at least this many positives in "
@@ -54,8 +58,9 @@ def summary_table(outcomes, mode: str) -> str:
 
     lines = [f"| vertical ({mode}) | positives | GEM | vertical | alone | promoted |", "|---|---|---|---|---|---|"]
     for o in outcomes:
-        lines.append(f"| {o.name} v{o.version} | {int(o.figures['vertical']['positives'])} | {cell(o.figures, 'gem')} | "
-                     f"{cell(o.figures, 'vertical')} | {cell(o.figures, 'alone')} | {'yes' if o.decision.promoted else 'no'} |")
+        lines.append(f"| {o.name} v{o.version} | {int(o.figures['vertical']['positives'])} | "
+                     f"{cell(o.figures, 'gem')} | {cell(o.figures, 'vertical')} | {cell(o.figures, 'alone')} | "
+                     f"{'yes' if o.decision.promoted else 'no'} |")
     return "\n".join(lines) + ("\n\nAUC / NE / calibration ± its standard error (the eval day's labels are draws: "
                                "a calibrated model lands within about two of them) on the eval day.")
 

@@ -150,8 +150,8 @@ def main() -> None:
             found += f"_by_{args.retrieval_key}" if retrieved_events and args.retrieval_key != "item" else ""
             found += f"_{args.lr_schedule}" if args.lr_schedule != "constant" else ""
             found += f"_average{args.weight_average_decay:g}" if args.weight_average_decay else ""
-            cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}_{args.blocks}_cut{args.history_cut_share:g}{found}_v1.pt" \
-                if args.models_dir else None
+            cached = args.models_dir / f"{args.log}_seed{seed}_{args.epochs}_{args.max_steps}_{args.width}" \
+                f"_{args.blocks}_cut{args.history_cut_share:g}{found}_v1.pt" if args.models_dir else None
             if cached is not None and cached.exists():
                 return model_from_state(load_model_state(cached)), None
             torch.manual_seed(seed)
@@ -198,7 +198,8 @@ def main() -> None:
                     **match.to_dict(), "mean_cost_flops": float(request_costs(costs, eval_lengths, chosen).mean()),
                     "share_reaching_past_base": float((chosen > match.base_cap).mean())}
             runs[seed] = {name: _quality(model, logs, eval_indices, c) for name, c in seed_caps.items()}
-            runs[seed]["far_match_slice"] = {f"fixed_{c}": _quality(model, logs, eval_indices[far], np.full(far.sum(), c))
+            runs[seed]["far_match_slice"] = {f"fixed_{c}": _quality(model, logs, eval_indices[far],
+                                                                    np.full(far.sum(), c))
                                               for c in FIXED_CAPS} if far.any() else {}
             runs[seed]["train_seconds"] = seconds
             print(f"seed {seed}: " + ", ".join(f"{n} {q['all/click']['auc']:.4f}" for n, q in runs[seed].items()
@@ -217,10 +218,13 @@ def main() -> None:
         for line in summary["recalibrated"]["table"]:
             print("recalibrated", line)
     slice_runs = {s: runs[s]["far_match_slice"] for s in args.seeds}
-    summary["far_match_slice"] = {name: {g: {m: {"mean": float(np.mean([slice_runs[s][name][g][m] for s in args.seeds])),
-                                                 "std": float(np.std([slice_runs[s][name][g][m] for s in args.seeds], ddof=1))
+    summary["far_match_slice"] = {name: {g: {m: {"mean": float(np.mean([slice_runs[s][name][g][m]
+                                                                        for s in args.seeds])),
+                                                 "std": float(np.std([slice_runs[s][name][g][m] for s in args.seeds],
+                                                                     ddof=1))
                                                  if len(args.seeds) > 1 else 0.0} for m in METRICS}
-                                         for g in slice_runs[args.seeds[0]][name]} for name in slice_runs[args.seeds[0]]}
+                                         for g in slice_runs[args.seeds[0]][name]}
+                                  for name in slice_runs[args.seeds[0]]}
     for line in summary["table"]:
         print(line)
     log = {"strong": "STRONG_SIGNAL", "recurring": "RECURRING_SIGNAL", "movielens": "MovieLens latest-small"}[args.log]
@@ -333,7 +337,8 @@ def _summary(runs: dict, cost: dict, seeds: list[int], equal_caps: dict[str, int
     stats = {p: {g: {m: {"mean": float(np.mean([runs[s][p][g][m] for s in seeds])),
                          "std": float(np.std([runs[s][p][g][m] for s in seeds], ddof=1)) if len(seeds) > 1 else 0.0}
                      for m in METRICS} for g in groups} for p in policies}
-    versus, table = {}, [f"{'policy':<18} {'mean GFLOP':>10} " + " ".join(f"{g + ' ' + m:>22}" for g in groups for m in METRICS)]
+    versus, table = {}, [f"{'policy':<18} {'mean GFLOP':>10} "
+                         + " ".join(f"{g + ' ' + m:>22}" for g in groups for m in METRICS)]
     for p in policies:
         table.append(f"{p:<18} {cost[p] / 1e9:>10.4f} " + " ".join(
             f"{stats[p][g][m]['mean']:>13.4f} ± {stats[p][g][m]['std']:.4f}" for g in groups for m in METRICS))

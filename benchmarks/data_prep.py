@@ -42,7 +42,8 @@ def write_raw(folder: Path, events: int) -> list[Path]:
     from gem_ops.data.synthetic import SyntheticConfig, generate_day
 
     config = SyntheticConfig(n_users=round(events / (DAYS * EVENTS_PER_USER_PER_DAY)), seed=7)
-    return [write_partition(generate_day(config, START + timedelta(days=d)), folder / f"{START + timedelta(days=d)}.parquet")
+    return [write_partition(generate_day(config, START + timedelta(days=d)),
+                            folder / f"{START + timedelta(days=d)}.parquet")
             for d in range(DAYS)]
 
 
@@ -93,10 +94,12 @@ def _prepare_naive(paths, out, queue):
     timelines = frame.group_by("user_id", maintain_order=True).agg("item_id", "timestamp", "surface", "event_type")
     timelines.sink_parquet(out / "timelines.parquet")
     examples = frame.filter(pl.any_horizontal(pl.col("^label_.*$").is_not_null()))
-    examples.with_columns(pl.col("history_end").clip(upper_bound=1024).alias("history_len")).sink_parquet(out / "examples.parquet")
+    examples.with_columns(pl.col("history_end").clip(upper_bound=1024).alias("history_len")).sink_parquet(
+        out / "examples.parquet")
     seconds = time.perf_counter() - start
     n = pl.scan_parquet([str(p) for p in paths]).select(pl.len()).collect().item()
-    queue.put({"seconds": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "events": n})
+    queue.put({"seconds": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               "events": n})
 
 
 def in_fresh_process(target, *args, quiet: Quiet = Quiet()) -> dict:
@@ -177,7 +180,8 @@ def main() -> None:
                 entry["speedup_over_naive"] = (entry["naive_polars"]["median_seconds"]
                                                / entry["sequence_logs"]["median_seconds"])
             results["prepare"][events] = entry
-            print(json.dumps({events: {k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "runs"})
+            print(json.dumps({events: {k: (v if not isinstance(v, dict)
+                                           else {kk: vv for kk, vv in v.items() if kk != "runs"})
                                        for k, v in entry.items()}}, indent=1), flush=True)
         largest = str(tmp / str(max(args.events)) / "_prepare-0")
         results["balance"] = balance(largest, args.world_sizes)

@@ -70,7 +70,8 @@ def summarize(runs: dict[int, dict]) -> dict:
     """Mean ± standard deviation over seeds of every figure, the paired vertical-minus-alone AUC / NE per vertical,
     and the share of GEM's AUC lead over alone that the vertical closes (where GEM leads by more than the spread)."""
     seeds = sorted(runs)
-    stat = lambda xs: {"mean": float(np.mean(xs)), "std": float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0}  # noqa: E731
+    stat = lambda xs: {"mean": float(np.mean(xs)),  # noqa: E731
+                       "std": float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0}
     gem = {}
     for g in runs[seeds[0]]["gem"]:
         gem[g] = {x: stat([runs[s]["gem"][g][x] for s in seeds]) for x in ("positives", *METRICS)
@@ -89,7 +90,8 @@ def summarize(runs: dict[int, dict]) -> dict:
         lead = out["gem"]["auc"]["mean"] - out["alone"]["auc"]["mean"]
         gap_real = lead > max(out["gem"]["auc"]["std"], out["alone"]["auc"]["std"])
         out["gem_lead_real"] = bool(gap_real)
-        out["gap_closed_auc"] = (out["vertical"]["auc"]["mean"] - out["alone"]["auc"]["mean"]) / lead if gap_real else None
+        out["gap_closed_auc"] = (out["vertical"]["auc"]["mean"]
+                                 - out["alone"]["auc"]["mean"]) / lead if gap_real else None
         out["ne_below_1_every_seed"] = all(p["vertical"]["ne"] < 1 for p in per)
         verticals[task] = out
     return {"gem": gem, "verticals": verticals, "seconds": stat([runs[s]["seconds"] for s in seeds])}
@@ -98,9 +100,11 @@ def summarize(runs: dict[int, dict]) -> dict:
 def table(summary: dict) -> list[str]:
     f = mean_std
     lines = ["| GEM group | positives | AUC | NE | calibration |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {g} | {v['positives']['mean']:.0f} | {f(v['auc'])} | {f(v['ne'])} | {f(v['calibration']) if 'calibration' in v else '—'} |"
+    lines += [f"| {g} | {v['positives']['mean']:.0f} | {f(v['auc'])} | {f(v['ne'])} | "
+              f"{f(v['calibration']) if 'calibration' in v else '—'} |"
               for g, v in summary["gem"].items() if v["positives"]["mean"] >= MIN_POSITIVES]
-    lines += ["", "| vertical | AUC: vertical / alone / GEM | NE: vertical / alone | vertical − alone AUC | gap closed |",
+    lines += ["",
+              "| vertical | AUC: vertical / alone / GEM | NE: vertical / alone | vertical − alone AUC | gap closed |",
               "| --- | --- | --- | --- | --- |"]
     for task, v in summary["verticals"].items():
         gap = "—" if v["gap_closed_auc"] is None else f"{v['gap_closed_auc']:.2f}"

@@ -28,10 +28,12 @@ WARMUP_STEPS = 5
 
 def run_job(world_size: int, data, args, workdir: Path) -> dict:
     result = workdir / f"result_ws{world_size}.json"
-    cmd = [*torchrun_prefix(world_size), "-m", "gem_ops.train", "--sequence-logs", str(data.sequence_logs), "--plans", str(data.plans[world_size].parent),
+    cmd = [*torchrun_prefix(world_size), "-m", "gem_ops.train", "--sequence-logs", str(data.sequence_logs),
+           "--plans", str(data.plans[world_size].parent),
            "--preset", args.preset, "--width", str(args.width), "--depth", str(args.depth),
            "--model-override", f"sequence.max_history_len={args.max_history_len}",
-           "--max-steps", str(args.steps), "--epochs", str(args.epochs), "--warmup-steps", "1", "--eval-max-examples", str(args.eval_examples),
+           "--max-steps", str(args.steps), "--epochs", str(args.epochs), "--warmup-steps", "1",
+           "--eval-max-examples", str(args.eval_examples),
            "--embedding-sharding", args.embedding_sharding, "--device", args.device,
            "--checkpoint-dir", str(workdir / f"checkpoints_ws{world_size}"), "--result-json", str(result),
            "--progress-every", str(max(1, args.steps // 4))]
@@ -57,7 +59,8 @@ def synthetic_data(args, workdir: Path):
     return prepare_training_data(
         EventSource("synthetic", SyntheticConfig(n_users=args.users)), date(2026, 11, args.days), args.days,
         workdir / "data", SequenceLogsConfig(max_history_len=args.max_history_len, eval_days=1),
-        ShufflingConfig(sub_batch_size=args.sub_batch_size, sub_batches_per_rank=4), world_sizes=tuple(args.world_sizes))
+        ShufflingConfig(sub_batch_size=args.sub_batch_size, sub_batches_per_rank=4),
+        world_sizes=tuple(args.world_sizes))
 
 
 def prepared_data(folder: Path, world_sizes: list[int]):
@@ -84,7 +87,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-examples", type=int, default=256)
     parser.add_argument("--embedding-sharding", default="auto")
-    parser.add_argument("--threads-per-rank", type=int, default=0, help="OMP threads per rank; 0: the cores split evenly")
+    parser.add_argument("--threads-per-rank", type=int, default=0,
+                        help="OMP threads per rank; 0: the cores split evenly")
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--data", type=Path, help="prepared sequence_logs/ and plans/ instead of fresh synthetic data")
     parser.add_argument("--epochs", type=int, default=1)
@@ -104,11 +108,13 @@ def main() -> None:
             steady = sorted(r["step_seconds"][WARMUP_STEPS:])
             rate = per_step / steady[len(steady) // 2]
             timed = r["step_seconds"][WARMUP_STEPS:]
-            runs[world_size] = {"samples_per_second": rate, "samples_per_second_mean": len(timed) * per_step / sum(timed),
+            runs[world_size] = {"samples_per_second": rate,
+                                "samples_per_second_mean": len(timed) * per_step / sum(timed),
                                 "samples_per_second_all_steps": r["samples_per_second"],
                                 "rank_batch_size": per_step / world_size,
                                 "step_seconds": r["step_seconds"], "steps": r["steps"], "samples": r["samples"],
-                                "embedding_sharding": r["embedding_sharding"], "imbalance_observed": r["imbalance_observed"],
+                                "embedding_sharding": r["embedding_sharding"],
+                                "imbalance_observed": r["imbalance_observed"],
                                 "imbalance_observed.tokens": r["imbalance_observed.tokens"],
                                 "final_train_loss": r["final_train_loss"]}
             print(f"world size {world_size}: {rate:.1f} samples/s "
@@ -119,7 +125,8 @@ def main() -> None:
                                   for w, r in runs.items()}}
     settings = {**vars(args), "warmup_steps": WARMUP_STEPS,
                 "note": "weak scaling: every rank trains the same batch size; samples/s from the median step time "
-                        "after the warm-up steps (mean beside it), data loading included, evaluation and checkpoints not"}
+                        "after the warm-up steps (mean beside it), data loading included, evaluation and checkpoints "
+                        "not"}
     save(f"distributed_training_{args.device}", settings, results)
 
 

@@ -129,7 +129,8 @@ def compute_efficiency(table: dict, group: str) -> dict | None:
     GEM needs for DLRM's best quality)."""
     def points(family: str) -> list[dict]:
         return sorted(({"model": n, "train_flops": t["train_flops"]["mean"], "auc": t[group]["auc"]["mean"]}
-                       for n, t in table.items() if n.split("@")[0] == family and group in t), key=lambda p: p["train_flops"])
+                       for n, t in table.items() if n.split("@")[0] == family and group in t),
+                      key=lambda p: p["train_flops"])
 
     gem, dlrm = points("gem"), points("dlrm")
     if not gem or not dlrm:
@@ -170,7 +171,8 @@ def main() -> None:
     parser.add_argument("--max-history-len", type=int, default=256)
     parser.add_argument("--synthetic-users", type=int, default=10_000)
     parser.add_argument("--min-positives", type=int, default=200)
-    parser.add_argument("--data", type=Path, default=None, help="prepared data (<dataset>/sequence_logs, plans) to reuse")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="prepared data (<dataset>/sequence_logs, plans) to reuse")
     parser.add_argument("--prepare-to", type=Path, default=None, help="only prepare the datasets under this folder")
     parser.add_argument("--output-name", default="gem_quality")
     parser.add_argument("--resume", action="store_true", help="keep the trainings saved under --output-name")
@@ -182,7 +184,8 @@ def main() -> None:
         return
     configs = model_configs(args)
     with tempfile.TemporaryDirectory() as tmp:
-        roots = {d: args.data / d if args.data is not None else prepare(d, Path(tmp), args.max_history_len, args.synthetic_users).sequence_logs.parent
+        roots = {d: args.data / d if args.data is not None
+                    else prepare(d, Path(tmp), args.max_history_len, args.synthetic_users).sequence_logs.parent
                  for d in args.datasets}
         budget_sets = set(args.budget_datasets if args.budget_datasets is not None else args.datasets)
         jobs = [(d, name, seed) for d in args.datasets for name in configs

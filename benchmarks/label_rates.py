@@ -54,7 +54,8 @@ def group_figures(train: tuple, held: tuple, trend_days: int, pool_days: list[in
     pool, in_errors = backtest_gains(n[:, None, None], p[:, None, None])  # the group's own backtest
     return {"positives_per_day": float(p.mean()), "daily_rate": (p / n).tolist(),
             "pooled": pooled, "calibration_pool": int(pool[0, 0]), "calibration_pool_gain_standard_errors":
-            float(in_errors[0, 0]), "calibration_pooled": bool(backtested_pools(n[:, None, None], p[:, None, None])[0, 0] != 1),
+            float(in_errors[0, 0]),
+            "calibration_pooled": bool(backtested_pools(n[:, None, None], p[:, None, None])[0, 0] != 1),
             "eval_rate_over_newest_training_day": (p_eval / n_eval / (p[-1] / n[-1])).tolist(),
             "log_odds_error_held": np.abs(z[-1] - z_eval).tolist(),
             "log_odds_error_trend": np.abs(trend - z_eval).tolist(),
@@ -95,11 +96,14 @@ def main() -> None:
                       f"training day's {np.round(row['eval_rate_over_newest_training_day'], 3).tolist()}, "
                       f"log-odds error held {np.round(row['log_odds_error_held'], 3).tolist()} "
                       f"trend {np.round(row['log_odds_error_trend'], 3).tolist()}, pooled "
-                      + ", ".join(f"{k} days {np.round(v['log_odds_error'], 3).tolist()}" for k, v in row["pooled"].items())
-                      + f"; backtest MSE held {row['backtest_mse_held']:.4f} trend {row['backtest_mse_trend']:.4f} pooled "
+                      + ", ".join(f"{k} days {np.round(v['log_odds_error'], 3).tolist()}"
+                                  for k, v in row["pooled"].items())
+                      + f"; backtest MSE held {row['backtest_mse_held']:.4f} "
+                      f"trend {row['backtest_mse_trend']:.4f} pooled "
                       + ", ".join(f"{k} {v['backtest_mse']:.4f}" for k, v in row["pooled"].items())
                       + f"; calibration's pool {row['calibration_pool']} (0: all), its lead "
-                      f"{row['calibration_pool_gain_standard_errors']:.2f} standard errors, taken: {row['calibration_pooled']}")
+                      f"{row['calibration_pool_gain_standard_errors']:.2f} standard errors, taken: "
+                      f"{row['calibration_pooled']}")
     save(args.output_name, vars(args), results)
 
 

@@ -39,7 +39,8 @@ def main() -> None:
                         help="window steps (from 0) left out of the ratios and given the first run's time")
     parser.add_argument("--output-name", default="mfu_step_ratios")
     args = parser.parse_args()
-    load = lambda name, run: json.loads((RESULTS / f"{name}.json").read_text())["results"]["end_to_end"][run]  # noqa: E731
+    load = lambda name, run: json.loads(  # noqa: E731
+        (RESULTS / f"{name}.json").read_text())["results"]["end_to_end"][run]
     before = load(args.before_file, args.before_run)[0]
     results = {f"repeat_{i}": compare(before, after, args.replace_steps)
                for i, after in enumerate(load(args.after_file, args.after_run))}

@@ -180,9 +180,11 @@ def _retrieval_latency(models: dict, scorers: dict, k: int, timed) -> dict:
             request["retrieved_count"].fill_(k)
             return request
 
-        runs = {f"fixed_{cap}": ("long_history", lambda n, seed, cap=cap: example_request(models["long_history"], n, cap, seed)),
+        runs = {f"fixed_{cap}": ("long_history",
+                                 lambda n, seed, cap=cap: example_request(models["long_history"], n, cap, seed)),
                 f"fixed_{cap + k}": ("long_history",
-                                      lambda n, seed, cap=cap: example_request(models["long_history"], n, cap + k, seed)),
+                                      lambda n, seed, cap=cap: example_request(models["long_history"], n,
+                                                                               cap + k, seed)),
                 f"retrieved_at_{cap}": ("long_history_retrieving", full_slots)}
         figures = timed({f"{label}/{mode}": (score, request_of) for label, (model, request_of) in runs.items()
                          for mode, score in scorers[model].items()}, (1, SWEEP_CANDIDATES))

@@ -51,7 +51,8 @@ def start(data, folder: Path, run_id: str, tracking_uri: str, args) -> subproces
            "--sequence-logs", str(data.sequence_logs), "--plans", str(data.plans[2].parent), *MODEL_ARGS,
            "--max-steps", str(args.steps), "--epochs", "100", "--checkpoint-every", str(args.checkpoint_every),
            "--log-every", str(args.log_every), "--checkpoint-dir", str(folder / "checkpoints"),
-           "--mlflow-run-id", run_id, "--mlflow-tracking-uri", tracking_uri, "--result-json", str(folder / "result.json")]
+           "--mlflow-run-id", run_id, "--mlflow-tracking-uri", tracking_uri,
+           "--result-json", str(folder / "result.json")]
     log = open(folder / "job.log", "ab")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -87,7 +88,8 @@ def checkpointed_step(folder: Path) -> int:
     return steps[-1] if steps else 0
 
 
-def soak_one(index: int, data, client, experiment: str, tracking_uri: str, work: Path, rng: random.Random, args) -> dict:
+def soak_one(index: int, data, client, experiment: str, tracking_uri: str, work: Path, rng: random.Random,
+             args) -> dict:
     """One training run to its end through random kills; what happened and whether it ended whole."""
     from gem_ops.train.checkpoint import checkpoint_steps
 
@@ -131,7 +133,8 @@ def soak_one(index: int, data, client, experiment: str, tracking_uri: str, work:
     code = job.wait()
     logged = sorted({m.step for m in client.get_metric_history(run_id, "train.loss")})
     result = json.loads((folder / "result.json").read_text()) if (folder / "result.json").exists() else {}
-    whole = (code == 0 and result.get("steps") == args.steps and checkpoint_steps(folder / "checkpoints")[-1:] == [args.steps]
+    whole = (code == 0 and result.get("steps") == args.steps
+             and checkpoint_steps(folder / "checkpoints")[-1:] == [args.steps]
              and len(logged) == args.steps and logged[-1] - logged[0] == args.steps - 1)
     client.set_terminated(run_id, "FINISHED" if whole else "FAILED")
     return {"run": index, "exit_code": code, "starts": starts, "kills": kills, "steps_trained_twice": redone,
@@ -167,7 +170,8 @@ def main() -> None:
             runs.append(soak_one(index, data, client, experiment, tracking_uri, work, rng, args))
             print(json.dumps({k: v for k, v in runs[-1].items() if k != "events"}), flush=True)
             totals = {"runs": len(runs), "complete": sum(r["complete"] for r in runs),
-                      "kills_rank": sum(r["kills"]["rank"] for r in runs), "kills_job": sum(r["kills"]["job"] for r in runs),
+                      "kills_rank": sum(r["kills"]["rank"] for r in runs),
+                      "kills_job": sum(r["kills"]["job"] for r in runs),
                       "resumes": sum(r["starts"] - 1 + r["kills"]["rank"] for r in runs),
                       "steps_trained_twice": sum(r["steps_trained_twice"] for r in runs),
                       "failed": [r["run"] for r in runs if not r["complete"]]}

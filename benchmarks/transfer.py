@@ -91,7 +91,8 @@ ABLATIONS = {
     "hierarchical_serving_weight4": ("fm", {**SERVING, "distillation_weight": 4.0}),
     # Shifts only (adapter_shift_only): the teacher's ranking within a domain and category kept as it is.
     "stale_direct_serving_shift_category_adapter": ("stale_gem", {**SERVING, "adapter_feature": "category",
-                                                                  "adapter_fit": "held_out", "adapter_shift_only": True}),
+                                                                  "adapter_fit": "held_out",
+                                                                  "adapter_shift_only": True}),
 }
 CATEGORY_FEATURE = {"synthetic": "item_category", "movielens": "item_genre"}
 ALL_VARIANTS = {**VARIANTS, **ABLATIONS}
@@ -183,7 +184,8 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
     def student_settings() -> TrainConfig:  # the domain FMs' and the vertical models'
         return settings(args.student_epochs, args.student_eval_every, warmup_share=args.student_warmup_share)
 
-    def train_gem(label: str, gem_window, scored, sources: tuple[str, ...] = ("trunk",)) -> tuple[list[Teacher], object]:
+    def train_gem(label: str, gem_window, scored,
+                  sources: tuple[str, ...] = ("trunk",)) -> tuple[list[Teacher], object]:
         """The GEM of `gem_window`, as one teacher per representation source, scoring `scored`."""
         began = time.perf_counter()
         examples = windows.teacher_examples(logs, gem_window)
@@ -243,11 +245,13 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                     transfer = {**transfer, "adapter_feature": CATEGORY_FEATURE[name]}
                 run = train_vertical_model(logs, part, task, vm_base, student_settings(),
                                            work / f"{domain}_{task}_{variant}_{seed}",
-                                           TransferConfig(**{"distillation_weight": args.distillation_weight, **transfer}),
+                                           TransferConfig(**{"distillation_weight": args.distillation_weight,
+                                                             **transfer}),
                                            teachers[teacher], shuffling, device=args.device)
                 row[variant] = _figures(run.result.final_report, task)
                 row[variant]["validation_ne"] = kept_validation_ne(run.result, run.model.objectives)
-                row[variant]["steps"], row[variant]["kept_step"] = run.result.steps, run.result.best_step or run.result.steps
+                row[variant]["steps"], row[variant]["kept_step"] = (run.result.steps,
+                                                                    run.result.best_step or run.result.steps)
                 if run.shared_tables:  # which tables the student kept, and each candidate's validation NE
                     row[variant]["kept_fixed_tables"] = float(run.shared_tables["kept"] == "fixed")
                     row[variant].update({f"validation_ne_{who}": ne
@@ -256,11 +260,12 @@ def run_seed(name: str, seed: int, args, logs, window, work: Path, domains: list
                     row[variant].update({f"adapted_teacher_{m}": value for m, value in
                                          _figures(run.adapter_report["adapted"], task).items()})
                 row[variant]["parameters"] = sum(p.numel() for p in run.model.parameters())
-                row[variant]["cpu_latency_s"] = cpu_latency(run.model.cpu(), run.data, int(part.eval[0]), args.candidates,
-                                                            args.latency_reps)
+                row[variant]["cpu_latency_s"] = cpu_latency(run.model.cpu(), run.data, int(part.eval[0]),
+                                                            args.candidates, args.latency_reps)
             rows[f"{domain}/{task}"] = row
             print(f"{name} seed {seed} {domain}/{task}: " + ", ".join(
-                f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}" for v in (*TEACHERS, *args.variants) if v in row), flush=True)
+                f"{v} {row[v]['auc']:.4f}/{row[v]['ne']:.4f}" for v in (*TEACHERS, *args.variants) if v in row),
+                  flush=True)
     return {"verticals": rows, "gem_eval": gem_run.final_report, "gem_steps": gem_run.steps,
             "seconds": round(time.perf_counter() - began, 1)}
 
@@ -294,7 +299,8 @@ def calibration_if_rate_held(logs, part, task: str) -> float:
     from gem_ops.train.batches import MS_PER_DAY
 
     day = logs.column("timestamp")[part.train] // MS_PER_DAY
-    (n_new, p_new), (n_eval, p_eval) = (logs.label_counts(idx)[task] for idx in (part.train[day == day.max()], part.eval))
+    (n_new, p_new), (n_eval, p_eval) = (logs.label_counts(idx)[task]
+                                        for idx in (part.train[day == day.max()], part.eval))
     return (p_new / n_new) / (p_eval / n_eval) if n_new and p_eval else math.nan
 
 
@@ -431,7 +437,8 @@ def main() -> None:
                         help="synthetic: sd of each ad's daily log-quality step (ranking drift a stale teacher misses)")
     parser.add_argument("--category-quality-drift", type=float, default=0.0,
                         help="synthetic: the same step per item category, shared by its ads (a category's season)")
-    parser.add_argument("--domain-fm-days", type=int, default=None, help="days the domain FMs learn from (default: all)")
+    parser.add_argument("--domain-fm-days", type=int, default=None,
+                        help="days the domain FMs learn from (default: all)")
     parser.add_argument("--eval-days", type=int, default=2)
     parser.add_argument("--max-history-len", type=int, default=128)
     parser.add_argument("--gem-width", type=float, default=0.5)
@@ -454,7 +461,8 @@ def main() -> None:
     parser.add_argument("--latency-reps", type=int, default=50)
     parser.add_argument("--device", default="cpu", help="where every model trains and scores (latency: on the CPU)")
     parser.add_argument("--jobs", type=int, default=1, help="(dataset, seed) runs at once, in separate processes")
-    parser.add_argument("--data", type=Path, default=None, help="prepared data (<dataset>/sequence_logs, plans) to reuse")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="prepared data (<dataset>/sequence_logs, plans) to reuse")
     parser.add_argument("--prepare-to", type=Path, default=None, help="only prepare the datasets under this folder")
     parser.add_argument("--output-name", default="transfer")
     parser.add_argument("--resume", action="store_true", help="keep the seeds saved under --output-name")

@@ -44,7 +44,8 @@ TRACKING_DIR = PROJECT_ROOT / "mlflow"
 
 # Our own tags (MLflow has no standard ones for these).
 GIT_DIRTY_TAG = "gem.git.dirty"
-RUN_ROLE_TAG = "gem.run_role"  # "parent": one per pipeline run; "step": one per step, nested under it; "model": one per model a step trains
+# "parent": one per pipeline run; "step": one per step, nested under it; "model": one per model a step trains
+RUN_ROLE_TAG = "gem.run_role"
 FAILED_STEP_TAG = "gem.failed_step"  # set on a parent once any of its steps failed; never cleared
 # MLflow 3's UI opens an experiment in its GenAI (traces) view unless told it holds model training.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
@@ -271,7 +272,8 @@ class RunTracker:
             yield RunTracker.disabled()
             return
         parent = self.client.get_run(self.run_id)
-        inherited = {k: v for k, v in parent.data.tags.items() if k.startswith(("dagster.", "gem.git", "mlflow.source.git"))}
+        inherited = {k: v for k, v in parent.data.tags.items()
+                     if k.startswith(("dagster.", "gem.git", "mlflow.source.git"))}
         run = self.client.create_run(parent.info.experiment_id, run_name=run_name,
                                      tags={**inherited, **{k: str(v) for k, v in (tags or {}).items()},
                                            MLFLOW_PARENT_RUN_ID: self.run_id, RUN_ROLE_TAG: "model"})

@@ -136,7 +136,8 @@ def _check(q, k, v, q_offsets, kv_offsets, activation):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must be [tokens, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1] or q.shape[2] != k.shape[2] or k.shape[0] != v.shape[0]:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q_offsets.shape != kv_offsets.shape or q_offsets.dim() != 1:

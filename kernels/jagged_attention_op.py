@@ -30,7 +30,8 @@ class OpBackend:
 
 
 def _pt_forward(q, k, v, q_offsets, kv_offsets, causal, activation, scale):
-    return pt_jagged_attention(q, k, v, q_offsets, kv_offsets, causal, activation, scale), q.new_empty(0, dtype=torch.float32)
+    return (pt_jagged_attention(q, k, v, q_offsets, kv_offsets, causal, activation, scale),
+            q.new_empty(0, dtype=torch.float32))
 
 
 def _pt_backward(q, k, v, out, saved, d_out, q_offsets, kv_offsets, causal, activation, scale):

@@ -48,8 +48,8 @@ LOCAL_STUDENTS = {"max_steps": 60, "eval_every": 20, "eval_max_examples": 5_000,
 LOCAL_DATA = {"synthetic_preset": "strong_signal"}
 # The verticals learn from GEM directly, the teacher's targets on their serving heads: domain FMs trained for
 # LOCAL_STUDENTS' few steps are too weak to teach (hierarchical stays the asset's default). A vertical's 3 days are
-# a handful of steps an epoch (search / click: under 4): as many epochs as the 60 steps hold, validated every 5, the best
-# kept (after one epoch, still in the warm-up, the direct verticals were 0.05-0.12 AUC lower on the eval day).
+# a handful of steps an epoch (search / click: under 4): as many epochs as the 60 steps hold, validated every 5, the
+# best kept (after one epoch, still in the warm-up, the direct verticals were 0.05-0.12 AUC lower on the eval day).
 LOCAL_VERTICALS = {**LOCAL_STUDENTS, "mode": "direct", "epochs": 20, "eval_every": 5}
 # GEM scores the students' days only: the FMs' 60 steps see fewer examples than those days hold (a domain FM
 # learns from every training day by default).
@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--end", default=None, help="last day (partition), YYYY-MM-DD; default: the newest day of "
                                                     f"the configured data ({DEFAULT_END} for the synthetic log)")
     parser.add_argument("--days", type=int, default=None,
-                        help="days of raw events up to --end; default: the look-back window, as far as the data reaches")
+                        help="days of raw events up to --end; default: the look-back window, as far as the data "
+                             "reaches")
     parser.add_argument("--config", type=Path, help="Dagster run config (YAML) applied to every run")
     return parser.parse_args(argv)
 
@@ -92,10 +93,12 @@ def main(argv: list[str] | None = None) -> None:
     first = end - timedelta(days=days - 1)
     if first < date.fromisoformat(PARTITIONS_START):
         raise SystemExit(f"the run starts on {first}, before the first partition ({PARTITIONS_START}): set "
-                         f"{PARTITIONS_START_ENV}={first} (and the same for `make dagster`), or a later --end / fewer --days")
+                         f"{PARTITIONS_START_ENV}={first} (and the same for `make dagster`), or a later --end / fewer "
+                         "--days")
     print(f"{args.job}: {days} day(s), {first} .. {end}; partitions start on {PARTITIONS_START}", flush=True)
     if PARTITIONS_START != DEFAULT_PARTITIONS_START:
-        print(f"  (start the UI with {PARTITIONS_START_ENV}={PARTITIONS_START} make dagster to see these days)", flush=True)
+        print(f"  (start the UI with {PARTITIONS_START_ENV}={PARTITIONS_START} make dagster to see these days)",
+              flush=True)
     job = defs.resolve_job_def(args.job)
     run_config = for_job(local_run_config(user or {}), (user or {}).get("ops", {}), job)
     for op, settings in run_config["ops"].items():
@@ -173,7 +176,8 @@ def retraining_note(instance: dg.DagsterInstance, day: str) -> str:
 
 def run_summary(result) -> str:
     """GEM's eval figures and the vertical models' summary table, from the run's materializations."""
-    metadata = {e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()}
+    metadata = {e.asset_key.to_user_string(): e.materialization.metadata
+                for e in result.get_asset_materialization_events()}
     lines = []
     gem = metadata.get("gem_foundation_model", {})
     if gem:

@@ -20,11 +20,13 @@ TEMPLATE_ENV = "GEM_EVENTS_TEMPLATE"
 
 
 @dg.sensor(job=gem_pipeline_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
-           description=f"Starts gem_pipeline for each new day of event logs under {TEMPLATE_ENV} (a path with {{date}}).")
+           description=f"Starts gem_pipeline for each new day of event logs under {TEMPLATE_ENV} (a path with "
+                       f"{{date}}).")
 def new_event_days_sensor(context: dg.SensorEvaluationContext):
     template = os.environ.get(TEMPLATE_ENV)
     if not template:
-        return dg.SkipReason(f"{TEMPLATE_ENV} is not set: point it at the event files, e.g. /data/events/{{date}}.parquet")
+        return dg.SkipReason(f"{TEMPLATE_ENV} is not set: point it at the event files, e.g. "
+                             f"/data/events/{{date}}.parquet")
     today = date.today().isoformat()
     new = [d for d in landed_days(template) if d > (context.cursor or "") and PARTITIONS_START <= d <= today]
     if not new:

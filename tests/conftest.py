@@ -26,7 +26,8 @@ def gem_asset_runs(tmp_path_factory):
     with dg.instance_for_test(temp_dir=str(root / "dagster")) as instance:
         for day in DAYS[:2]:
             assert dg.materialize([raw_event_logs], partition_key=day.isoformat(), resources=resources,
-                                  instance=instance, run_config={"ops": {"raw_event_logs": DATA_CONFIG["raw_event_logs"]}}).success
+                                  instance=instance,
+                                  run_config={"ops": {"raw_event_logs": DATA_CONFIG["raw_event_logs"]}}).success
         results = {}
         for day in DAYS[2:]:  # the second training day warm-starts from the first
             results[day] = dg.materialize(

@@ -46,7 +46,8 @@ def random_batch(history_lengths: list[int], seed: int = 0, spec: FeatureSpec = 
 def take(batch: SequenceBatch, rows: list[int]) -> SequenceBatch:
     """The examples at `rows` as their own batch."""
     offsets = batch.history_offsets
-    positions = torch.cat([torch.arange(int(offsets[r]), int(offsets[r + 1])) for r in rows]) if rows else torch.zeros(0, dtype=torch.long)
+    positions = (torch.cat([torch.arange(int(offsets[r]), int(offsets[r + 1])) for r in rows]) if rows
+                 else torch.zeros(0, dtype=torch.long))
     lengths = torch.tensor([int(offsets[r + 1] - offsets[r]) for r in rows])
     values = {}
     for name, value in batch.__dict__.items():

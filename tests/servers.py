@@ -67,7 +67,8 @@ def start_server(
             raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}:\n{_log_tail(proc)}")
         if time.monotonic() > deadline:
             stop_server(proc)
-            raise TimeoutError(f"{ready if isinstance(ready, str) else cmd[0]} was not ready within {timeout} s:\n{_log_tail(proc)}")
+            raise TimeoutError(f"{ready if isinstance(ready, str) else cmd[0]} was not ready within {timeout} s:\n"
+                               f"{_log_tail(proc)}")
         time.sleep(0.2)
     return proc
 
@@ -89,7 +90,8 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def stop_server(proc: subprocess.Popen, timeout: float = 10.0, first: signal.Signals = signal.SIGTERM) -> signal.Signals:
+def stop_server(proc: subprocess.Popen, timeout: float = 10.0,
+                first: signal.Signals = signal.SIGTERM) -> signal.Signals:
     """`first` (SIGTERM; SIGINT is Ctrl-C) to the whole process group, then SIGKILL to whatever is left after
     `timeout`; returns the signal that ended the group."""
     pgid = proc.pid  # start_new_session: the group id is the leader's pid

@@ -22,7 +22,8 @@ SELECTOR = {"partitionSetName": "prepare_data_partition_set", "repositorySelecto
     "repositoryName": "__repository__", "repositoryLocationName": "pipelines.definitions"}}
 DAYS = ["2026-11-02", "2026-11-03", "2026-11-04"]
 RUN_CONFIG = {"ops": {"raw_event_logs": {"config": {"synthetic_users": 200}},
-                      "shuffled_batches": {"config": {"world_sizes": [1], "sub_batch_size": 16, "sub_batches_per_rank": 1}}}}
+                      "shuffled_batches": {"config": {"world_sizes": [1], "sub_batch_size": 16,
+                                                      "sub_batches_per_rank": 1}}}}
 LAUNCH = """mutation($params: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $params) {
   __typename ... on LaunchBackfillSuccess { backfillId } ... on Error { message } } }"""
 STATUS = """query($id: String!) { partitionBackfillOrError(backfillId: $id) {
@@ -31,7 +32,8 @@ DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELE
 
 
 def _graphql(url: str, query: str, variables: dict) -> dict:
-    request = urllib.request.Request(f"{url}/graphql", data=json.dumps({"query": query, "variables": variables}).encode(),
+    request = urllib.request.Request(f"{url}/graphql",
+                                     data=json.dumps({"query": query, "variables": variables}).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         payload = json.loads(response.read())
@@ -77,7 +79,8 @@ def test_a_backfill_over_days_lands_the_data_days_before_what_reads_them(tmp_pat
     # The day before the range, as an earlier run left it: the first day's look-back reads it.
     job = local_gem_pipeline(tmp_path / "lake", MLflowResource(tracking_uri=tracking))
     with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
-        run_local(job, instance, "2026-11-01", ["raw_event_logs"], {"ops": {"raw_event_logs": RUN_CONFIG["ops"]["raw_event_logs"]}})
+        run_local(job, instance, "2026-11-01", ["raw_event_logs"],
+                  {"ops": {"raw_event_logs": RUN_CONFIG["ops"]["raw_event_logs"]}})
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -99,6 +102,7 @@ def test_a_backfill_over_days_lands_the_data_days_before_what_reads_them(tmp_pat
         # One run per day, each after the day before had ended.
         assert sorted(r.tags["dagster/partition"] for r in runs) == DAYS
         assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
-        spans = sorted((instance.get_run_record_by_id(r.run_id).start_time, instance.get_run_record_by_id(r.run_id).end_time)
+        spans = sorted((instance.get_run_record_by_id(r.run_id).start_time,
+                        instance.get_run_record_by_id(r.run_id).end_time)
                        for r in runs)
         assert all(ended <= started for (_, ended), (started, _) in zip(spans, spans[1:])), spans

@@ -30,7 +30,8 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_gems_step_after_the_lookups_replays_from_one_cuda_graph():
-    config = model_config("gem", width=0.5, blocks=2, **{"embedding.item_buckets": 1024, "embedding.user_buckets": 1024})
+    config = model_config("gem", width=0.5, blocks=2,
+                          **{"embedding.item_buckets": 1024, "embedding.user_buckets": 1024})
     model = seeded_model(SPEC, config).cuda()
     eager = copy.deepcopy(model)
     x = model_input(random_batch([3, 1, 40, 9, 70, 0, 12, 5, 33, 2], seed=0), SPEC, config,

@@ -15,7 +15,8 @@ PROJECT = Path(__file__).resolve().parents[1]
 QUERY = """
 { assetNodes { assetKey { path } groupName isPartitioned
     dependencyKeys { path } assetChecksOrError { ... on AssetChecks { checks { name blocking description } } } }
-  repositoriesOrError { ... on RepositoryConnection { nodes { name location { name } jobs { name } schedules { name } } } }
+  repositoriesOrError { ... on RepositoryConnection { nodes { name location { name } jobs { name }
+      schedules { name } } } }
   pipelineOrError(params: {pipelineName: "gem_pipeline", repositoryName: "__repository__",
                            repositoryLocationName: "pipelines.definitions"}) { ... on Pipeline { runs { runId } } } }
 """

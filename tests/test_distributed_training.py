@@ -140,7 +140,8 @@ def test_killed_job_resumes_from_its_last_checkpoint(data, union_run, tmp_path):
     saved = checkpoint_steps(checkpoints)
     assert saved and saved[-1] < STEPS and not result.exists(), "the job was not killed between checkpoints"
 
-    resumed = finish(start_job(data, checkpoints, result, "--embedding-sharding", "row_wise", "--checkpoint-every", "2"),
+    resumed = finish(start_job(data, checkpoints, result, "--embedding-sharding", "row_wise",
+                               "--checkpoint-every", "2"),
                      result)
     assert resumed["resumed_from"] == saved[-1] and resumed["steps"] == STEPS
     assert len(resumed["losses"]) == STEPS
@@ -201,11 +202,13 @@ def test_two_nodes_train_under_an_hsdp_mesh(data, union_run, tmp_path):
                *TINY_ARGS, *CONFIG_ARGS, "--embedding-sharding", "table_wise",
                "--checkpoint-dir", str(tmp_path / "checkpoints"), "--result-json", str(result)]
         log = open(result.with_suffix(".log"), "wb")
-        agents.append(subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        agents.append(subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True))
         results.append(result)
     worker = agents[1]
     try:
-        assert worker.wait(timeout=JOB_TIMEOUT_S) == 0, results[1].with_suffix(".log").read_text(errors="replace")[-4000:]
+        assert worker.wait(timeout=JOB_TIMEOUT_S) == 0, \
+            results[1].with_suffix(".log").read_text(errors="replace")[-4000:]
         head = finish(agents[0], results[0])
     finally:
         for agent in agents:
@@ -237,7 +240,8 @@ def test_the_job_listens_on_loopback_alone(data, tmp_path):
                 break
             for process in tree:
                 try:
-                    listening |= {(c.laddr.ip, c.laddr.port, " ".join(process.cmdline()[:4])) for c in process.net_connections("inet")
+                    listening |= {(c.laddr.ip, c.laddr.port, " ".join(process.cmdline()[:4]))
+                                  for c in process.net_connections("inet")
                                   if c.status == psutil.CONN_LISTEN}
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     pass

@@ -53,7 +53,8 @@ CONFIGS = {
         "sequence.activation": "silu", "blocks": 2}),
     "no_sequence": model_config("gem", width=0.5, use_sequence=False, **SMALL_TABLES),
     # A student reading a teacher's wider tables through projections (parameter sharing).
-    "shared_tables": model_config("vertical", **SMALL_TABLES, **{"embedding.table_widths": [["item", 64], ["user_id", 48]]}),
+    "shared_tables": model_config("vertical", **SMALL_TABLES,
+                                  **{"embedding.table_widths": [["item", 64], ["user_id", 48]]}),
     # TorchRec's DLRM and DLRM-DCN baselines.
     "dlrm": model_config("dlrm", **SMALL_TABLES),
     "dcn": model_config("dcn", **SMALL_TABLES),
@@ -79,7 +80,8 @@ def test_analytic_count_matches_flop_counter(name, monkeypatch):
     counted = lambda pattern: sum(sum(v.values()) for k, v in counts.items() if re.fullmatch(pattern, k))  # noqa: E731
     wukong = sum(v for k, v in analytic.forward_by_module.items() if k.startswith("wukong."))
     assert counted(r"WukongLayer|GEMModel\.interaction\.\d+") == pytest.approx(wukong, rel=1e-6)
-    assert counted(r"DomainTaskTowers|GEMModel\.towers") == pytest.approx(analytic.forward_by_module["towers"], rel=1e-6)
+    assert counted(r"DomainTaskTowers|GEMModel\.towers") == pytest.approx(analytic.forward_by_module["towers"],
+                                                                          rel=1e-6)
     sequence_arm = sum(v for k, v in analytic.forward_by_module.items() if k.startswith(("sequence.", "cross.")))
     assert counted(r"SequenceBranch|GEMModel\.branches\.\d+") == pytest.approx(sequence_arm, rel=1e-6)
 

@@ -129,8 +129,8 @@ def test_training_settings_of_the_run_config_reach_the_torchrun_job(tmp_path):
         "fp8", "tensorwise_fast_accum", "dense", "sequence")
     assert (args.lr_dense, args.max_steps, args.preset) == (2e-3, 7, "gem_gpu")
     assert args.sparse_table_gradients is True
-    off = training_command(config.model_copy(update={"sparse_table_gradients": False}), LakeResource(base_dir=str(tmp_path)),
-                           "2026-11-01", None, None, "run-1")
+    off = training_command(config.model_copy(update={"sparse_table_gradients": False}),
+                           LakeResource(base_dir=str(tmp_path)), "2026-11-01", None, None, "run-1")
     assert parse_args(off[off.index("gem_ops.train") + 1:]).sparse_table_gradients is False
     assert config.train().checkpoint_every == 50
 
@@ -154,7 +154,8 @@ def test_materializing_a_partition_again_is_a_new_training_run(gem_asset_runs):
     first, second = _metadata(gem_asset_runs["results"][DAYS[3]]), _metadata(again)
     assert second["steps"].value == first["steps"].value == 6
     assert second["model_version"].value != first["model_version"].value
-    folders = sorted((gem_asset_runs["root"] / "lake" / "gem_foundation_model" / DAYS[3].isoformat() / "runs").iterdir())
+    folders = sorted((gem_asset_runs["root"] / "lake" / "gem_foundation_model" / DAYS[3].isoformat()
+                      / "runs").iterdir())
     assert {f.name for f in folders} == {gem_asset_runs["results"][DAYS[3]].run_id, again.run_id}
 
 

@@ -22,7 +22,8 @@ def small_gem(max_history_len: int):
 def results(tmp_path_factory):
     data = learnable_data(tmp_path_factory.mktemp("learning"), max_history_len=LONG)
     configs = {"long": small_gem(LONG), "short": small_gem(SHORT)}
-    return compare_models(data.open(), data.plans[1], configs, TrainConfig(epochs=1, lr_dense=3e-3, eval_max_examples=10_000))
+    return compare_models(data.open(), data.plans[1], configs,
+                          TrainConfig(epochs=1, lr_dense=3e-3, eval_max_examples=10_000))
 
 
 def test_auc_well_above_chance_on_every_domain_and_task(results):

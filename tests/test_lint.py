@@ -1,5 +1,6 @@
-"""The tree passes ruff with the rules pyproject.toml selects (pyflakes and pycodestyle's errors): unused or undefined
-names, imports not at the top, bare excepts and the like fail the default test run, not a later reader."""
+"""The tree passes ruff with the rules pyproject.toml selects (pyflakes, pycodestyle's errors, lines up to 120
+characters): unused or undefined names, imports not at the top, bare excepts and the like fail the default test run,
+not a later reader."""
 
 import subprocess
 import sys

@@ -13,7 +13,8 @@ def test_one_setting_keeps_the_other_defaults_of_its_op():
         "vertical_models": {"config": {"domains": ["feed"]}},
         "raw_event_logs": {"config": {"synthetic_users": 300}}}})
     gem = config["ops"]["gem_foundation_model"]["config"]
-    assert gem["epochs"] == 3 and gem["width"] == LOCAL_TRAINING["width"] and gem["lr_dense"] == LOCAL_TRAINING["lr_dense"]
+    assert (gem["epochs"] == 3 and gem["width"] == LOCAL_TRAINING["width"]
+            and gem["lr_dense"] == LOCAL_TRAINING["lr_dense"])
     assert gem["model_overrides"] == {"sequence.max_history_len": "128", "sequence.activation": "silu"}
     verticals = config["ops"]["vertical_models"]["config"]
     assert verticals["domains"] == ["feed"] and verticals["max_steps"] == LOCAL_STUDENTS["max_steps"]
@@ -62,12 +63,14 @@ def test_the_runner_takes_its_days_and_partitions_from_parquet_files_and_runs_th
     (tmp_path / "events" / "2025-13-01.parquet").touch()  # shaped like a day, but none: not data
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"ops": {
-        "raw_event_logs": {"config": {"source": "parquet", "parquet_template": str(tmp_path / "events" / "{date}.parquet")}},
+        "raw_event_logs": {"config": {"source": "parquet",
+                                      "parquet_template": str(tmp_path / "events" / "{date}.parquet")}},
         "shuffled_batches": {"config": {"world_sizes": [1], "sub_batch_size": 16, "sub_batches_per_rank": 1}}}}))
     env = {k: v for k, v in os.environ.items() if k != "GEM_PARTITIONS_START"}
     env |= {"DAGSTER_HOME": str(tmp_path / "dagster"), "GEM_LAKE_DIR": str(tmp_path / "lake"),
             "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    done = subprocess.run([sys.executable, "-m", "pipelines.run_local", "--job", "prepare_data", "--config", str(config)],
+    done = subprocess.run([sys.executable, "-m", "pipelines.run_local", "--job", "prepare_data",
+                           "--config", str(config)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "prepare_data: 3 day(s), 2025-06-01 .. 2025-06-03; partitions start on 2025-06-01" in done.stdout

@@ -37,7 +37,8 @@ def materialized(tmp_path_factory):
     (root / "dagster").mkdir()
     with dg.instance_for_test(temp_dir=str(root / "dagster")) as instance:
         assert dg.materialize([raw_event_logs], partition_key=DAYS[0].isoformat(), resources=resources,
-                              instance=instance, run_config={"ops": {"raw_event_logs": DATA_CONFIG["raw_event_logs"]}}).success
+                              instance=instance,
+                              run_config={"ops": {"raw_event_logs": DATA_CONFIG["raw_event_logs"]}}).success
         result = dg.materialize([raw_event_logs, sequence_logs, shuffled_batches, mfu_report],
                                 partition_key=DAYS[1].isoformat(), resources=resources, instance=instance,
                                 run_config={"ops": {**DATA_CONFIG, "mfu_report": {"config": MFU_CONFIG}}})
@@ -190,7 +191,8 @@ def test_a_run_stopped_by_the_budget_after_writing_its_result_keeps_its_figures(
     result = {"path": "engine", "world_size": 1, "embedding_sharding": "none", "mfu_report": report}
 
     def job(args, shape, variant, output):
-        script = f"import pathlib, time; pathlib.Path({str(output)!r}).write_text({json.dumps(result)!r}); time.sleep(60)"
+        script = (f"import pathlib, time; pathlib.Path({str(output)!r}).write_text({json.dumps(result)!r}); "
+                  "time.sleep(60)")
         return [sys.executable, "-c", script]
 
     monkeypatch.setattr(mfu, "engine_command", job)

@@ -15,8 +15,9 @@ from gem_ops.model.wukong import FactorizationMachineBlock, WukongLayer
 from tests.model_inputs import SPEC, random_batch, take
 
 LENGTHS = [0, 1, 5, 0, 12, 3, 1, 30]
-SMALL = model_config("vertical", width=0.5, blocks=2, **{"sequence.branches": ("all", "engaged", "event_type:organic_view"),
-                                                       "sequence.first_level_tokens": 8, "sequence.min_level_tokens": 2})
+SMALL = model_config("vertical", width=0.5, blocks=2,
+                     **{"sequence.branches": ("all", "engaged", "event_type:organic_view"),
+                        "sequence.first_level_tokens": 8, "sequence.min_level_tokens": 2})
 
 
 def test_fm_block_uses_the_optimized_form_of_all_pairwise_interactions():

@@ -64,8 +64,8 @@ def test_model_trains_the_same_with_sparse_table_gradients(steps=3):
             optimizer.step()
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
-    assert any((m.weight != seeded_model(SPEC, config).get_submodule(n).weight).any() for n, m in models[1].named_modules()
-               if n in names)  # the tables did train
+    assert any((m.weight != seeded_model(SPEC, config).get_submodule(n).weight).any()
+               for n, m in models[1].named_modules() if n in names)  # the tables did train
 
 
 def _adamw(model: nn.Module) -> torch.optim.AdamW:

@@ -31,7 +31,8 @@ CONFIG = {"ops": {
     "gem_foundation_model": {"config": {"preset": "vertical", "width": 0.5, "epochs": 50, "max_steps": 400,
                                         "eval_every": 0, "early_stopping_patience": 0, "eval_max_examples": 256}},
     "domain_foundation_models": {"config": {**STUDENTS, "preset": "domain_fm", "width": 0.5}},
-    "vertical_models": {"config": {**STUDENTS, "ne_tolerance": 10.0, "min_positives": 1}},  # two steps of training: promote them
+    # two steps of training: promote them
+    "vertical_models": {"config": {**STUDENTS, "ne_tolerance": 10.0, "min_positives": 1}},
 }}
 
 

@@ -31,7 +31,8 @@ def test_a_partition_being_materialized_is_refused_to_a_second_run(tmp_path):
                                     run_config=CONFIG, raise_on_error=False)
         failure = next(e for e in second.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error
         assert not second.success
-        assert f"raw_event_logs [{DAY}] is being materialized by another run (Dagster run 1234-holder" in failure.message
+        assert (f"raw_event_logs [{DAY}] is being materialized by another run (Dagster run 1234-holder"
+                in failure.message)
         assert (tmp_path / "lake" / "raw_event_logs" / f"{DAY}.parquet").read_bytes() == written
         third = dg.materialize([raw_event_logs], partition_key=DAY, resources=resources, instance=instance,
                                run_config=CONFIG)

@@ -29,7 +29,8 @@ def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     resources = {
         "lake": LakeResource(base_dir=str(root / "lake")),
-        "mlflow": MLflowResource(tracking_uri=f"sqlite:///{root / 'mlflow.db'}", artifact_location=str(root / "artifacts")),
+        "mlflow": MLflowResource(tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
+                                 artifact_location=str(root / "artifacts")),
     }
     (root / "dagster").mkdir()
     with dg.instance_for_test(temp_dir=str(root / "dagster")) as instance:
@@ -43,7 +44,8 @@ def pipeline(tmp_path_factory):
             [raw_event_logs, sequence_logs, shuffled_batches], partition_key=DAYS[-1].isoformat(),
             resources=resources, instance=instance, run_config=RUN_CONFIG,
         )
-        yield {"root": root, "results": results, "instance": instance, "client": MlflowClient(f"sqlite:///{root / 'mlflow.db'}")}
+        yield {"root": root, "results": results, "instance": instance,
+               "client": MlflowClient(f"sqlite:///{root / 'mlflow.db'}")}
 
 
 def test_every_run_succeeds_and_checks_pass(pipeline):
@@ -100,7 +102,8 @@ def test_mlflow_runs_metrics_and_artifacts(pipeline):
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # UI opens on runs
     runs = client.search_runs([experiment.experiment_id], max_results=100)
     last_run_id = pipeline["results"][DAYS[-1]].run_id
-    parent = [r for r in runs if r.data.tags.get("dagster.run_id") == last_run_id and "mlflow.parentRunId" not in r.data.tags]
+    parent = [r for r in runs
+              if r.data.tags.get("dagster.run_id") == last_run_id and "mlflow.parentRunId" not in r.data.tags]
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"
     children = {
         r.data.tags["dagster.asset_key"]: r
@@ -148,7 +151,8 @@ def test_movielens_source_through_the_assets(tmp_path):
     with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
         first = dg.materialize([raw_event_logs], partition_key="2026-11-01", resources=resources, instance=instance,
                                run_config=raw_config)
-        config = {"ops": {**raw_config["ops"], "sequence_logs": {"config": {"lookback_days": 2, "history_event_types": ["rating"]}}}}
+        config = {"ops": {**raw_config["ops"],
+                          "sequence_logs": {"config": {"lookback_days": 2, "history_event_types": ["rating"]}}}}
         second = dg.materialize([raw_event_logs, sequence_logs], partition_key="2026-11-02", resources=resources,
                                 instance=instance, run_config=config)
     assert first.success and second.success

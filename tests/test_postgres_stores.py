@@ -36,7 +36,8 @@ RUN_CONFIG = {"ops": {
     "gem_foundation_model": {"config": {**_SMALL, "preset": "vertical", "width": 0.5, "epochs": 1, "max_steps": 4}},
     "teacher_predictions": {"config": {"student_days": 1}},
     "domain_foundation_models": {"config": _STUDENT},
-    "vertical_models": {"config": {**_STUDENT, "compare_alone": False, "promotion_max_examples": 256, "min_positives": 1}},
+    "vertical_models": {"config": {**_STUDENT, "compare_alone": False, "promotion_max_examples": 256,
+                                   "min_positives": 1}},
     # Where the runs are stored is on trial here, not latency: a loaded machine's p99 must not fail the run.
     "serving_models": {"config": {"latency_budget_ms": 60_000}},
 }}
@@ -49,7 +50,8 @@ REGISTERED = {"gem_foundation_model", "domain_fm_feed", "vertical_feed_click"}
 def postgres():
     bin_dir = server_bin_dir()
     if bin_dir is None:
-        pytest.skip(f"no PostgreSQL server (initdb, postgres) on PATH or under /usr/lib/postgresql/*/bin: {INSTALL_HINT}")
+        pytest.skip(f"no PostgreSQL server (initdb, postgres) on PATH or under /usr/lib/postgresql/*/bin: "
+                    f"{INSTALL_HINT}")
     user = unprivileged_user()
     if user and not _user_exists(user):
         pytest.skip(f"running as root, and PostgreSQL will not: no `{user}` user to run it as ({INSTALL_HINT})")
@@ -112,7 +114,8 @@ def test_the_dagster_runs_and_their_events_are_in_postgres(full_run):
     assert events > 100  # the step and log events too
     # The training job gets the MLflow URI (which may hold a password) in its environment, not in the command
     # line that the run's log keeps.
-    leaked = _query(postgres, "dagster", f"SELECT count(*) FROM event_logs WHERE event LIKE '%{full_run['mlflow_url']}%'")
+    leaked = _query(postgres, "dagster",
+                    f"SELECT count(*) FROM event_logs WHERE event LIKE '%{full_run['mlflow_url']}%'")
     assert leaked == [(0,)]
 
 

@@ -63,7 +63,8 @@ def test_report_per_domain_and_task_respects_label_masks():
     logits = torch.tensor([[2.0, 0.0], [-2.0, 0.0], [1.0, 0.0], [-1.0, 0.0]])
     labels = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
     mask = torch.tensor([[True, True], [True, True], [True, False], [True, False]])
-    report = quality_report(logits, labels, mask, torch.tensor([0, 0, 1, 1]), ["feed", "reels"], ["click", "conversion"])
+    report = quality_report(logits, labels, mask, torch.tensor([0, 0, 1, 1]), ["feed", "reels"],
+                            ["click", "conversion"])
     assert set(report) == {"all/click", "feed/click", "reels/click", "all/conversion", "feed/conversion"}
     assert report["all/click"]["count"] == 4 and report["all/conversion"]["count"] == 2
     assert report["feed/click"]["auc"] == 1.0

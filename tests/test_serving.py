@@ -74,7 +74,8 @@ def test_the_exported_artifact_scores_as_the_registered_pyfunc_without_the_proje
     torch.save(requests, tmp_path / "requests.pt")
     script = ("import sys, torch; from serving_client import ServingClient; c = ServingClient('.'); "
               "out = [c.score(r)['p_click'] for r in torch.load(sys.argv[1])]; "
-              "assert not [m for m in sys.modules if m.split('.')[0] in ('gem_ops', 'kernels', 'mlflow')], sys.modules; "
+              "assert not [m for m in sys.modules if m.split('.')[0] in ('gem_ops', 'kernels', 'mlflow')], "
+              "sys.modules; "
               "torch.save(out, sys.argv[2])")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "requests.pt"), str(tmp_path / "scores.pt")],
@@ -91,8 +92,9 @@ def test_the_exported_artifact_scores_as_the_registered_pyfunc_without_the_proje
 def test_aot_inductor_serves_a_two_block_gem_as_the_model_scores_below_at_and_past_every_levels_cut(tmp_path):
     """Traced below the pyramid's cuts, AOTInductor sized the second level's keys by the first level's length:
     a history of 17 events failed with a size error. About 2 minutes of compiling on 2 cores."""
-    config = model_config("gem", width=0.25, blocks=2, **{"sequence.max_history_len": 64, "sequence.first_level_tokens": 16,
-                                                          "embedding.item_buckets": 1024, "embedding.user_buckets": 1024})
+    config = model_config("gem", width=0.25, blocks=2,
+                          **{"sequence.max_history_len": 64, "sequence.first_level_tokens": 16,
+                             "embedding.item_buckets": 1024, "embedding.user_buckets": 1024})
     model = seeded_model(SPEC, config).eval()
     levels = [config.sequence.level_tokens(b) for b in range(config.blocks)]
     assert len(set(levels)) == 2 and max(levels) < config.sequence.max_history_len  # two cuts below the longest history
@@ -133,7 +135,8 @@ def test_a_model_with_retrieved_events_serves_them_per_candidate_as_its_pyfunc_s
         np.testing.assert_allclose(served.score(request)["p_click"].numpy(), expected, rtol=1e-5, atol=1e-6)
         # The retrieved events count: the same request without them scores otherwise.
         none = dict(request, retrieved_count=torch.zeros_like(request["retrieved_count"]))
-        assert not np.allclose(served.score(none)["p_click"].numpy(), expected, rtol=1e-4) or not request["retrieved_count"].any()
+        assert (not np.allclose(served.score(none)["p_click"].numpy(), expected, rtol=1e-4)
+                or not request["retrieved_count"].any())
     assert {0, 3} <= counts  # empty and full slots among the requests
     with pytest.raises(ValueError, match="retrieved_count"):
         served.score({k: v for k, v in _request(model, 2, 3, 0).items() if k != "retrieved_count"})
@@ -157,7 +160,8 @@ def test_the_client_retrieves_from_a_users_history_what_the_training_data_gave_t
     from gem_ops.serving.request import request_of_example
     from tests.event_log_builders import build, example_by_item, hand_events
 
-    views = [(9, 0, 10 * i, item, "feed", "organic_view", None, None) for i, item in enumerate([1, 2, 3, 1, 4, 5, 1, 6])]
+    views = [(9, 0, 10 * i, item, "feed", "organic_view", None, None)
+             for i, item in enumerate([1, 2, 3, 1, 4, 5, 1, 6])]
     ads = [(9, 1, 0, 1, "feed", "ad_impression", 1, 0), (9, 1, 10, 8, "feed", "ad_impression", 0, 0),
            (9, 1, 20, 6, "feed", "ad_impression", 0, 0)]
     events = hand_events(views + ads).with_columns(item_category=pl.col("item_id") % 3)
@@ -223,7 +227,8 @@ def test_the_latency_gate_refuses_a_champion_slower_than_the_budget(registry, tm
     assert "version 1 keeps serving" in decision.reason
     assert str(client.get_model_version_by_alias(NAME, SERVING).version) == "1"  # the previous one still serves
     tags = client.get_model_version(NAME, "2").tags
-    assert tags["serving.decision"] == "refused" and float(tags["serving.p99_ms_100"]) == pytest.approx(measured, abs=1e-3)
+    assert (tags["serving.decision"] == "refused"
+            and float(tags["serving.p99_ms_100"]) == pytest.approx(measured, abs=1e-3))
     # Within the budget it serves, and its artifact can be fetched and called.
     assert serve(budget=60_000.0).served
     assert str(client.get_model_version_by_alias(NAME, SERVING).version) == "2"
@@ -350,14 +355,16 @@ def test_the_match_reach_policy_reads_down_to_a_far_match_within_its_mean_budget
         assert request_costs(costs, lengths, caps).mean() <= budget
         reached = (depths > policy.base_cap) & (depths <= policy.reach_depth)
         assert np.all(caps[~reached] == policy.base_cap) and np.all(caps[reached] >= depths[reached])
-        assert np.all(caps[reached] == np.asarray(menu)[np.searchsorted(menu, depths[reached])])  # the shortest that reaches
+        # the shortest that reaches
+        assert np.all(caps[reached] == np.asarray(menu)[np.searchsorted(menu, depths[reached])])
         # Every deeper reach would break the budget, and the fitted policy beats the fixed cap on held-out loss.
         deeper = depths[(depths > policy.reach_depth) & (depths <= max(menu))]
         if deeper.size:
             wider = MatchReachPolicy(policy.base_cap, menu, int(deeper.min()))
             assert request_costs(costs, lengths, wider.caps(lengths, depths)).mean() > budget
         gain = expected(np.full(held_depths.size, fixed)) - expected(policy.caps(None, held_depths))
-        assert gain >= 0 and (fixed == 64 or gain > 0), (policy, gain)  # at 256: base 64, its savings reach deeper matches
+        # at 256: base 64, its savings reach deeper matches
+        assert gain >= 0 and (fixed == 64 or gain > 0), (policy, gain)
     with pytest.raises(ValueError, match="below the mean cost of the shortest cap"):
         fit_match_policy(held_depths, losses, lengths, depths, costs, request_costs(costs, lengths, 8).mean())
     with pytest.raises(ValueError, match="increasing reach_caps"):
@@ -380,7 +387,8 @@ def test_scorers_measured_side_by_side_take_turns_on_their_own_requests():
     scorers = {name: (lambda request, name=name: calls.append((name, request["n"], request["seed"])),
                       lambda n, seed, name=name: {"n": n, "seed": seed, "for": name}) for name in ("a", "b", "c")}
     figures = measure_side_by_side(scorers, LatencySettings((1, 100), requests=4, warmup=1))
-    assert set(figures) == {"a", "b", "c"} and all(set(f) == {1, 100} and f[1]["requests"] == 4 for f in figures.values())
+    assert set(figures) == {"a", "b", "c"} and all(set(f) == {1, 100} and f[1]["requests"] == 4
+                                                   for f in figures.values())
     timed = [call for call in calls if call[2] >= 1 and call[1] == 1]  # seed 0 is each one's warm-up
     assert timed == [("a", 1, 1), ("b", 1, 1), ("c", 1, 1), ("b", 1, 2), ("c", 1, 2), ("a", 1, 2),
                      ("c", 1, 3), ("a", 1, 3), ("b", 1, 3), ("a", 1, 4), ("b", 1, 4), ("c", 1, 4)]

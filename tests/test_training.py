@@ -20,7 +20,8 @@ CONFIG = TrainConfig(max_steps=6, eval_max_examples=128, log_every=2, warmup_ste
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     small = dataclasses.replace(STRONG_SIGNAL, n_users=400)
-    return learnable_data(tmp_path_factory.mktemp("training"), small, days=4, eval_days=1, max_history_len=32, sub_batch_size=16)
+    return learnable_data(tmp_path_factory.mktemp("training"), small, days=4, eval_days=1, max_history_len=32,
+                          sub_batch_size=16)
 
 
 def test_resumed_run_matches_the_uninterrupted_run(data, tmp_path):
@@ -50,9 +51,11 @@ def test_periodic_eval_and_pruned_checkpoints(data, tmp_path):
 
 
 def test_warm_start_loads_the_earlier_weights(data, tmp_path):
-    first, _ = train(data.open(), data.plans[1], TINY, dataclasses.replace(CONFIG, max_steps=2), checkpoint_dir=tmp_path / "a")
+    first, _ = train(data.open(), data.plans[1], TINY, dataclasses.replace(CONFIG, max_steps=2),
+                     checkpoint_dir=tmp_path / "a")
     config = dataclasses.replace(CONFIG, max_steps=1, lr_dense=0.0, lr_sparse=0.0)
-    second, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path / "b", warm_start=tmp_path / "a")
+    second, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path / "b",
+                           warm_start=tmp_path / "a")
     assert result.resumed_from is None and result.steps == 1
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
@@ -60,7 +63,8 @@ def test_warm_start_loads_the_earlier_weights(data, tmp_path):
 
 def test_diverging_loss_stops_with_a_clear_error(data, tmp_path):
     with pytest.raises(FloatingPointError, match="lower lr_dense"):
-        train(data.open(), data.plans[1], TINY, dataclasses.replace(CONFIG, lr_dense=1e30, warmup_steps=1, clip_grad_norm=0))
+        train(data.open(), data.plans[1], TINY,
+              dataclasses.replace(CONFIG, lr_dense=1e30, warmup_steps=1, clip_grad_norm=0))
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.0])
@@ -109,7 +113,8 @@ def test_sparse_table_gradients_option_trains_the_same(data):
     sparse_model, sparse = train(logs, data.plans[1], TINY, dataclasses.replace(config, sparse_table_gradients=True))
     tables = [m for m in sparse_model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
     assert tables and all(m.sparse for m in tables)
-    assert not any(m.sparse for m in dense_model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
+    assert not any(m.sparse for m in dense_model.modules()
+                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
     assert sparse.losses == pytest.approx(dense.losses, rel=1e-4)
 
 
@@ -169,7 +174,8 @@ def test_the_kept_weights_are_the_best_validated_ones(data, tmp_path):
     from gem_ops.train.batches import newest_days
 
     again = evaluate(model, logs, config, torch.device("cpu"), newest_days(logs, data.plans[1], 1))
-    assert again["all/click"]["ne"] == pytest.approx(result.validation_reports[scores.index(min(scores))]["all/click"]["ne"])
+    assert again["all/click"]["ne"] == pytest.approx(
+        result.validation_reports[scores.index(min(scores))]["all/click"]["ne"])
 
 
 def test_validation_day_is_held_out_of_training_and_calibration_is_fitted_on_it(data):
@@ -279,7 +285,8 @@ def test_a_checkpoint_write_failing_for_want_of_space_leaves_the_previous_one_va
     with pytest.raises(BaseException) as failed:  # DCP's CheckpointException is a BaseException
         train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)
     # DCP reports its writers' errors per rank: (exception, traceback) in CheckpointException.failures.
-    errors = [failed.value, *(f[0] if isinstance(f, tuple) else f for f in getattr(failed.value, "failures", {}).values())]
+    errors = [failed.value, *(f[0] if isinstance(f, tuple) else f
+                              for f in getattr(failed.value, "failures", {}).values())]
     assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in errors), errors
     monkeypatch.setattr(torch, "save", save)
     assert checkpoint_steps(tmp_path) == [2] and load_checkpoint(tmp_path).step == 2

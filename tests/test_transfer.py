@@ -47,7 +47,8 @@ QUICK = TrainConfig(max_steps=40, eval_max_examples=2000, warmup_steps=5, lr_den
 
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
-    return learnable_data(tmp_path_factory.mktemp("transfer"), DRIFTING, days=10, eval_days=1, max_history_len=64).open()
+    return learnable_data(tmp_path_factory.mktemp("transfer"), DRIFTING, days=10, eval_days=1,
+                          max_history_len=64).open()
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,8 @@ def test_user_representations_are_per_domain_user_and_day_and_need_no_candidate(
     stale_teacher.model.eval()
     with torch.no_grad():
         vector = stale_teacher.model.encode(model_input(request, stale_teacher.model.spec, stale_teacher.model.config))
-    np.testing.assert_allclose(predictions.representation[0].astype(np.float32), vector[0].numpy(), rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(predictions.representation[0].astype(np.float32), vector[0].numpy(),
+                               rtol=1e-2, atol=1e-3)
     back = read_user_representations(write_user_representations(table, tmp_path / "r.parquet"))
     np.testing.assert_array_equal(back.vectors, table.vectors)
     assert back.lookup(np.array([keys[0, 0]]), logs.user_ids[[user_row]], np.array([day * 86_400_000 + 5])).any()
@@ -225,7 +227,8 @@ def test_student_adapter_recalibrates_a_stale_teacher(logs, stale_teacher):
     for domain in logs.surfaces:
         assert miss(adapted_on_fresh, domain) < 0.05, (domain, adapted_on_fresh[f"{domain}/click"])
     for domain in stale:  # on the later eval day, the staleness fresh labels revealed is gone
-        assert miss(after, domain) < miss(before, domain) / 2, (domain, before[f"{domain}/click"], after[f"{domain}/click"])
+        assert miss(after, domain) < miss(before, domain) / 2, (domain, before[f"{domain}/click"],
+                                                                after[f"{domain}/click"])
     assert after["all/click"]["ne"] < before["all/click"]["ne"]
 
 
@@ -282,7 +285,8 @@ def test_a_shrunk_adapter_fitted_on_few_labels_stays_nearer_the_teacher(logs, st
 
 
 def test_distillation_head_and_teacher_token(logs, stale_teacher):
-    config = student_config(SMALL, ("click",), TransferConfig(shared_tables=(), distillation_head="auxiliary"), stale_teacher)
+    config = student_config(SMALL, ("click",), TransferConfig(shared_tables=(), distillation_head="auxiliary"),
+                            stale_teacher)
     assert config.distillation_weight == 4.0 and config.teacher_representation_dim == SMALL.trunk_hidden
     spec = FeatureSpec.from_logs(logs)
     model = seeded_model(spec, config)
@@ -290,7 +294,8 @@ def test_distillation_head_and_teacher_token(logs, stale_teacher):
     x = model_input(joined.batch(stale_teacher.predictions.example_index[:64], 32), spec, config)
     assert x.labels.shape == (64, 1) and x.teacher_logits.shape == (64, 1)
     whole = joined.batch(stale_teacher.predictions.example_index[:64], 32)
-    cut = joined.batch(stale_teacher.predictions.example_index[:64], 32, history_caps=np.full(64, 2))  # history_cut_share
+    cut = joined.batch(stale_teacher.predictions.example_index[:64], 32,
+                       history_caps=np.full(64, 2))  # history_cut_share
     assert int(cut.history_lengths.max()) <= 2 < int(whole.history_lengths.max())
     assert torch.equal(cut.teacher_logits, whole.teacher_logits)
     total, per_task, _ = model.loss(x)
@@ -315,7 +320,8 @@ def test_serving_head_distillation_learns_soft_targets_without_a_head_of_its_own
     plus distillation_weight x its log loss on the teacher's probabilities."""
     from gem_ops.model.heads import masked_bce_sums
 
-    transfer = TransferConfig(shared_tables=(), representation=False, distillation_head="serving", distillation_weight=0.5)
+    transfer = TransferConfig(shared_tables=(), representation=False, distillation_head="serving",
+                              distillation_weight=0.5)
     config = student_config(SMALL, ("click",), transfer, stale_teacher)
     assert config.distillation_head == "serving"
     spec = FeatureSpec.from_logs(logs)
@@ -386,7 +392,8 @@ def test_a_shared_table_reaches_a_narrower_student_through_its_projection(logs):
     assert not torch.equal(projection.weight, before) and torch.equal(embedding_tables(student)["item"], table)
     alone = seeded_model(spec, base)
     size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    assert size(student) - size(alone) == table.numel() - embedding_tables(alone)["item"].numel() + projection.weight.numel()
+    assert (size(student) - size(alone)
+            == table.numel() - embedding_tables(alone)["item"].numel() + projection.weight.numel())
 
     # Trained, it is folded to serve at the student's own width (the teacher's rows, as ids hash to them),
     # computing the same outputs: beside the alone model it only has the extra rows.
@@ -544,7 +551,8 @@ def test_a_first_challenger_worse_than_the_base_rate_is_kept_out_and_a_promoted_
     worse = register_student(client, client.create_run(experiment).info.run_id, run.model, run.data, held_out, name,
                              tags, CHALLENGER)
     kept_out = promote_if_not_worse(client, name, logs, held_out, "click", worse, ne_standard_errors=1.645)
-    assert not kept_out.promoted and kept_out.challenger["ne"] > 1 and kept_out.ne_delta > 1.645 * kept_out.ne_delta_stderr
+    assert (not kept_out.promoted and kept_out.challenger["ne"] > 1
+            and kept_out.ne_delta > 1.645 * kept_out.ne_delta_stderr)
     assert "no champion yet; against the base rate's NE 1" in kept_out.reason
     assert current_version(client, name, CHAMPION) is None and current_version(client, name, CHALLENGER) == worse
     assert client.get_model_version(name, worse).tags["promotion.decision"] == "kept_out"
@@ -577,7 +585,8 @@ def test_paired_ne_delta_is_the_ne_difference_with_its_paired_standard_error(log
     assert paired_ne_delta(logs, champion, champion, held_out, "click") == (0.0, 0.0)
 
 
-@pytest.mark.parametrize(("scores", "kept"), [((0.90, 0.80), "trained"), ((0.80, 0.90), "fixed"), ((0.85, 0.85), "fixed")])
+@pytest.mark.parametrize(("scores", "kept"), [((0.90, 0.80), "trained"), ((0.80, 0.90), "fixed"),
+                                              ((0.85, 0.85), "fixed")])
 def test_auto_shared_tables_train_both_students_and_keep_the_lower_validation_ne(logs, stale_teacher, tmp_path,
                                                                                   monkeypatch, scores, kept):
     """freeze_shared="auto": one student with the teacher's tables fixed, one with them trained, each in an MLflow

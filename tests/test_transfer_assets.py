@@ -28,7 +28,8 @@ def transferred(gem_asset_runs):
     day = DAYS[3].isoformat()
     common = {"resources": gem_asset_runs["resources"], "instance": gem_asset_runs["instance"], "partition_key": day}
     config = {
-        "teacher_predictions": {"config": {"registered_model_name": MODEL_NAME, "staleness_days": 1, "student_days": 2}},
+        "teacher_predictions": {"config": {"registered_model_name": MODEL_NAME, "staleness_days": 1,
+                                           "student_days": 2}},
         "domain_foundation_models": {"config": {**STUDENT, "preset": "domain_fm", "width": 0.5, "domains": DOMAINS}},
         "vertical_models": {"config": {**STUDENT, "domains": DOMAINS, "mode": "hierarchical", "min_positives": 1}},
     }
@@ -57,7 +58,8 @@ def test_teacher_predictions_come_from_the_stale_gem(transferred):
                 for v in client.search_model_versions(f"name='{MODEL_NAME}'")}
     assert meta["teacher_partition"].value == DAYS[2].isoformat()  # one day stale
     assert versions[str(meta["teacher_version"].value)] == DAYS[2].isoformat()
-    predictions = read_predictions(transferred["root"] / "lake" / "teacher_predictions" / f"{transferred['day']}.parquet")
+    predictions = read_predictions(transferred["root"] / "lake" / "teacher_predictions"
+                                   / f"{transferred['day']}.parquet")
     assert predictions.teacher["version"] == str(meta["teacher_version"].value)
     logs = SequenceLogs(transferred["root"] / "lake" / "sequence_logs" / transferred["day"])
     assert set(logs.split_indices("eval")) <= set(predictions.example_index)
@@ -76,7 +78,8 @@ def test_domain_models_and_verticals_carry_their_lineage(transferred):
     # Each FM's eval figures, read as a table on the run page.
     rows = [r.data for r in fm_meta["quality"].value.records]
     assert {r["model"] for r in rows} == {f"domain_fm_{d} v{fms[d]['version']}" for d in DOMAINS}
-    assert all(0 <= r["auc"] <= 1 for r in rows if r["auc"] is not None) and any(r["group"] == "all/click" for r in rows)
+    assert (all(0 <= r["auc"] <= 1 for r in rows if r["auc"] is not None)
+            and any(r["group"] == "all/click" for r in rows))
     gem_version = str(_materialization(transferred["first"], "teacher_predictions").metadata["teacher_version"].value)
     for domain in DOMAINS:
         fm = client.get_model_version(f"domain_fm_{domain}", fms[domain]["version"])
@@ -97,7 +100,8 @@ def test_domain_models_and_verticals_carry_their_lineage(transferred):
         assert tags["transfer.mode"] == "hierarchical"
         if fms[domain]["verticals_learn_from"] == "domain_fm":
             assert tags["teacher.model_name"] == f"domain_fm_{domain}"
-            assert tags["teacher.teacher.model_name"] == MODEL_NAME and tags["teacher.teacher.model_version"] == gem_version
+            assert (tags["teacher.teacher.model_name"] == MODEL_NAME
+                    and tags["teacher.teacher.model_version"] == gem_version)
         else:  # the predictions its verticals read are GEM's own
             assert tags["teacher.model_name"] == MODEL_NAME and tags["teacher.model_version"] == gem_version
         assert entry["promoted"] and tags["promotion.decision"] == "promoted"
@@ -189,13 +193,16 @@ def test_a_day_with_a_single_labelled_event_skips_every_student_with_its_counts(
     config = {
         "raw_event_logs": {"config": {"source": "parquet", "parquet_template": str(tmp_path / "{date}.parquet")}},
         "sequence_logs": DATA_CONFIG["sequence_logs"],
-        "teacher_predictions": {"config": {"registered_model_name": MODEL_NAME, "staleness_days": 1, "student_days": 2}},
+        "teacher_predictions": {"config": {"registered_model_name": MODEL_NAME, "staleness_days": 1,
+                                           "student_days": 2}},
         "domain_foundation_models": {"config": {**STUDENT, "preset": "domain_fm", "width": 0.5}},
         "vertical_models": {"config": {**STUDENT, "mode": "hierarchical", "min_positives": 1}},
     }
-    common = {"resources": transferred["resources"], "instance": transferred["instance"], "partition_key": day.isoformat()}
+    common = {"resources": transferred["resources"], "instance": transferred["instance"],
+              "partition_key": day.isoformat()}
     data = ("raw_event_logs", "sequence_logs")
-    assert dg.materialize([raw_event_logs, sequence_logs], run_config={"ops": {k: config[k] for k in data}}, **common).success
+    assert dg.materialize([raw_event_logs, sequence_logs], run_config={"ops": {k: config[k] for k in data}},
+                          **common).success
     result = dg.materialize([teacher_predictions, domain_foundation_models, vertical_models],
                             run_config={"ops": {k: v for k, v in config.items() if k not in data}}, **common)
     assert result.success

@@ -272,12 +272,13 @@ def test_q_k_v_sliced_from_one_projection_reach_the_kernels_without_a_copy_on_cp
         got = jagged_attention(*views, offsets, offsets, causal=True, activation=activation, backend="triton")
         want = jagged_attention(*copies, offsets, offsets, causal=True, activation=activation, backend="triton")
         assert pointers[0] == [x.data_ptr() for x in views]
-        for a, b in zip([got, *torch.autograd.grad(got, views, d_out)], [want, *torch.autograd.grad(want, copies, d_out)]):
+        for a, b in zip([got, *torch.autograd.grad(got, views, d_out)],
+                        [want, *torch.autograd.grad(want, copies, d_out)]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         out, _ = jagged_attention_op(q, k, v, offsets, offsets, True, activation, 0.25, "triton")
         assert pointers[2] == [x.data_ptr() for x in (q, k, v)]
-        torch.testing.assert_close(out, jagged_attention_op(*(x.contiguous() for x in (q, k, v)), offsets, offsets, True,
-                                                            activation, 0.25, "triton")[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, jagged_attention_op(*(x.contiguous() for x in (q, k, v)), offsets, offsets,
+                                                            True, activation, 0.25, "triton")[0], rtol=1e-5, atol=1e-5)
         pointers.clear()
 
 
@@ -439,7 +440,8 @@ def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, monk
 
 
 NAN_CASES = [(causal, activation) for causal in (False, True) for activation in ("softmax", "silu")]
-NAN_INTERPRETER_CASES = [pytest.param(*case, marks=() if case in ((True, "softmax"), (False, "silu")) else pytest.mark.slow)
+NAN_INTERPRETER_CASES = [pytest.param(*case, marks=() if case in ((True, "softmax"), (False, "silu"))
+                                                   else pytest.mark.slow)
                          for case in NAN_CASES]
 
 

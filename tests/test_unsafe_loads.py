@@ -43,7 +43,8 @@ def test_crafted_checkpoint_metadata_is_refused_before_anything_runs(tmp_path):
     folder = _checkpoint(tmp_path / "step_00000007")
     marker = tmp_path / "ran"
     (folder / DCP_METADATA).write_bytes(pickle.dumps(_Payload(marker)))
-    with pytest.raises(pickle.UnpicklingError, match=r"\.metadata is not a safe checkpoint: it refers to (posix|os)\.system"):
+    with pytest.raises(pickle.UnpicklingError,
+                       match=r"\.metadata is not a safe checkpoint: it refers to (posix|os)\.system"):
         load_checkpoint(folder)
     assert not marker.exists()
 

@@ -24,7 +24,8 @@ def atomic_path(destination: str | os.PathLike) -> Iterator[Path]:
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(destination)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.{os.getpid()}.", dir=destination.parent)) / destination.name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.{os.getpid()}.",
+                                dir=destination.parent)) / destination.name
     try:
         yield tmp
         if destination.is_dir() and not destination.is_symlink():

@@ -5,7 +5,8 @@ Samples are sorted by history length and cut into groups of `world_size` sub-bat
 sub-batch holds similar lengths (little padding, a predictable cost) and the sub-batches of a group
 cost about the same, even in a heavy tail where neighbouring lengths differ a lot. A step takes
 `sub_batches_per_rank` groups, pairing the heaviest remaining group with the lightest, and rank r
-takes sub-batch r of the heavier groups and sub-batch world_size-1-r of the lighter ones. Each rank then reads only its own rows of the plan: no communication at train time.
+takes sub-batch r of the heavier groups and sub-batch world_size-1-r of the lighter ones. Each rank then reads only
+its own rows of the plan: no communication at train time.
 Step order is shuffled so training does not see all long histories first.
 """
 

@@ -62,7 +62,8 @@ def normalize_event_log(frame: pl.DataFrame, source: str) -> pl.DataFrame:
                                               "must be finite (null where unknown)")
     duplicated = frame.height - frame.unique().height
     if duplicated:
-        log.warning("%s: %d event(s) repeat another row exactly (kept: they count as separate events)", source, duplicated)
+        log.warning("%s: %d event(s) repeat another row exactly (kept: they count as separate events)",
+                    source, duplicated)
     frame = frame.with_columns(_parse_timestamp(frame["timestamp"], source))
     for name in columns.labels:
         bad = frame.filter(~pl.col(name).cast(pl.Int64).is_in([0, 1]) & pl.col(name).is_not_null()).height
@@ -94,7 +95,8 @@ def _parse_timestamp(column: pl.Series, source: str) -> pl.Series:
     parsed = column.str.to_datetime(time_zone="UTC", strict=False, time_unit="ms")
     bad = parsed.is_null() & column.is_not_null()
     if bad.any():  # mixed formats: polars infers one format, so parse the rest one by one
-        parsed = parsed.scatter(bad.arg_true(), pl.Series([_parse_iso(v) for v in column.filter(bad)], dtype=pl.Datetime("us", "UTC")).cast(TIMESTAMP_DTYPE))
+        parsed = parsed.scatter(bad.arg_true(), pl.Series([_parse_iso(v) for v in column.filter(bad)],
+                                                          dtype=pl.Datetime("us", "UTC")).cast(TIMESTAMP_DTYPE))
         bad = parsed.is_null() & column.is_not_null()
     if bad.any():
         examples = column.filter(bad).head(3).to_list()

@@ -141,7 +141,8 @@ class SequenceLogs:
         lengths = self.history_lengths(max_history_len)[idx].astype(np.int64)
         if history_caps is not None:
             if np.shape(history_caps) != idx.shape:
-                raise ValueError(f"history_caps must hold one cap per index ({idx.size}), got shape {np.shape(history_caps)}")
+                raise ValueError(f"history_caps must hold one cap per index ({idx.size}), got shape "
+                                 f"{np.shape(history_caps)}")
             lengths = np.minimum(lengths, np.maximum(np.asarray(history_caps, dtype=np.int64), 0))
         retrieved = None
         if retrieved_events:
@@ -203,7 +204,8 @@ class SequenceLogs:
         before the request (1: the latest event; 0: never), beyond any history cap: what a server's per-user
         index of last interactions answers with one lookup per candidate."""
         idx = np.asarray(indices, dtype=np.int64)
-        rows, ends, items = self._examples["user_row"][idx], self._examples["history_end"][idx], self._examples["item_id"][idx]
+        rows, ends, items = (self._examples["user_row"][idx], self._examples["history_end"][idx],
+                             self._examples["item_id"][idx])
         starts = self.timeline_offsets[rows]
         timeline_items = self._timeline["item_id"]
         depths = np.zeros(idx.size, dtype=np.int64)
@@ -261,7 +263,8 @@ class SequenceLogs:
             "history_surface": torch.from_numpy(t["surface"][positions].astype(np.int64)),
             "history_event_type": torch.from_numpy(t["event_type"][positions].astype(np.int64)),
             "history_action": torch.from_numpy(t["action"][positions].astype(np.int64)),
-            "history_age_seconds": torch.from_numpy(((request_ts - t["timestamp"][positions]) / 1000.0).astype(np.float32)),
+            "history_age_seconds": torch.from_numpy(((request_ts - t["timestamp"][positions]) / 1000.0)
+                                                    .astype(np.float32)),
             "history_item_features": self._items.of(t["item_id"][positions]),
         }
 

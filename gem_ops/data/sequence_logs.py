@@ -209,7 +209,8 @@ def _per_file_times(paths: list[str]) -> pl.DataFrame:
             ms = pl.col("timestamp").dt.cast_time_unit("ms").to_physical()
             first, last = pl.scan_parquet(path).select(ms.min(), ms.max()).collect().row(0)
         declared = (meta.metadata or {}).get(SORTED_BY_KEY.encode(), b"").decode()
-        rows.append({"_file": path, "n": meta.num_rows, "first": first, "last": last, "sorted": declared == USER_TIME_ORDER})
+        rows.append({"_file": path, "n": meta.num_rows, "first": first, "last": last,
+                     "sorted": declared == USER_TIME_ORDER})
     schema = {"_file": pl.String, "n": pl.Int64, "first": pl.Int64, "last": pl.Int64, "sorted": pl.Boolean}
     return pl.DataFrame(rows, schema=schema).sort("first", nulls_last=True)
 
@@ -276,12 +277,14 @@ class _Encoder:
 
     def __init__(self, surfaces, event_types, history_types, columns: EventLogColumns):
         self.vocab = {"surface": surfaces, "event_type": event_types}
-        self.history_codes = None if history_types is None else [event_types.index(t) for t in history_types if t in event_types]
+        self.history_codes = None if history_types is None else [event_types.index(t) for t in history_types
+                                                                 if t in event_types]
         self.columns = columns
         if len(columns.labels) > 8:
             raise ValueError(f"at most 8 objectives fit the action bitmask, found {len(columns.labels)}")
         # Per event: time in ms, the bitmask of positive labels, and whether any label is present.
-        bits = [(pl.col(name) == 1).fill_null(False).cast(pl.Int16) * (1 << bit) for bit, name in enumerate(columns.labels)]
+        bits = [(pl.col(name) == 1).fill_null(False).cast(pl.Int16) * (1 << bit)
+                for bit, name in enumerate(columns.labels)]
         self.labelled = pl.any_horizontal([pl.col(name).is_not_null() for name in columns.labels])
         self.event_columns = {
             "user_id": pl.col("user_id"),
@@ -585,7 +588,8 @@ def _build_with_inputs(events: _Events, inputs: list[Future], encoder: _Encoder,
                 user_row_k, history_end_k = (_take(a[start:stop], rows) for a in (user_row, history_end))
         with timer("read"):
             labels_and_features = part_inputs.result()
-        frames.append(_examples(events, start, stop, rows, user_row_k, history_end_k, labels_and_features, eval_start_ms, timer))
+        frames.append(_examples(events, start, stop, rows, user_row_k, history_end_k, labels_and_features,
+                                eval_start_ms, timer))
         if examples_per_part:
             writer.write_examples(frames.pop())
     if frames:

@@ -28,7 +28,8 @@ class StepCostModel:
     relative_error: float = float("nan")  # root mean square of (predicted - measured) / mean measured
 
     def seconds(self, tokens, pairs) -> np.ndarray:
-        return self.fixed + self.per_token * np.asarray(tokens, np.float64) + self.per_pair * np.asarray(pairs, np.float64)
+        return (self.fixed + self.per_token * np.asarray(tokens, np.float64)
+                + self.per_pair * np.asarray(pairs, np.float64))
 
     @property
     def tokens_per_pair(self) -> float:

@@ -156,14 +156,17 @@ def gem_flops(config: ModelConfig, spec: FeatureSpec, lengths: Mapping[str, np.n
             count.add("sequence.attention", attention_flops(T, None, ds, ds))
             count.add("sequence.ffn", 2 * linear_flops(tokens, ds, seq.ffn_mult * ds))
             count.add("sequence.cls_out", linear_flops(B * K, ds, d))
-            count.add("cross.projections", linear_flops(B * CROSS_QUERIES, d, ds) + linear_flops(float(L.sum()), ds, 2 * ds)
+            count.add("cross.projections", linear_flops(B * CROSS_QUERIES, d, ds)
+                      + linear_flops(float(L.sum()), ds, 2 * ds)
                       + linear_flops(B * CROSS_QUERIES, ds, d))
             count.add("cross.attention", attention_flops(np.full_like(L, CROSS_QUERIES), L, ds, ds))
             levels[name] = np.minimum(L, seq.level_tokens(block))
         n_in = n_tokens + extra
         count.add("wukong.fm", 2 * 2.0 * B * n_in * d * wk.fm_rank)
-        count.add("wukong.fm_mlp", linear_flops(B, n_in * wk.fm_rank, wk.mlp_hidden) + linear_flops(B, wk.mlp_hidden, wk.n_fm * d))
-        count.add("wukong.lcb", linear_flops(B * d, n_in, wk.n_lcb) + (linear_flops(B * d, n_in, n_out) if n_in != n_out else 0.0))
+        count.add("wukong.fm_mlp", linear_flops(B, n_in * wk.fm_rank, wk.mlp_hidden)
+                  + linear_flops(B, wk.mlp_hidden, wk.n_fm * d))
+        count.add("wukong.lcb", linear_flops(B * d, n_in, wk.n_lcb)
+                  + (linear_flops(B * d, n_in, n_out) if n_in != n_out else 0.0))
 
     count.add("trunk", linear_flops(B, n_out * d, config.trunk_hidden))
     # Every example runs all (domain, task) towers and keeps its own domain's row: counted as run, the layers

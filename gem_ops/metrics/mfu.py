@@ -229,7 +229,8 @@ def mfu_figure(report: MFUReport):
     ax = axes[2]
     rates = [f / s / 1e12 for f, s in zip(report.step_flops, report.step_seconds)]
     ax.plot(range(report.warmup_steps, report.warmup_steps + len(rates)), rates, marker="o", label="model TFLOP/s")
-    ax.axhline(report.gemm_flops / 1e12, color="C3", linestyle="--", label=f"measured GEMM {report.gemm_flops / 1e12:.3g}")
+    ax.axhline(report.gemm_flops / 1e12, color="C3", linestyle="--",
+               label=f"measured GEMM {report.gemm_flops / 1e12:.3g}")
     if report.peak_source == "spec":
         ax.axhline(report.peak_flops / 1e12, color="k", linestyle=":", label=f"peak {report.peak_flops / 1e12:.4g}")
     ax.set_xlabel("step")

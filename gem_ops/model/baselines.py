@@ -80,7 +80,8 @@ class TorchRecDLRM(_LabelLoss):
         ebc = EmbeddingBagCollection(tables=tables, device=device)
         self.domains, self.tasks = len(spec.surfaces), len(self.objectives)
         shape = {"embedding_bag_collection": ebc, "dense_in_features": max(1, len(spec.dense_features)),
-                 "dense_arch_layer_sizes": [mlp, emb.dim], "over_arch_layer_sizes": [mlp, mlp, self.domains * self.tasks],
+                 "dense_arch_layer_sizes": [mlp, emb.dim],
+                 "over_arch_layer_sizes": [mlp, mlp, self.domains * self.tasks],
                  "dense_device": device}
         if config.architecture == "dcn":
             self.dlrm = DLRM_DCN(**shape, dcn_num_layers=config.blocks, dcn_low_rank_dim=config.wukong.fm_rank)
@@ -104,4 +105,5 @@ class TorchRecDLRM(_LabelLoss):
             lengths=torch.cat([x.pooled.lengths(), torch.ones_like(candidate, dtype=x.pooled.lengths().dtype)]))
         dense = x.dense if x.dense.shape[1] else x.dense.new_zeros(x.dense.shape[0], 1)
         logits = self.dlrm(dense, ids).view(-1, self.domains, self.tasks)
-        return self.output_calibration(logits[torch.arange(logits.shape[0], device=logits.device), x.surface], x.surface)
+        return self.output_calibration(logits[torch.arange(logits.shape[0], device=logits.device), x.surface],
+                                       x.surface)

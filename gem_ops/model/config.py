@@ -191,9 +191,11 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # A vertical (production) model: small, short history.
     "vertical": ModelConfig(
-        embedding=EmbeddingConfig(dim=32, sequence_dim=32, item_buckets=32_768, user_buckets=16_384, sparse_buckets=1_024),
+        embedding=EmbeddingConfig(dim=32, sequence_dim=32, item_buckets=32_768, user_buckets=16_384,
+                                  sparse_buckets=1_024),
         wukong=WukongConfig(n_fm=4, n_lcb=4, fm_rank=8, mlp_hidden=128),
-        sequence=SequenceConfig(max_history_len=64, first_level_tokens=32, heads=1, summary_tokens=1, branches=("all",)),
+        sequence=SequenceConfig(max_history_len=64, first_level_tokens=32, heads=1, summary_tokens=1,
+                                branches=("all",)),
         blocks=1, trunk_hidden=128, tower_hidden=32,
     ),
     # Baseline: logistic regression on the same hashed ids (no history, so histories are not loaded).

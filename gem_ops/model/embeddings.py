@@ -145,7 +145,8 @@ class GEMEmbeddings(nn.Module):
     @staticmethod
     def _collection_lookups(collection: EmbeddingCollection, ids: dict) -> dict[str, torch.Tensor]:
         keys = [k for config in collection.embedding_configs() for k in config.feature_names]
-        return {key: jt.values() for key, jt in collection(KeyedJaggedTensor.from_jt_dict({k: ids[k] for k in keys})).items()}
+        return {key: jt.values()
+                for key, jt in collection(KeyedJaggedTensor.from_jt_dict({k: ids[k] for k in keys})).items()}
 
     def _at_width(self, key: str, values: torch.Tensor) -> torch.Tensor:
         table = self.table_of[key]

@@ -37,7 +37,8 @@ def sequence_keys(spec: FeatureSpec, config: ModelConfig) -> tuple[str, ...]:
     """Per history item feature f, besides the base keys: the event's item's f (history_f) and whether it
     equals the candidate's (history_f_match): "this user watched items of the candidate's category" in
     one lookup."""
-    return (*SEQUENCE_KEYS, *(k for f in history_features(spec, config) for k in (f"history_{f}", f"history_{f}_match")))
+    return (*SEQUENCE_KEYS, *(k for f in history_features(spec, config)
+                              for k in (f"history_{f}", f"history_{f}_match")))
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: a multiplicative hash spreading id patterns
 
@@ -78,11 +79,13 @@ class ModelInput:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInput:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return ModelInput(**{k: v.to(device, non_blocking=non_blocking) if _movable(v) else v for k, v in moved.items()})
+        return ModelInput(**{k: v.to(device, non_blocking=non_blocking) if _movable(v) else v
+                             for k, v in moved.items()})
 
     def pin_memory(self) -> ModelInput:
         """In page-locked host memory, so that a copy to the GPU with non_blocking=True is asynchronous."""
-        return ModelInput(**{f.name: v.pin_memory() if _movable(v := getattr(self, f.name)) else v for f in fields(self)})
+        return ModelInput(**{f.name: v.pin_memory() if _movable(v := getattr(self, f.name)) else v
+                             for f in fields(self)})
 
 
 def _movable(value) -> bool:
@@ -121,7 +124,8 @@ def level_sizes(x: ModelInput, spec: FeatureSpec, config: ModelConfig) -> list[l
     return jagged.level_totals(lengths, [config.sequence.level_tokens(b) for b in range(config.blocks)])
 
 
-def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig, with_level_sizes: bool = False) -> ModelInput:
+def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig,
+                with_level_sizes: bool = False) -> ModelInput:
     """The model's input from a loader batch; `with_level_sizes` also counts the pyramid's level sizes on the host
     (for a training or eval loop that builds inputs on the CPU and moves them to a GPU; not for a traced export,
     which would take the counts for constants)."""
@@ -136,7 +140,8 @@ def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig, wi
         lengths=torch.ones(B * len(pooled_ids), dtype=torch.int32),
     )
     lengths = batch.history_lengths.to(torch.int32)
-    candidate_per_event = torch.repeat_interleave(batch.item_id, batch.history_lengths, output_size=batch.history_item_id.numel())
+    candidate_per_event = torch.repeat_interleave(batch.item_id, batch.history_lengths,
+                                                  output_size=batch.history_item_id.numel())
     history = [
         hash_ids(batch.history_item_id, emb.item_buckets),
         batch.history_surface,

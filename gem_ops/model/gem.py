@@ -92,7 +92,8 @@ class GEMModel(nn.Module):
         self.interaction = nn.ModuleList(
             WukongLayer(n_in + per_block_extra, wk.n_fm, wk.n_lcb, d, wk.fm_rank, wk.mlp_hidden) for n_in in n_tokens
         )
-        self.trunk = nn.Sequential(nn.Linear(n_out * d, config.trunk_hidden), nn.GELU(), nn.LayerNorm(config.trunk_hidden))
+        self.trunk = nn.Sequential(nn.Linear(n_out * d, config.trunk_hidden), nn.GELU(),
+                                   nn.LayerNorm(config.trunk_hidden))
         self.objectives = config.objectives(spec)
         towers = lambda: DomainTaskTowers(config.trunk_hidden, len(spec.surfaces), len(self.objectives),  # noqa: E731
                                           config.tower_hidden, config.tower_layers)

@@ -96,13 +96,15 @@ def loss_from_sums(sums: LossSums) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return (sums.total / counts).sum(), sums.labelled / counts, sums.logits
 
 
-def masked_bce_sums(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_bce_sums(logits: torch.Tensor, targets: torch.Tensor,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per task: the log loss summed over labelled examples, and their count (both [T], fp32)."""
     per_example = F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none") * mask
     return per_example.sum(0), mask.sum(0).to(torch.float32)
 
 
-def masked_bce_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_bce_loss(logits: torch.Tensor, labels: torch.Tensor,
+                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over tasks of each task's mean log loss over its labelled examples; also the per-task losses.
 
     A task with no label in the batch adds nothing (its mean is taken over max(1, count))."""

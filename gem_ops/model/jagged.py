@@ -124,7 +124,8 @@ def prepend(prefix: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -
     return take_rows(stacked, rows), new_offsets
 
 
-def split_prefix(values: torch.Tensor, offsets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_prefix(values: torch.Tensor, offsets: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of prepend: ([B, k, d] prefix, remaining values, their offsets)."""
     B = offsets.numel() - 1
     rest_offsets = offsets - k * torch.arange(B + 1, device=offsets.device)

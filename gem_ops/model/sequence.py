@@ -48,7 +48,8 @@ class JaggedCrossAttention(nn.Module):
         """query [B, Q, query_dim], history [N, kv_dim] -> [B, Q, out_dim]."""
         B, Q = query.shape[:2]
         q = self.q(query).view(B * Q, self.heads, self.head_dim)
-        k, v = self.kv(self.norm(history)).view(history.shape[0], 2 * self.heads, self.head_dim).split(self.heads, dim=1)
+        k, v = (self.kv(self.norm(history)).view(history.shape[0], 2 * self.heads, self.head_dim)
+                .split(self.heads, dim=1))
         q_offsets = torch.arange(0, B * Q + 1, Q, device=offsets.device)
         attended = jagged_attention(q, k, v, q_offsets, offsets, activation=self.activation)
         return self.out(attended.reshape(B, Q, self.heads * self.head_dim))

@@ -226,7 +226,8 @@ class MatchReachPolicy:
     def caps(self, lengths: np.ndarray, depths: np.ndarray) -> np.ndarray:
         del lengths  # the depth alone decides; a cap past the history's length costs no more than its length
         depths = np.asarray(depths)
-        reach = np.asarray(self.reach_caps)[np.minimum(np.searchsorted(self.reach_caps, depths), len(self.reach_caps) - 1)]
+        reach = np.asarray(self.reach_caps)[np.minimum(np.searchsorted(self.reach_caps, depths),
+                                                       len(self.reach_caps) - 1)]
         far = (depths > self.base_cap) & (depths <= self.reach_depth)
         return np.where(far, np.maximum(reach, self.base_cap), self.base_cap)
 
@@ -266,7 +267,8 @@ def _deepest_reach(lengths: np.ndarray, depths: np.ndarray, costs: np.ndarray, m
     """The largest reach depth (base .. the longest cap) at which the policy's mean cost stays within budget:
     the candidate depths past `base` are the only places the cost steps up."""
     options = np.unique(np.concatenate([[base], depths[(depths > base) & (depths <= menu[-1])]]))
-    spend = lambda d: request_costs(costs, lengths, MatchReachPolicy(base, menu, int(d)).caps(lengths, depths)).mean()  # noqa: E731
+    spend = lambda d: request_costs(costs, lengths,  # noqa: E731
+                                    MatchReachPolicy(base, menu, int(d)).caps(lengths, depths)).mean()
     low, high = 0, len(options) - 1  # options[0] (no reach) is within budget; the mean cost grows with the depth
     while low < high:
         middle = (low + high + 1) // 2

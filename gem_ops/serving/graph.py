@@ -105,7 +105,8 @@ class ServingGraph(nn.Module):
             values = history_item_features[..., i]
             shared[f"history_{name}"] = hash_ids(values, emb.sparse_buckets)
             candidate_value = sparse_features[:, spec.sparse_features.index(name)]
-            per_candidate[f"history_{name}_match"] = ((rows(values) == candidate_value[:, None]) & rows(values >= 0)).long()
+            per_candidate[f"history_{name}_match"] = ((rows(values) == candidate_value[:, None])
+                                                      & rows(values >= 0)).long()
         tokens = rows(sum(self._lookup(k, ids) for k, ids in shared.items()))
         return tokens + sum(self._flag_lookup(k, flags) for k, flags in per_candidate.items())
 
@@ -211,10 +212,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     keys = torch.ones(k.shape[2], dtype=torch.bool, device=k.device) if mask is None else mask
     visible = (keys if keys.dim() == 2 else keys.unsqueeze(0)).unsqueeze(1).unsqueeze(1)
     if activation == "silu":
-        weights = F.silu(torch.matmul(q, k.transpose(-1, -2)) * scale) * visible / visible.sum(-1, keepdim=True).clamp(min=1)
+        weights = (F.silu(torch.matmul(q, k.transpose(-1, -2)) * scale) * visible
+                   / visible.sum(-1, keepdim=True).clamp(min=1))
         return torch.matmul(weights, v).transpose(1, 2)
     if summary_keys:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else visible, scale=scale).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else visible,
+                                              scale=scale).transpose(1, 2)
     # Cross attention: two queries, so the weights are small enough to write out, and a query without any
     # visible key (an empty history) gets exact zeros instead of NaN.
     scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~visible, -1e30)

@@ -46,7 +46,8 @@ class ServingDecision:
 
 
 def serve_champion(client: MlflowClient, name: str, tracker: RunTracker, budget_p99_ms: float,
-                   format: str = "exported_program", latency: LatencySettings = LatencySettings()) -> ServingDecision | None:
+                   format: str = "exported_program",
+                   latency: LatencySettings = LatencySettings()) -> ServingDecision | None:
     """Exports `name`'s champion into `tracker`'s run, measures its latency and makes it the serving version
     if its p99 at GATE_CANDIDATES candidates is within `budget_p99_ms`. None when there is no champion."""
     version = current_version(client, name, CHAMPION)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gem_ops.data.batch_shuffling import ShufflingConfig, plan_base_batch_shuffling, plan_info, read_plan, read_rank_plan
+from gem_ops.data.batch_shuffling import (ShufflingConfig, plan_base_batch_shuffling, plan_info, read_plan,
+                                         read_rank_plan)
 from gem_ops.data.loader import SequenceLogs
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ def plan_for_world_size(plans: str | os.PathLike, world_size: int) -> Path:
 
 
 def rank_schedule(logs: SequenceLogs, plan_path: str | os.PathLike, rank: int, world_size: int, epochs: int, seed: int,
-                  max_history_len: int, union_of_ranks: bool = False, held_out: np.ndarray | None = None) -> PlanSchedule:
+                  max_history_len: int, union_of_ranks: bool = False,
+                  held_out: np.ndarray | None = None) -> PlanSchedule:
     """This rank's schedule (or, with union_of_ranks on one process, every rank's rows side by side).
 
     A Base Batch Shuffling plan balanced at another history length than the model's (e.g. stored

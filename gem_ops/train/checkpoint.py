@@ -55,7 +55,8 @@ def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _NAME.match(p.name)) and is_complete_checkpoint(p))
+    return sorted(int(m.group(1)) for p in directory.iterdir()
+                  if (m := _NAME.match(p.name)) and is_complete_checkpoint(p))
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:

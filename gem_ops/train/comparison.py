@@ -15,7 +15,8 @@ HEADLINE = ("auc", "ne", "calibration")
 
 
 def compare_models(logs: SequenceLogs, plan_path: str | os.PathLike, configs: Mapping[str, ModelConfig],
-                   train_config: TrainConfig, progress: Callable[[str, int, float], None] | None = None) -> dict[str, dict]:
+                   train_config: TrainConfig,
+                   progress: Callable[[str, int, float], None] | None = None) -> dict[str, dict]:
     """{name: {"eval": quality report, "steps", "train_seconds", "samples_per_second"}}."""
     results = {}
     for name, config in configs.items():
@@ -31,7 +32,8 @@ def compare_models(logs: SequenceLogs, plan_path: str | os.PathLike, configs: Ma
     return results
 
 
-def headline(results: Mapping[str, dict], groups: tuple[str, ...] | None = None) -> dict[str, dict[str, dict[str, float]]]:
+def headline(results: Mapping[str, dict],
+             groups: tuple[str, ...] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """{model: {group: {auc, ne, calibration}}} for the "all/<task>" groups (or the given ones), rounded."""
     table = {}
     for name, result in results.items():

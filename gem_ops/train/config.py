@@ -106,7 +106,8 @@ class TrainConfig:
             raise ValueError("TrainConfig.early_stopping_patience needs validation_days >= 1 (what to judge on) "
                              "and eval_every >= 1 (how often)")
         if self.calibration_rate not in CALIBRATION_RATES:
-            raise ValueError(f"TrainConfig.calibration_rate must be one of {CALIBRATION_RATES}, got {self.calibration_rate!r}")
+            raise ValueError(f"TrainConfig.calibration_rate must be one of {CALIBRATION_RATES}, "
+                             f"got {self.calibration_rate!r}")
         if not 0 <= self.history_cut_share <= 1:
             raise ValueError(f"TrainConfig.history_cut_share must be within [0, 1], got {self.history_cut_share}")
         if not 0 <= self.weight_average_decay < 1:

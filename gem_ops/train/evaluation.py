@@ -23,7 +23,8 @@ def predict_logits(model: GEMModel, logs: SequenceLogs, indices: list[np.ndarray
     with up to `retrieved_events` older events matching the candidate; default: as the model trained)."""
     was_training = model.training
     model.eval()
-    parts: dict[str, list[torch.Tensor]] = {"logits": [], "labels": [], "label_mask": [], "surface": [], "example_index": []}
+    parts: dict[str, list[torch.Tensor]] = {"logits": [], "labels": [], "label_mask": [], "surface": [],
+                                            "example_index": []}
     max_len = model.config.sequence.max_history_len
     if retrieved_events is None:
         retrieved_events = model.config.sequence.retrieved_events

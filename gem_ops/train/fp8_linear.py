@@ -86,7 +86,8 @@ class Float8TrainingLinear(nn.Linear):
         rows = x.reshape(-1, x.shape[-1])
         if torch.is_autocast_enabled(device) and rows.dtype == torch.float32:
             # As autocast does for nn.Linear (e.g. after a LayerNorm, which autocast runs in fp32): the FP8 cast then
-            # reads half the bytes, and its fused transposed copy serves 16-bit tiles only (kernels/triton/triton_fp8_cast.py).
+            # reads half the bytes, and its fused transposed copy serves 16-bit tiles only
+            # (kernels/triton/triton_fp8_cast.py).
             rows = rows.to(out_dtype)
         out = _Float8Linear.apply(rows, self.weight, self.bias, out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -197,7 +197,8 @@ def module_scopes() -> Iterator[None]:
     from gem_ops.model.sequence import JaggedCrossAttention, JaggedTransformerLayer
     from gem_ops.model.wukong import WukongLayer
 
-    by_class = {GEMEmbeddings: "embeddings", SequenceBranch: "sequence.branch", JaggedTransformerLayer: "sequence.layers",
+    by_class = {GEMEmbeddings: "embeddings", SequenceBranch: "sequence.branch",
+                JaggedTransformerLayer: "sequence.layers",
                 JaggedCrossAttention: "cross_attention", WukongLayer: "wukong", DomainTaskTowers: "towers"}
     names: dict[int, str] = {}
     open_scopes: dict[int, list] = {}
@@ -243,7 +244,8 @@ def top_device_operators(averages, steps: int, limit: int | None = None) -> list
     rows = sorted((a for a in averages if a.device_type == torch.autograd.DeviceType.CUDA
                    and a.self_device_time_total > 0 and not getattr(a, "is_user_annotation", False)),
                   key=lambda a: a.self_device_time_total, reverse=True)[:limit]
-    return [{"name": a.key[:120], "ms": a.self_device_time_total / 1e3 / max(1, steps), "calls": a.count / max(1, steps)}
+    return [{"name": a.key[:120], "ms": a.self_device_time_total / 1e3 / max(1, steps),
+             "calls": a.count / max(1, steps)}
             for a in rows]
 
 

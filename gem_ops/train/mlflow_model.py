@@ -68,7 +68,8 @@ def batch_to_frame(batch: SequenceBatch, spec: FeatureSpec) -> pd.DataFrame:
             f"{prefix}event_type": split(event_types[batch.history_event_type.numpy()]),
             f"{prefix}action": split(batch.history_action.numpy()),
             f"{prefix}age_seconds": split(batch.history_age_seconds.numpy()),
-            **{f"{prefix}{name}": split(batch.history_item_features[name].numpy()) for name in spec.history_item_features},
+            **{f"{prefix}{name}": split(batch.history_item_features[name].numpy())
+               for name in spec.history_item_features},
         }
 
     frame = {
@@ -94,7 +95,8 @@ def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec, retrieved: bool = Fal
                            *(retrieved_columns if retrieved else ())) if c not in frame.columns]
     if missing:
         raise ValueError(f"request table lacks column(s) {missing}"
-                         + (" (this model reads retrieved events: gem_ops.serving.client.retrieve)" if retrieved else ""))
+                         + (" (this model reads retrieved events: gem_ops.serving.client.retrieve)"
+                            if retrieved else ""))
     if not retrieved and any(c in frame.columns for c in retrieved_columns):
         raise ValueError(f"request table has retrieved_* columns, but this model was trained without retrieved events "
                          f"(sequence.retrieved_events 0): drop {[c for c in retrieved_columns if c in frame.columns]}")
@@ -123,7 +125,8 @@ def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec, retrieved: bool = Fal
         return np.array([index[v] for v in values], dtype=np.int64)
 
     n, t = len(frame), len(spec.objectives)
-    dense = np.stack([frame[c].to_numpy(np.float32) for c in spec.dense_features], 1) if spec.dense_features else np.zeros((n, 0), np.float32)
+    dense = (np.stack([frame[c].to_numpy(np.float32) for c in spec.dense_features], 1) if spec.dense_features
+             else np.zeros((n, 0), np.float32))
     def t_(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(array))  # pandas may hand out read-only views
     return SequenceBatch(
@@ -140,7 +143,8 @@ def frame_to_batch(frame: pd.DataFrame, spec: FeatureSpec, retrieved: bool = Fal
         history_item_id=t_(flat("history_item_id", np.int64)),
         history_surface=t_(codes("history_surface", spec.surfaces, flat("history_surface", object))),
         history_event_type=t_(codes("history_event_type", spec.event_types, flat("history_event_type", object))),
-        teacher_representation=(torch.tensor(np.stack([np.asarray(r, np.float32) for r in frame[TEACHER_REPRESENTATION]]))
+        teacher_representation=(torch.tensor(np.stack([np.asarray(r, np.float32)
+                                                       for r in frame[TEACHER_REPRESENTATION]]))
                                 if TEACHER_REPRESENTATION in frame.columns and n else None),
         history_action=t_(flat("history_action", np.int64)),
         history_age_seconds=t_(flat("history_age_seconds", np.float32)),
@@ -215,7 +219,8 @@ def _save_package(package: Path, state_path: Path, input_example: pd.DataFrame, 
 def _requirements() -> list[str]:
     lines = [line.split("#")[0].strip() for name in ("requirements.txt", "requirements-nodeps.txt")
              for line in (PROJECT_ROOT / name).read_text().splitlines()]
-    wanted = ("torch", "numpy", "polars", "pyarrow", "fbgemm-gpu-cpu", "tensordict", "torchmetrics", "mlflow", "torchrec")
+    wanted = ("torch", "numpy", "polars", "pyarrow", "fbgemm-gpu-cpu", "tensordict", "torchmetrics", "mlflow",
+              "torchrec")
     return [line for line in lines if line and line.split("=")[0].strip() in wanted]
 
 

@@ -20,7 +20,8 @@ PIPES_CONTEXT_ENV = "DAGSTER_PIPES_CONTEXT"
 
 
 def progress_line(step: int, total: int, metrics: dict[str, float]) -> str:
-    return (f"step {step + 1}/{total}: loss {metrics['train.loss']:.4f}, {metrics['train.step_seconds'] * 1000:.0f} ms, "
+    return (f"step {step + 1}/{total}: loss {metrics['train.loss']:.4f}, "
+            f"{metrics['train.step_seconds'] * 1000:.0f} ms, "
             f"imbalance {metrics.get('train.imbalance.compute_seconds', math.nan):.3f} (compute) "
             f"{metrics.get('train.imbalance.tokens', math.nan):.3f} (tokens)")
 
@@ -70,13 +71,15 @@ def pipes_value(value: Any) -> dict[str, Any]:
         return {"raw_value": value.text, "type": "md"}
     if isinstance(value, Table):
         return {"raw_value": {"records": list(value.records),
-                              "schema": [{"name": name, "type": kind} for name, kind in value.columns]}, "type": "table"}
+                              "schema": [{"name": name, "type": kind} for name, kind in value.columns]},
+                "type": "table"}
     if isinstance(value, bool):
         return {"raw_value": value, "type": "bool"}
     if isinstance(value, int):
         return {"raw_value": value, "type": "int"}
     if isinstance(value, float):
-        return {"raw_value": value if math.isfinite(value) else None, "type": "float" if math.isfinite(value) else "null"}
+        return {"raw_value": value if math.isfinite(value) else None,
+                "type": "float" if math.isfinite(value) else "null"}
     if isinstance(value, (dict, list)):
         return {"raw_value": json.loads(json.dumps(value, default=str)), "type": "json"}
     if value is None:

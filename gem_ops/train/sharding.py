@@ -155,9 +155,11 @@ def table_groups(model: nn.Module) -> dict[str, TableGroup]:
     groups = {}
     for path, m in model.named_modules():
         if isinstance(m, EmbeddingBagCollection):
-            groups[path] = TableGroup(True, {t.name: t.num_embeddings * t.embedding_dim for t in m.embedding_bag_configs()})
+            groups[path] = TableGroup(True, {t.name: t.num_embeddings * t.embedding_dim
+                                             for t in m.embedding_bag_configs()})
         elif isinstance(m, EmbeddingCollection):
-            groups[path] = TableGroup(False, {t.name: t.num_embeddings * t.embedding_dim for t in m.embedding_configs()})
+            groups[path] = TableGroup(False, {t.name: t.num_embeddings * t.embedding_dim
+                                              for t in m.embedding_configs()})
     return groups
 
 

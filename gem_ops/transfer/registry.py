@@ -44,7 +44,8 @@ def lineage_tags(mode: str, teacher: dict[str, Any] | None) -> dict[str, str]:
             tags[TEACHER_REPRESENTATIONS] = str(teacher["representations"])
         if teacher.get("teacher"):
             grand = teacher["teacher"]
-            tags.update({"teacher.teacher.model_name": grand["name"], "teacher.teacher.model_version": str(grand["version"])})
+            tags.update({"teacher.teacher.model_name": grand["name"],
+                         "teacher.teacher.model_version": str(grand["version"])})
     return tags
 
 
@@ -175,9 +176,10 @@ def promote_if_not_worse(client: MlflowClient, name: str, logs: SequenceLogs, in
         promoted = _not_worse(challenger["ne"], reference_ne, delta, allowed)
         reason = (f"NE {challenger['ne']:.4f} {against}: {delta:+.4f} "
                   f"(paired standard error {stderr:.4f}) {'<=' if promoted else '>'} {allowed:+.4f} allowed"
-                  + (f" (tolerance {ne_tolerance:+g} + {ne_standard_errors:g} standard errors)" if ne_standard_errors else ""))
-    decision = PromotionDecision(name, str(challenger_version), champion_version, challenger, champion, promoted, reason,
-                                 delta, stderr)
+                  + (f" (tolerance {ne_tolerance:+g} + {ne_standard_errors:g} standard errors)"
+                     if ne_standard_errors else ""))
+    decision = PromotionDecision(name, str(challenger_version), champion_version, challenger, champion, promoted,
+                                 reason, delta, stderr)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, str(challenger_version))
         if str(current_version(client, name, CHALLENGER)) == str(challenger_version):
@@ -214,8 +216,8 @@ def version_for_partition(client: MlflowClient, name: str, latest_partition: str
         if partition is not None and partition <= latest_partition:
             found.append((partition, int(version.version)))
     if not found:
-        raise LookupError(f"no version of registered model {name!r} was trained on a partition up to {latest_partition}: "
-                          "materialize gem_foundation_model for that day first")
+        raise LookupError(f"no version of registered model {name!r} was trained on a partition up to "
+                          f"{latest_partition}: materialize gem_foundation_model for that day first")
     partition, version = max(found)
     return str(version), partition
 

@@ -65,7 +65,8 @@ def share_tables(student: nn.Module, teacher: nn.Module, tables: tuple[str, ...]
     theirs, ours = embedding_tables(teacher), embedding_tables(student)
     for table in tables:
         if table not in theirs or table not in ours:
-            raise ValueError(f"cannot share embedding table {table!r}: teacher has {sorted(theirs)}, student {sorted(ours)}")
+            raise ValueError(f"cannot share embedding table {table!r}: teacher has {sorted(theirs)}, "
+                             f"student {sorted(ours)}")
         if theirs[table].shape != ours[table].shape:
             raise ValueError(f"cannot share embedding table {table!r}: teacher shape {tuple(theirs[table].shape)}, "
                              f"student {tuple(ours[table].shape)} (build the student with sharing_config)")
@@ -106,7 +107,8 @@ def fold_projections(model: nn.Module) -> nn.Module:
     key_of = lambda m: {id(p): name for name, p in m.named_parameters()}  # noqa: E731
     theirs, ours = key_of(model), key_of(folded)
     moved = {theirs[id(weights[table])] for table in projections}  # a table's key names its collection
-    state = {k: v for k, v in model.state_dict().items() if k not in moved and not k.startswith("embeddings.projections.")}
+    state = {k: v for k, v in model.state_dict().items()
+             if k not in moved and not k.startswith("embeddings.projections.")}
     new_tables = embedding_tables(folded)
     for table, projection in projections.items():
         state[ours[id(new_tables[table])]] = projection(weights[table].float()).to(weights[table].dtype)

@@ -48,7 +48,8 @@ class StudentRun:
     model: GEMModel
     result: TrainResult
     data: SequenceLogs | TeacherJoinedLogs  # what the student reads (teacher columns joined in)
-    adapter_report: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # {"teacher"|"adapted": eval report}
+    # {"teacher"|"adapted": eval report}
+    adapter_report: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     # With shared tables: which were kept ("fixed": the teacher's, or "trained") and each candidate's validation NE
     shared_tables: dict[str, Any] = field(default_factory=dict)
 
@@ -139,9 +140,11 @@ def train_student(
             if fixed is not None:
                 share_tables(model, teacher.model, transfer.shared_tables, fixed)
             # With two candidates each trains in a run of its own under the student's.
-            with (tracker.child(f"{label} shared tables") if len(choices) > 1 else contextlib.nullcontext(tracker)) as run:
+            with (tracker.child(f"{label} shared tables") if len(choices) > 1
+                  else contextlib.nullcontext(tracker)) as run:
                 model, result = train(data, plan, config, train_config, model=model, eval_indices=eval_indices,
-                                      tracker=run, checkpoint_dir=checkpoints, device=device)  # one process: whole model
+                                      tracker=run, checkpoint_dir=checkpoints,
+                                      device=device)  # one process: whole model
             if i + 1 < len(choices):
                 record_finished_candidate(checkpoints, model, result)
         runs.append((kept_validation_ne(result, model.objectives), label, model, result))
@@ -156,7 +159,8 @@ def train_student(
         # the kept one's too, so that it compares with any other model's run.
         tracker.log_params({"shared_tables": label} | (settings[label] if len(runs) > 1 else {}))
     if len(runs) > 1:
-        tracker.log_metrics({f"shared_tables.validation_ne.{who}": score for who, score in shared["validation_ne"].items()}
+        tracker.log_metrics({f"shared_tables.validation_ne.{who}": score
+                             for who, score in shared["validation_ne"].items()}
                             | flat_metrics(result.final_report), step=result.steps)
     return StudentRun(fold_projections(model), result, data, adapter_report, shared)  # at the student's own size
 

@@ -122,7 +122,8 @@ def representations_path(predictions_path: str | os.PathLike) -> Path:
 
 
 def write_user_representations(table: UserRepresentations, destination: str | os.PathLike) -> Path:
-    columns = {"domain": pa.array(np.asarray(table.domains, dtype=object)[table.domain] if len(table) else [], pa.string()),
+    columns = {"domain": pa.array(np.asarray(table.domains, dtype=object)[table.domain] if len(table) else [],
+                                  pa.string()),
                "user_id": pa.array(table.user_id, pa.int64()), "day": pa.array(table.day, pa.int64()),
                "representation": vector_column(table.vectors)}
     header = {"domains": list(table.domains), "teacher": table.teacher, "dim": table.dim}

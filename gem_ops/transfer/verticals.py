@@ -16,7 +16,8 @@ from gem_ops.data.loader import SequenceLogs
 from gem_ops.tracking import RunTracker
 from gem_ops.transfer.config import StudentSettings
 from gem_ops.transfer.hierarchy import DomainData, train_vertical_model
-from gem_ops.transfer.registry import CHALLENGER, PromotionDecision, lineage_tags, promote_if_not_worse, register_student
+from gem_ops.transfer.registry import (CHALLENGER, PromotionDecision, lineage_tags, promote_if_not_worse,
+                                     register_student)
 from gem_ops.transfer.knowledge import TeacherPredictions, predictions_quality
 from gem_ops.transfer.student import Teacher
 from gem_ops.transfer.windows import labelled_tasks
@@ -51,7 +52,8 @@ class VerticalOutcome:
         return {"version": self.version, "promoted": self.decision.promoted, "reason": self.decision.reason,
                 "eval_examples": int(self.figures["vertical"]["count"]),
                 **({"shared_tables": self.shared_tables} if self.shared_tables else {}),
-                **{f"{who}.{m}": round(v[m], 4) for who, v in self.figures.items() for m in ("auc", "ne", "calibration")}}
+                **{f"{who}.{m}": round(v[m], 4) for who, v in self.figures.items()
+                   for m in ("auc", "ne", "calibration")}}
 
 
 def comparison_examples(data: DomainData, limit: int, seed: int) -> np.ndarray:
@@ -61,7 +63,8 @@ def comparison_examples(data: DomainData, limit: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(data.eval, limit, replace=False))
 
 
-def vertical_objectives(logs: SequenceLogs, data: DomainData, settings: VerticalSettings) -> tuple[list[str], dict[str, str]]:
+def vertical_objectives(logs: SequenceLogs, data: DomainData,
+                        settings: VerticalSettings) -> tuple[list[str], dict[str, str]]:
     """The objectives of the domain that get a vertical, and for each objective left out, why (with its counts)."""
     compare = comparison_examples(data, settings.promotion_max_examples, settings.seed)
     labelled = [t for t in labelled_tasks(logs, data.train) if t in labelled_tasks(logs, compare)]
@@ -74,14 +77,15 @@ def vertical_objectives(logs: SequenceLogs, data: DomainData, settings: Vertical
         elif train_counts[task][0] and judged_counts[task][0]:
             left_out[f"{data.domain}/{task}"] = (
                 f"{train_positives} positives in {data.train.size} training examples and {judged_positives} in the "
-                f"{compare.size} eval examples it would be judged on; a vertical needs {settings.min_positives} in each "
-                f"(min_positives)")
+                f"{compare.size} eval examples it would be judged on; a vertical needs {settings.min_positives} in "
+                f"each (min_positives)")
     return tasks, left_out
 
 
 def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLogs, data: DomainData,
                      teacher: Teacher | None, settings: VerticalSettings, work_dir: Path, run_label: str,
-                     gem: TeacherPredictions | None = None, tasks: list[str] | None = None) -> Iterator[VerticalOutcome]:
+                     gem: TeacherPredictions | None = None,
+                     tasks: list[str] | None = None) -> Iterator[VerticalOutcome]:
     """A VerticalOutcome for each of `tasks` (default: vertical_objectives'), each model in its own MLflow run
     nested under `tracker`'s; `gem`: GEM's scores of the eval examples, for the figures beside it."""
     if tasks is None:
@@ -94,10 +98,12 @@ def domain_verticals(client: MlflowClient, tracker: RunTracker, logs: SequenceLo
     scored: dict = {}  # the teachers of this domain's models, scored once for all its comparisons
     for task in tasks:
         name = f"{settings.prefix}_{data.domain}_{task}"
-        tags = lineage_tags(settings.mode, teacher.identity if teacher else None) | {"domain": data.domain, "task": task}
+        tags = (lineage_tags(settings.mode, teacher.identity if teacher else None)
+                | {"domain": data.domain, "task": task})
         # The part that tells the models apart first: run names are cut short in MLflow's tables.
         with tracker.child(f"{data.domain}/{task} · {name} [{run_label}]", tags) as child:
-            vm = train_vertical_model(logs, judged, task, settings.base, train_config, work_dir / f"{data.domain}_{task}",
+            vm = train_vertical_model(logs, judged, task, settings.base, train_config,
+                                      work_dir / f"{data.domain}_{task}",
                                       settings.transfer, teacher, settings.shuffling, child)
             version = register_student(client, child.run_id, vm.model, vm.data, data.eval, name, tags, CHALLENGER)
             decision = promote_if_not_worse(client, name, logs, compare, task, version, settings.ne_tolerance, scored,

@@ -5,7 +5,8 @@ stores are coalesced; for 16-bit inputs only, see triton_cast_to_fp8), the trans
 a multiple of 16.
 
 Two reads and two narrow writes of the tensor, at any row count (benchmarks/mfu.py's dense-layer
-stage compares it with torchao's casts under torch.compile). Contract: kernels.fp8_cast.cast_to_fp8. Launches need CUDA or TRITON_INTERPRET=1 set before import.
+stage compares it with torchao's casts under torch.compile). Contract: kernels.fp8_cast.cast_to_fp8. Launches need CUDA
+or TRITON_INTERPRET=1 set before import.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def triton_cast_to_fp8(x: torch.Tensor, dtype: torch.dtype, transposed: bool, co
     # fp32 tensors (the weights) get their transposed copy from the row-major one.
     fused = transposed and x.dtype != torch.float32
     x8_t = torch.empty(cols if fused else 0, m_pad, dtype=dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(m_pad if fused else rows, meta["BLOCK_M"]), triton.cdiv(cols, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(m_pad if fused else rows, meta["BLOCK_M"]),  # noqa: E731
+                         triton.cdiv(cols, meta["BLOCK_N"]))
     _cast_kernel[grid](x, scale, x8, x8_t, rows, cols, m_pad, x.stride(0), FP8_LIMIT=FP8_MAX[dtype], TRANSPOSED=fused)
     if transposed and not fused:
         x8_t = x8.new_zeros(cols, m_pad)

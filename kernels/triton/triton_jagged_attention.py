@@ -997,7 +997,8 @@ def compiled_variants() -> int:
     rise outside a tuning run is a compile (or a load from Triton's disk cache) for a new specialisation."""
     functions = [f.fn if isinstance(f, triton.runtime.Autotuner) else f for f in globals().values()
                  if isinstance(f, (triton.runtime.JITFunction, triton.runtime.Autotuner))]
-    return sum(len(caches[0]) for f in functions for caches in getattr(f, "device_caches", {}).values())  # none interpreted
+    return sum(len(caches[0]) for f in functions
+               for caches in getattr(f, "device_caches", {}).values())  # none interpreted
 
 
 _launch_forward = _TunedLaunch(_forward_kernel, _KV_DESCRIPTORS)
