@@ -30,7 +30,7 @@ import numpy as np
 
 from gem_ops.data.atomic import atomic_path
 from gem_ops.data.loader import SequenceLogs
-from gem_ops.model.config import model_config
+from gem_ops.model.config import FeatureSpec, model_config
 from gem_ops.tracking import RunTracker
 from gem_ops.train.batches import PlanSchedule, plan_for_world_size
 from gem_ops.train.config import TrainConfig
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> 
                               union_of_ranks=args.union_of_ranks, reporter=reporter, step_hooks=step_hooks,
                               export_model_state=True)
             metadata = {**result.metadata(), "losses": result.losses}
-            objectives = tuple(model.tasks) or tuple(logs.objectives)
-            views = run_page_views(result, logs.surfaces, objectives) if rank == 0 else {}
+            spec = FeatureSpec.from_logs(logs)
+            views = run_page_views(result, spec.surfaces, model.objectives(spec)) if rank == 0 else {}
             if rank == 0:
                 metadata["model_version"] = log_to_mlflow(tracker, logs, result, args.registered_model_name)
         else:
