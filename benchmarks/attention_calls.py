@@ -17,14 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import save
+from kernels.triton.triton_jagged_attention import _pad as padded_head_dim  # the dim the kernels compute at
 
 TILES = ((128, 64), (128, 128), (64, 64), (32, 32))  # (BLOCK_M, BLOCK_N): the forward's configs, and a smaller one
 RUN_WIDTH = 0.0625  # the forward that records the calls: lengths are the same at every width
-
-
-def padded_head_dim(dim: int) -> int:
-    """The head dim the kernels compute at (kernels/triton: powers of two from 16)."""
-    return max(16, 1 << (dim - 1).bit_length())
 
 
 def tile_work(q_lengths: np.ndarray, kv_lengths: np.ndarray, block_m: int, block_n: int) -> float:
@@ -87,7 +83,8 @@ def main() -> None:
     plan = read_rank_plan(args.data / "plans" / "world_size=1.parquet", 0)
     spec, run_config = FeatureSpec.from_logs(logs), model_config(args.preset, width=RUN_WIDTH, **history)
     names = call_names(run_config)
-    totals = {name: {"pairs": 0.0, "sequences": 0, "queries": 0.0, "keys": 0.0, **{f"{m}x{n}": 0.0 for m, n in TILES}}
+    tiles = [f"{m}x{n}" for m, n in TILES]
+    totals = {name: {"pairs": 0.0, "sequences": 0, "queries": 0.0, "keys": 0.0, "tiles": dict.fromkeys(tiles, 0.0)}
               for name in names}
     steps = np.linspace(0, len(plan) - 1, args.steps).round().astype(int)
     for step in steps:
@@ -100,15 +97,15 @@ def main() -> None:
             row["sequences"] += q.size
             row["queries"] += float(q.sum())
             row["keys"] += float(kv.sum())
-            for m, n in TILES:
-                row[f"{m}x{n}"] += tile_work(q, kv, m, n)
+            for tile, (m, n) in zip(tiles, TILES):
+                row["tiles"][tile] += tile_work(q, kv, m, n)
     all_pairs = sum(row["pairs"] for row in totals.values())
     per_call = {name: {"share_of_pairs": row["pairs"] / all_pairs,
                        "mean_query_length": row["queries"] / row["sequences"],
                        "mean_key_length": row["keys"] / row["sequences"],
-                       "tile_fill": {tile: row["pairs"] / row[tile] for tile in row if "x" in tile}}
+                       "tile_fill": {tile: row["pairs"] / work for tile, work in row["tiles"].items()}}
                 for name, row in totals.items()}
-    fill = {f"{m}x{n}": all_pairs / sum(row[f"{m}x{n}"] for row in totals.values()) for m, n in TILES}
+    fill = {tile: all_pairs / sum(row["tiles"][tile] for row in totals.values()) for tile in tiles}
     results = {"head_dim": head_dim, "padded_head_dim": padded_head_dim(head_dim),
                "head_dim_fill": head_dim / padded_head_dim(head_dim), "tile_fill": fill,
                "real_work_share": {tile: f * head_dim / padded_head_dim(head_dim) for tile, f in fill.items()},
