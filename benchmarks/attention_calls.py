@@ -7,6 +7,15 @@ head dim is the configured shape's.
 
     python -m benchmarks.mfu_data .gpu_data/mfu
     python -m benchmarks.attention_calls --data .gpu_data/mfu --width 0.5 --max-history-len 512
+
+With --save-calls FILE the recorded lengths of --timed-steps of those steps are kept (npz, host); on a GPU,
+--time-calls FILE runs each of those calls as the model makes it (bf16, the shape's heads and head dim; self
+attention reads q, k and v from one fused projection, the cross attention its k and v) and reports its kernels'
+device time, forward and forward + backward, from the profiler (tile lists cached, as every layer after a step's
+first finds them):
+
+    python -m benchmarks.attention_calls --data .gpu_data/mfu --save-calls .gpu_data/calls_w05_L512.npz
+    python -m benchmarks.attention_calls --time-calls .gpu_data/calls_w05_L512.npz --output-name NAME   # GPU
 """
 
 from __future__ import annotations
@@ -61,15 +70,87 @@ def call_names(config) -> list[str]:
             for kind in ("self", "cross")]
 
 
+def save_calls(path: Path, recorded: list[list[tuple]], names: list[str], heads: int, head_dim: int) -> None:
+    """Each recorded step's calls (query lengths, key lengths, causal) under "step|name|field", with the shape."""
+    arrays = {"heads": np.array(heads), "head_dim": np.array(head_dim)}
+    for step, calls in enumerate(recorded):
+        for name, (q, kv, causal) in zip(names, calls):
+            arrays.update({f"{step}|{name}|q": q, f"{step}|{name}|kv": kv, f"{step}|{name}|causal": np.array(causal)})
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+
+
+def time_calls(path: Path) -> dict:
+    """Device ms of each saved call's kernels, forward and forward + backward, and per step: (see the module)."""
+    import torch
+
+    from benchmarks.jagged_attention import kernel_times
+    from kernels.jagged_attention import jagged_attention
+    from kernels.triton import triton_jagged_attention as kernel
+
+    saved = np.load(path)
+    heads, head_dim = int(saved["heads"]), int(saved["head_dim"])
+    keys = sorted({tuple(k.split("|")[:2]) for k in saved.files if "|" in k}, key=lambda k: (int(k[0]), k[1]))
+    per_call: dict[str, dict[str, list[float]]] = {}
+    for step, name in keys:
+        q_lengths, kv_lengths = (saved[f"{step}|{name}|{field}"] for field in ("q", "kv"))
+        causal, cross = bool(saved[f"{step}|{name}|causal"]), "cross" in name.split()
+        q_offsets, kv_offsets = (torch.tensor(np.concatenate([[0], np.cumsum(x)]), device="cuda")
+                                 for x in (q_lengths, kv_lengths))
+        dims = (heads, head_dim)
+        fused_kv = torch.randn(int(kv_lengths.sum()), (2 if cross else 3) * heads, head_dim, device="cuda",
+                               dtype=torch.bfloat16, requires_grad=True)
+        leaves = (torch.randn(int(q_lengths.sum()), *dims, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+                  fused_kv) if cross else (fused_kv,)
+
+        def attend():
+            q, k, v = (leaves[0], *fused_kv.split(heads, dim=1)) if cross else fused_kv.split(heads, dim=1)
+            return jagged_attention(q, k, v, q_offsets, kv_offsets if cross else None, causal=causal)
+
+        d_out = torch.randn(int(q_lengths.sum()), *dims, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            forward = sum(kernel_times(attend).values())
+        both = sum(kernel_times(lambda: torch.autograd.grad(attend(), leaves, d_out)).values())
+        row = per_call.setdefault(name, {"fwd_ms": [], "fwd_bwd_ms": []})
+        row["fwd_ms"].append(forward)
+        row["fwd_bwd_ms"].append(both)
+        print(f"step {step} {name:24s} forward {forward:7.3f} ms  forward + backward {both:7.3f} ms", flush=True)
+    steps = len({step for step, _ in keys})
+    chosen = {name: {" ".join(map(str, key)): str(config) for key, config in launch.chosen.items()}
+              for name, launch in (("forward", kernel._launch_forward), ("dq", kernel._launch_dq),
+                                   ("dkdv", kernel._launch_dkdv))}
+    results = {"heads": heads, "head_dim": head_dim, "steps": steps, "device": torch.cuda.get_device_name(),
+               "chosen_configs": chosen,
+               "per_call": {name: {field: float(np.mean(values)) for field, values in row.items()}
+                            for name, row in per_call.items()}}
+    results["per_step"] = {field: sum(row[field] for row in results["per_call"].values())
+                           for field in ("fwd_ms", "fwd_bwd_ms")}
+    for kind in ("self", "cross"):
+        results[f"{kind}_share_of_fwd_bwd"] = sum(row["fwd_bwd_ms"] for name, row in results["per_call"].items()
+                                                  if name.endswith(kind)) / results["per_step"]["fwd_bwd_ms"]
+    print(f"a step's attention: forward {results['per_step']['fwd_ms']:.2f} ms, forward + backward "
+          f"{results['per_step']['fwd_bwd_ms']:.2f} ms")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, required=True, help="mfu_data's folder (sequence_logs, plans)")
+    parser.add_argument("--data", type=Path, help="mfu_data's folder (sequence_logs, plans)")
     parser.add_argument("--preset", default="gem_gpu")
     parser.add_argument("--width", type=float, default=0.5)
     parser.add_argument("--max-history-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8, help="plan steps, evenly spaced over the plan")
     parser.add_argument("--output-name", default="attention_calls_w05_L512")
+    parser.add_argument("--save-calls", type=Path, help="keep the recorded lengths of --timed-steps steps (npz)")
+    parser.add_argument("--timed-steps", type=int, default=2, help="with --save-calls: the first this many steps")
+    parser.add_argument("--time-calls", type=Path, help="GPU: time the calls a --save-calls file holds")
     args = parser.parse_args()
+    if args.time_calls:
+        save(args.output_name, vars(args), time_calls(args.time_calls))
+        return
+    if args.data is None:
+        parser.error("--data is required (or --time-calls)")
 
     from gem_ops.data.batch_shuffling import read_rank_plan
     from gem_ops.data.loader import SequenceLogs
@@ -87,8 +168,10 @@ def main() -> None:
     totals = {name: {"pairs": 0.0, "sequences": 0, "queries": 0.0, "keys": 0.0, "tiles": dict.fromkeys(tiles, 0.0)}
               for name in names}
     steps = np.linspace(0, len(plan) - 1, args.steps).round().astype(int)
+    recorded = []
     for step in steps:
         calls = recorded_calls(spec, run_config, logs.batch(plan[step], args.max_history_len))
+        recorded.append(calls)
         if len(calls) != len(names):
             raise RuntimeError(f"{len(calls)} attention calls, expected {len(names)} ({names})")
         for name, (q, kv, _) in zip(names, calls):
@@ -119,6 +202,10 @@ def main() -> None:
     print("every call: fill " + " ".join(f"{tile} {f:.2f}" for tile, f in fill.items()) +
           "; real work with the head dim's padding: " +
           " ".join(f"{tile} {f:.2f}" for tile, f in results["real_work_share"].items()))
+    if args.save_calls:
+        save_calls(args.save_calls, recorded[:args.timed_steps], names, shape.sequence.heads, head_dim)
+        print(f"saved the calls of {min(args.timed_steps, len(recorded))} steps to {args.save_calls}")
+        return
     save(args.output_name, {**vars(args), "steps_used": steps.tolist(), "tiles": TILES}, results)
 
 

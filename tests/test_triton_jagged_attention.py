@@ -397,7 +397,8 @@ def test_tile_table_matches_reference_on_gpu(causal):
     q_lengths = (torch.rand(300, generator=generator) ** 3 * 3000).long().tolist()
     kv_lengths = (torch.rand(300, generator=generator) ** 3 * 3000).long().tolist()
     for kv in (None, kv_lengths):
-        check_tile_table(q_lengths, kv, causal, _parts(), "cuda")
+        for short_queries in (False, True):
+            check_tile_table(q_lengths, kv, causal, _parts(short_queries), "cuda")
 
 
 @pytest.mark.gpu
@@ -416,22 +417,29 @@ def test_fp8_forward_matches_reference_on_gpu(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("head_dim,activation", [(64, "softmax"), (128, "softmax"), (64, "silu"), (256, "softmax"),
-                                                 (192, "silu")])
-def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, monkeypatch):
+@pytest.mark.parametrize("head_dim,activation,short_queries", [
+    (64, "softmax", False), (128, "softmax", False), (64, "silu", False), (256, "softmax", False),
+    (192, "silu", False), (96, "softmax", True), (128, "silu", True), (256, "softmax", True)])
+def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, short_queries, monkeypatch):
     """Autotuning runs one config per shape, so each config the kernels may choose at this head dim on this GPU (and
     the small-footprint fallbacks) is run here, one per kernel at a time, not only the winners: none may fail to
-    launch for want of shared memory."""
+    launch for want of shared memory. With short queries, a candidate's cross attention (1-3 queries over a long
+    tail of keys) on the short-query configs."""
     from kernels.triton import triton_jagged_attention as kernel
 
     names = ("forward", "dq", "dkdv")
     tuners = (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel)
     limit = kernel._shared_memory_limit(torch.cuda.current_device())
     configs = [kernel._choose_configs(name, tuner.configs, kernel._pad(head_dim), kernel._pad(head_dim),
-                                      torch.bfloat16, limit)
+                                      torch.bfloat16, limit, short_queries=short_queries)
                + [c for c in tuner.configs if any(c is x for x in kernel._FALLBACK_CONFIGS)]
                for name, tuner in zip(names, tuners)]
-    case = Case(_long_tail(4, 16, 200, 1500), None, True, activation, 2, head_dim)
+    if short_queries:
+        assert all(any(c is x for x in kernel._SHORT_QUERY_CONFIGS) for options in configs for c in options[:-1])
+        kv_lengths = _long_tail(4, 24, 200, 1500)
+        case = Case(tuple(1 + i % 3 for i in range(len(kv_lengths))), kv_lengths, False, activation, 2, head_dim)
+    else:
+        case = Case(_long_tail(4, 16, 200, 1500), None, True, activation, 2, head_dim)
     for round_ in range(max(map(len, configs))):
         for tuner, options in zip(tuners, configs):
             monkeypatch.setattr(tuner, "configs", [options[round_ % len(options)]])
@@ -627,29 +635,38 @@ def _tuners():
 
 
 def _chosen(name: str, dim: int, value_dim: int, dtype=torch.bfloat16, limit: int = H200_SHARED_BYTES,
-            atomic_dq: bool = False):
+            atomic_dq: bool = False, short_queries: bool = False):
     from kernels.triton import triton_jagged_attention as kernel
 
     return kernel._choose_configs(name, _tuners()[name].configs, kernel._pad(dim), kernel._pad(value_dim), dtype,
-                                  limit, atomic_dq)
+                                  limit, atomic_dq, short_queries)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter has one config per kernel")
 def test_configs_are_chosen_by_head_dim_and_shared_memory():
     """Each kernel's configs for a head dim: the tuned lists unchanged up to 128 (the one-warpgroup ones up to 64),
-    the large-head ones above; every one within the H200's shared memory by its estimate, for every head and value
-    dim up to 256 and every input dtype; the smallest fitting one where a head dim's own do not fit; a ValueError
-    naming the dims where nothing fits."""
+    the large-head ones above, the short-query ones alone for calls of few queries per sequence (except in FP8);
+    every one within the H200's shared memory by its estimate, for every head and value dim up to 256 and every
+    input dtype; the smallest fitting one where a head dim's own do not fit; a ValueError naming the dims where
+    nothing fits."""
     from kernels.triton import triton_jagged_attention as kernel
 
     assert all(t.early_config_prune.__qualname__.startswith("_pruner") for t in _tuners().values())
     own_lists = {"forward": kernel._FWD_LARGE_HEAD, "dq": kernel._DQ_LARGE_HEAD, "dkdv": kernel._DKDV_LARGE_HEAD}
     for name, tuner in _tuners().items():
         configs = tuner.configs
+        short = [c for c in configs if any(c is x for x in kernel._SHORT_QUERY_CONFIGS)]
         extra = [c for c in configs if any(c is x for x in kernel._LARGE_HEAD_CONFIGS + kernel._FALLBACK_CONFIGS)]
-        tuned = [c for c in configs if not any(c is x for x in extra)]
+        tuned = [c for c in configs if not any(c is x for x in extra + short)]
         small = [c for c in tuned if any(c is x for x in kernel._SMALL_HEAD_CONFIGS)]
-        assert small and extra and configs[:len(tuned)] == tuned
+        assert small and extra and short and configs[:len(tuned)] == tuned
+        assert _chosen(name, 96, 96, short_queries=True) == _chosen(name, 32, 16, short_queries=True) == short
+        wide_short = [c for c in short if name != "dkdv" or (c.kwargs["BLOCK_N"], c.num_warps) == (64, 8)]
+        assert _chosen(name, 256, 256, short_queries=True) == [
+            c for c in wide_short if kernel.shared_memory_bytes(name, c, 256, 256, torch.bfloat16) <= H200_SHARED_BYTES]
+        if name == "forward":  # FP8 keeps the tuned lists
+            assert _chosen(name, 128, 128, torch.float8_e4m3fn, short_queries=True) == \
+                _chosen(name, 128, 128, torch.float8_e4m3fn)
         assert _chosen(name, 64, 64) == tuned and _chosen(name, 16, 8) == tuned
         assert _chosen(name, 128, 128) == _chosen(name, 96, 64) == [c for c in tuned if not any(c is x for x in small)]
         assert _chosen(name, 256, 256) == _chosen(name, 192, 16) == own_lists[name]
@@ -661,7 +678,8 @@ def test_configs_are_chosen_by_head_dim_and_shared_memory():
                 for value_dim in {dim, 64, 256}:
                     if dtype == torch.float8_e4m3fn and name != "forward":
                         continue  # FP8 runs the forward only
-                    for c in _chosen(name, dim, value_dim, dtype):
+                    for c in _chosen(name, dim, value_dim, dtype) + _chosen(name, dim, value_dim, dtype,
+                                                                            short_queries=True):
                         need = kernel.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim), dtype)
                         assert need <= H200_SHARED_BYTES, (name, dim, value_dim, dtype, c)
         # fp32 at 256: none of the large-head configs fits, the fallback does
@@ -698,10 +716,13 @@ def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
         for dim, value_dim, dtype, options in dims:
             if dtype == torch.float8_e4m3fn and name != "forward":
                 continue
-            atomic_dq = options.get("atomic_dq", False)
-            for c in _chosen(name, dim, value_dim, dtype, atomic_dq=atomic_dq)[:1 if first_only else None]:
-                compiled = compile_for_hopper(tuner.fn, c, dim, value_dim, dtype=COMPILE_DTYPES[dtype], **options)
-                need = kernel.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim), dtype, atomic_dq)
+            compile_options = {k: v for k, v in options.items() if k != "short_queries"}
+            for c in _chosen(name, dim, value_dim, dtype, atomic_dq=options.get("atomic_dq", False),
+                             short_queries=options.get("short_queries", False))[:1 if first_only else None]:
+                compiled = compile_for_hopper(tuner.fn, c, dim, value_dim, dtype=COMPILE_DTYPES[dtype],
+                                              **compile_options)
+                need = kernel.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim), dtype,
+                                                  options.get("atomic_dq", False))
                 row = dict(kernel=name, dim=dim, value_dim=value_dim, dtype=str(dtype), **options, **c.kwargs,
                            warps=c.num_warps, stages=c.num_stages, shared=compiled.metadata.shared, estimate=need)
                 assert compiled.metadata.shared <= need <= H200_SHARED_BYTES, row
@@ -717,12 +738,15 @@ def test_first_chosen_configs_fit_hopper_shared_memory_at_head_dim_256():
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper instead")
 def test_every_chosen_config_fits_hopper_shared_memory():
-    """About 150 host compiles (a few minutes): head dims 16 to 256 in bf16; cross dims, SiLU, full attention, fp32,
-    the FP8 forward and the dk/dv kernel adding dq (JAGGED_ATTENTION_ATOMIC_DQ=1) at the large dims."""
+    """About 200 host compiles (a few minutes): head dims 16 to 256 in bf16; cross dims, SiLU, full attention, fp32,
+    the FP8 forward and the dk/dv kernel adding dq (JAGGED_ATTENTION_ATOMIC_DQ=1) at the large dims; the short-query
+    configs of a candidate's cross attention (full, softmax and SiLU)."""
     dims = [(d, d, torch.bfloat16, {}) for d in (16, 32, 64, 96, 128, 192, 256)]
     dims += [(256, 64, torch.bfloat16, {"silu": True, "causal": False}), (64, 256, torch.bfloat16, {}),
              (256, 256, torch.float32, {}), (128, 128, torch.float32, {}), (256, 256, torch.float8_e4m3fn, {}),
              (128, 128, torch.bfloat16, {"atomic_dq": True}), (256, 256, torch.bfloat16, {"atomic_dq": True})]
+    dims += [(d, d, torch.bfloat16, {"short_queries": True, "causal": False, "silu": silu})
+             for d, silu in ((32, False), (96, False), (128, True), (256, False))]
     _check_compiled_shared_memory(dims, first_only=False)
 
 

@@ -88,6 +88,7 @@ if INTERPRETING:
     _SMALL_HEAD_CONFIGS: list[triton.Config] = []
     _LARGE_HEAD_CONFIGS: list[triton.Config] = []
     _FALLBACK_CONFIGS: list[triton.Config] = []
+    _SHORT_QUERY_CONFIGS: list[triton.Config] = []
 else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config that _choose_configs allows: fewer compiles, e.g. in tests
     # The *_SMALL_HEAD configs run only for head dims up to SMALL_HEAD_DIM (_choose_configs): there one
     # warpgroup per program, two programs per multiprocessor, lets one program's softmax overlap the other's
@@ -108,21 +109,33 @@ else:  # JAGGED_ATTENTION_AUTOTUNE=0 keeps the first config that _choose_configs
     _FWD_FALLBACK = _configs([(64, 32, 4, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DQ_FALLBACK = _configs([(64, 16, 8, 2)], "BLOCK_M", "BLOCK_N", _KV_BLOCKS)
     _DKDV_FALLBACK = _configs([(64, 16, 8, 2)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS)
+    # The *_SHORT_QUERY configs alone run for calls whose sequences hold SHORT_QUERY_LEN queries or fewer on average
+    # (a candidate's cross attention over its history, short branches): query blocks of 16 rows, where 64 or 128
+    # were 1-3% real rows. Their tiles of 16 queries are built only for such calls (_parts_of).
+    _FWD_SHORT_QUERY = _configs([(16, 32, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (16, 128, 4, 2)], "BLOCK_M",
+                                "BLOCK_N", _KV_BLOCKS)
+    _DQ_SHORT_QUERY = _configs([(16, 32, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (16, 128, 4, 2)], "BLOCK_M",
+                               "BLOCK_N", _KV_BLOCKS)
+    _DKDV_SHORT_QUERY = _configs([(64, 16, 4, 3), (64, 16, 4, 2), (64, 16, 8, 3), (128, 16, 8, 3)], "BLOCK_N",
+                                 "BLOCK_M", _Q_BLOCKS)
     _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)], "BLOCK_M", "BLOCK_N",
-                            _KV_BLOCKS) + _FWD_SMALL_HEAD + _FWD_LARGE_HEAD + _FWD_FALLBACK
+                            _KV_BLOCKS) + _FWD_SMALL_HEAD + _FWD_LARGE_HEAD + _FWD_FALLBACK + _FWD_SHORT_QUERY
     _DQ_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
-                           "BLOCK_M", "BLOCK_N", _KV_BLOCKS) + _DQ_SMALL_HEAD + _DQ_LARGE_HEAD + _DQ_FALLBACK
+                           "BLOCK_M", "BLOCK_N", _KV_BLOCKS) + _DQ_SMALL_HEAD + _DQ_LARGE_HEAD + _DQ_FALLBACK \
+        + _DQ_SHORT_QUERY
     _DKDV_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
                               (128, 64, 8, 4), (64, 64, 4, 4)], "BLOCK_N", "BLOCK_M", _Q_BLOCKS) + _DKDV_SMALL_HEAD \
-        + _DKDV_LARGE_HEAD + _DKDV_FALLBACK
+        + _DKDV_LARGE_HEAD + _DKDV_FALLBACK + _DKDV_SHORT_QUERY
     _SMALL_HEAD_CONFIGS = _FWD_SMALL_HEAD + _DQ_SMALL_HEAD + _DKDV_SMALL_HEAD
     _LARGE_HEAD_CONFIGS = _FWD_LARGE_HEAD + _DQ_LARGE_HEAD + _DKDV_LARGE_HEAD
     _FALLBACK_CONFIGS = _FWD_FALLBACK + _DQ_FALLBACK + _DKDV_FALLBACK
+    _SHORT_QUERY_CONFIGS = _FWD_SHORT_QUERY + _DQ_SHORT_QUERY + _DKDV_SHORT_QUERY
 
 AUTOTUNE = os.environ.get("JAGGED_ATTENTION_AUTOTUNE") != "0"
 SMALL_HEAD_DIM = 64
 LARGE_HEAD_DIM = 128  # padded head dims above this take the *_LARGE_HEAD configs
 MAX_HEAD_DIM = 256  # head and value dims the kernels serve (those below 16 padded to 16)
+SHORT_QUERY_LEN = 16  # calls with at most this many queries per sequence on average take the *_SHORT_QUERY configs
 
 
 def shared_memory_bytes(kernel: str, config: triton.Config, d_pad: int, dv_pad: int, dtype: torch.dtype,
@@ -145,15 +158,23 @@ def shared_memory_bytes(kernel: str, config: triton.Config, d_pad: int, dv_pad: 
 
 
 def _choose_configs(kernel: str, configs: list[triton.Config], d_pad: int, dv_pad: int, dtype: torch.dtype,
-                    shared_limit: int, atomic_dq: bool = False) -> list[triton.Config]:
+                    shared_limit: int, atomic_dq: bool = False, short_queries: bool = False) -> list[triton.Config]:
     """The configs worth timing for these padded dims, among those whose shared memory fits `shared_limit`: the
-    head dim's own list (small, tuned or large heads); if none of it fits, the fitting config with the least
-    shared memory; a list holding none of the head dim's own (as a test sets one config at a time) is taken
-    whole. ValueError when nothing fits. Without autotuning, the first one."""
+    head dim's own list (small, tuned or large heads; short-query ones for calls of few queries per sequence,
+    except in FP8); if none of it fits, the fitting config with the least shared memory; a list holding none of
+    the head dim's own (as a test sets one config at a time) is taken whole. ValueError when nothing fits.
+    Without autotuning, the first one."""
     dim = max(d_pad, dv_pad)
+    short = short_queries and dtype != torch.float8_e4m3fn
 
     def own(c: triton.Config) -> bool:
         if any(c is x for x in _FALLBACK_CONFIGS):
+            return False
+        if any(c is x for x in _SHORT_QUERY_CONFIGS):
+            # Above 128 dk and dv spill but in key tiles of 64 over 8 warps (kilobytes with 4 warps, or tiles of 128).
+            wide = kernel == "dkdv" and dim > LARGE_HEAD_DIM
+            return short and (not wide or (c.kwargs["BLOCK_N"] <= 64 and c.num_warps == 8))
+        if short:
             return False
         if dim > LARGE_HEAD_DIM:
             return any(c is x for x in _LARGE_HEAD_CONFIGS)
@@ -181,7 +202,8 @@ def _pruner(kernel: str):
     def prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
         q = nargs["q_ptr"]
         return _choose_configs(kernel, configs, kwargs["D_PAD"], kwargs["DV_PAD"], q.dtype,
-                               _shared_memory_limit(q.device.index or 0), kwargs.get("ADD_DQ", False))
+                               _shared_memory_limit(q.device.index or 0), kwargs.get("ADD_DQ", False),
+                               nargs["query_bucket"] <= SHORT_QUERY_LEN)
 
     return prune
 
@@ -192,7 +214,7 @@ def _shared_memory_limit(device_index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
-_AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "CAUSAL", "SILU", "TMA"]
+_AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "query_bucket", "CAUSAL", "SILU", "TMA"]
 
 
 # JAGGED_ATTENTION_ATOMIC_DQ=1: the dk/dv kernel also adds dS^T K into an fp32 dq with atomics
@@ -626,7 +648,7 @@ def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_ba
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, stats_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
     descale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stats_stride,
-    total_q, num_seqs, num_heads, scale, length_bucket,
+    total_q, num_seqs, num_heads, scale, length_bucket, query_bucket,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -747,7 +769,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_ba
 def _dq_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, stats_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
     tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stats_stride, delta_offset, num_heads, scale, length_bucket,
+    stride_dqt, stride_dqh, stats_stride, delta_offset, num_heads, scale, length_bucket, query_bucket,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -854,7 +876,8 @@ def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, stats_ptr, stats_desc, dk_ptr, dv_ptr, dq_ptr, dq_desc,
     q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
     stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-    stats_stride, delta_offset, num_heads, scale, length_bucket, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+    stats_stride, delta_offset, num_heads, scale, length_bucket, query_bucket, HEAD_DIM: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
     D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr,
     ADD_DQ: tl.constexpr, DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -903,13 +926,17 @@ class _Problem:
 
     def __init__(self, q, k, v, q_offsets, kv_offsets, causal: bool, silu: bool, scale: float):
         self.total_q, self.total_kv = q.shape[0], k.shape[0]
-        tiles = tile_cache.get(q_offsets, kv_offsets, q.device, self.total_q, self.total_kv, _parts(), causal)
+        num_seqs = q_offsets.numel() - 1
+        # Autotuning is keyed on the mean sequence length (bucketed) and the mean query count: the maxima would
+        # need the offsets read back to the host on every call.
+        self.query_bucket = triton.next_power_of_2(max(self.total_q // max(num_seqs, 1), SHORT_QUERY_LEN))
+        short_queries = self.query_bucket <= SHORT_QUERY_LEN
+        tiles = tile_cache.get(q_offsets, kv_offsets, q.device, self.total_q, self.total_kv, _parts(short_queries),
+                               causal)
         self.q_offsets, self.kv_offsets, self.table = tiles.q_offsets, tiles.kv_offsets, tiles.table
-        self.num_seqs = self.q_offsets.numel() - 1
+        self.num_seqs = num_seqs
         self.num_heads, self.head_dim, self.value_dim = q.shape[1], q.shape[2], v.shape[2]
         self.causal, self.silu, self.scale = causal, silu, scale
-        # Autotuning is keyed on the mean sequence length (bucketed): the maximum would need the
-        # offsets read back to the host on every call.
         mean_length = max(self.total_q, self.total_kv) // max(self.num_seqs, 1)
         self.length_bucket = triton.next_power_of_2(max(mean_length, 16))
         self.stats_stride = stats_stride(self.total_q, self.num_seqs)
@@ -918,7 +945,7 @@ class _Problem:
     def tuning_key(self, *extra) -> tuple:
         """What the autotuners key on (_AUTOTUNE_KEY and the tensors' dtypes), for _TunedLaunch: this problem's
         dims, length bucket and flags, and `extra` (the call's TMA and other flags, its tensors' dtypes)."""
-        return (self.head_dim, self.value_dim, self.length_bucket, self.causal, self.silu,
+        return (self.head_dim, self.value_dim, self.length_bucket, self.query_bucket, self.causal, self.silu,
                 *(x.dtype if isinstance(x, torch.Tensor) else x for x in extra))
 
     def constexprs(self) -> dict:
@@ -933,17 +960,19 @@ def stats_stride(total_q, num_seqs):
     return 16 * ((total_q + 4 * num_seqs + 4 + 15) // 16)
 
 
-def _parts() -> tuple:
-    """(direction, block size) of every table the kernels may read: 0 query blocks, 1 key blocks."""
-    return _parts_of(ATOMIC_DQ)
+def _parts(short_queries: bool = False) -> tuple:
+    """(direction, block size) of every table the kernels may read: 0 query blocks, 1 key blocks; the short-query
+    configs' blocks only for calls that may run them (a table's width, and its build, grow as its blocks shrink)."""
+    return _parts_of(ATOMIC_DQ, short_queries)
 
 
 @functools.lru_cache(maxsize=None)
-def _parts_of(atomic_dq: bool) -> tuple:
-    query_sizes = set(_tile_sizes(_FWD_CONFIGS, "BLOCK_M"))
-    if not atomic_dq:
-        query_sizes |= set(_tile_sizes(_DQ_CONFIGS, "BLOCK_M"))
-    return tuple((0, s) for s in sorted(query_sizes)) + tuple((1, s) for s in _tile_sizes(_DKDV_CONFIGS, "BLOCK_N"))
+def _parts_of(atomic_dq: bool, short_queries: bool) -> tuple:
+    kernels = [(_FWD_CONFIGS, "BLOCK_M", 0), (_DKDV_CONFIGS, "BLOCK_N", 1)] + \
+        ([] if atomic_dq else [(_DQ_CONFIGS, "BLOCK_M", 0)])
+    parts = {(direction, c.kwargs[block]) for configs, block, direction in kernels for c in configs
+             if short_queries or not any(c is x for x in _SHORT_QUERY_CONFIGS)}
+    return tuple(sorted(parts))
 
 
 def clear_tile_cache() -> None:
@@ -953,10 +982,6 @@ def clear_tile_cache() -> None:
 
 def _pad(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))  # tl.dot needs power-of-two sides of at least 16
-
-
-def _tile_sizes(configs: list[triton.Config], name: str) -> list[int]:
-    return sorted({c.kwargs[name] for c in configs})
 
 
 class _TunedLaunch:
@@ -1024,7 +1049,7 @@ def _forward(p: _Problem, q, k, v, descale=None):
         q, k, v, k_desc, v_desc, out, stats_arg, p.q_offsets, p.kv_offsets, table.tiles,
         table.index[0], descale if fp8 else stats_arg, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), p.stats_stride, p.total_q, p.num_seqs, p.num_heads,
-        p.scale, p.length_bucket, TMA=tma, FP8=fp8, **p.constexprs(),
+        p.scale, p.length_bucket, p.query_bucket, TMA=tma, FP8=fp8, **p.constexprs(),
     )
     return out, stats
 
@@ -1085,7 +1110,7 @@ def _query_stats(p: _Problem, device) -> torch.Tensor:
 def _backward_prologue(p: _Problem, out, d_out, stats, dq, dk, dv, zero_dq: bool) -> None:
     """delta into the statistics (softmax) and zeros in the gradients' rows outside every sequence, in one small
     launch over the query tiles."""
-    block = min(size for direction, size in _parts() if direction == 0)
+    block = min(size for direction, size in p.table.capacity if direction == 0)
     _backward_prologue_kernel[(p.table.capacity[(0, block)], p.num_heads)](
         out, d_out, stats, dq, dk, dv, p.q_offsets, p.kv_offsets, p.table.tiles, p.table.index[0], out.stride(0),
         out.stride(1), d_out.stride(0), d_out.stride(1), p.stats_stride, stats.stride(0), p.total_q, p.total_kv,
@@ -1124,7 +1149,8 @@ def _backward(p: _Problem, q, k, v, out, stats, d_out):
         dk, dv, dq, descriptors["dq_desc"], p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
         d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
-        stats_stride, delta_offset, p.num_heads, p.scale, p.length_bucket, TMA=tma, ADD_DQ=atomic, DQ_TMA=dq_tma,
+        stats_stride, delta_offset, p.num_heads, p.scale, p.length_bucket, p.query_bucket, TMA=tma, ADD_DQ=atomic,
+        DQ_TMA=dq_tma,
         **p.constexprs(),
     )
     if not atomic:
@@ -1134,7 +1160,7 @@ def _backward(p: _Problem, q, k, v, out, stats, d_out):
             {"k_desc": k_desc, "v_desc": v_desc}, q, k, v, k_desc, v_desc, d_out, stats, dq, p.q_offsets, p.kv_offsets,
             table.tiles, table.index[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             d_out.stride(0), d_out.stride(1), dq.stride(0), dq.stride(1), stats_stride, delta_offset, p.num_heads,
-            p.scale, p.length_bucket, TMA=tma, **p.constexprs(),
+            p.scale, p.length_bucket, p.query_bucket, TMA=tma, **p.constexprs(),
         )
     return dq.to(q.dtype), dk, dv
 
