@@ -171,7 +171,7 @@ def _choose_configs(kernel: str, configs: list[triton.Config], d_pad: int, dv_pa
         if any(c is x for x in _FALLBACK_CONFIGS):
             return False
         if any(c is x for x in _SHORT_QUERY_CONFIGS):
-            # Above 128 dk and dv spill but in key tiles of 64 over 8 warps (kilobytes with 4 warps, or tiles of 128).
+            # Above 128, dk and dv fit registers only in key tiles of 64 over 8 warps (4 warps spill kilobytes).
             wide = kernel == "dkdv" and dim > LARGE_HEAD_DIM
             return short and (not wide or (c.kwargs["BLOCK_N"] <= 64 and c.num_warps == 8))
         if short:
