@@ -36,17 +36,19 @@ POINTER_TYPES = {"stats_ptr": "*fp32", "descale_ptr": "*fp32", "q_offsets_ptr": 
 
 
 def signature(fn, config: triton.Config, dim: int, value_dim: int | None = None, *, dtype: str = "bf16",
-              tma: bool | None = None, causal: bool = True, silu: bool = False,
-              atomic_dq: bool = False) -> tuple[dict, dict]:
+              tma: bool | None = None, causal: bool = True, silu: bool = False, atomic_dq: bool = False,
+              split: bool = False) -> tuple[dict, dict]:
     """The argument types and constexprs of one launch of `fn` with `config`: head dim `dim`, value dim `value_dim`
     (default `dim`), inputs of Triton type `dtype`; tensor descriptors where the kernel would take them (tma None:
     where both dims are powers of two, as kernel._use_tma decides), pointers otherwise; atomic_dq: the dk/dv
-    kernel adds dq (in fp32, one TMA reduce per block with descriptors)."""
+    kernel adds dq (in fp32, one TMA reduce per block with descriptors); split: dims such as 96 in two column parts
+    (kernel._dim_parts), else padded."""
     value_dim = value_dim or dim
-    d_pad, dv_pad = kernel._pad(dim), kernel._pad(value_dim)
+    (d_pad, d_b), (dv_pad, dv_b) = kernel._dim_parts(dim, split), kernel._dim_parts(value_dim, split)
     tma = (dim == d_pad and value_dim == dv_pad) if tma is None else tma
-    constexprs = dict(HEAD_DIM=dim, VALUE_DIM=value_dim, D_PAD=d_pad, DV_PAD=dv_pad, CAUSAL=causal, SILU=silu,
-                      TMA=tma, FP8=dtype == "fp8e4nv", ADD_DQ=atomic_dq, DQ_TMA=atomic_dq and tma, **config.kwargs)
+    constexprs = dict(HEAD_DIM=dim, VALUE_DIM=value_dim, D_PAD=d_pad, DV_PAD=dv_pad, D_B=d_b, DV_B=dv_b, CAUSAL=causal,
+                      SILU=silu, TMA=tma, FP8=dtype == "fp8e4nv", ADD_DQ=atomic_dq, DQ_TMA=atomic_dq and tma,
+                      **config.kwargs)
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     types = {}
     for name in fn.arg_names:

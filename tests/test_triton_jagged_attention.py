@@ -221,6 +221,60 @@ def test_atomic_dq_backward_matches_reference_on_cpu_interpreter(case, monkeypat
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
+# Head and value dims of two powers of two, computed in two column parts with JAGGED_ATTENTION_SPLIT_HEAD=1.
+SPLIT_DEFAULT = {"self-d96-full-silu", "cross-d192-dv64-causal-silu", "self-d48-causal-softmax",
+                 "cross-d80-dv48-full-silu"}
+SPLIT_CASES = [p for p in CPU_CASES if "-d96-" in p.id or "-d192-" in p.id] + [
+    pytest.param(Case((0, 1, 5, 17, 33, 2, 40), None, True, "softmax", 2, 48), id="self-d48-causal-softmax"),
+    pytest.param(Case((1, 3, 1, 2, 1), (0, 7, 40, 3, 1), False, "silu", 1, 80, 48), id="cross-d80-dv48-full-silu"),
+]
+SPLIT_CASES = [pytest.param(*p.values, id=p.id, marks=() if p.id in SPLIT_DEFAULT else pytest.mark.slow)
+               for p in SPLIT_CASES]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+@pytest.mark.parametrize("case", SPLIT_CASES if INTERPRETING else [])
+def test_split_head_dims_match_reference_on_cpu_interpreter(case, monkeypatch):
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "SPLIT_HEAD", True)
+    assert kernel._dim_parts(case.head_dim)[1] or kernel._dim_parts(case.value_dim or case.head_dim)[1]
+    check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_split_head_dims_with_atomic_dq_match_reference_on_cpu_interpreter(monkeypatch):
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "SPLIT_HEAD", True)
+    monkeypatch.setattr(kernel, "ATOMIC_DQ", True)
+    check_against_reference(Case((0, 1, 5, 17, 33, 2, 40), None, True, "softmax", 2, 48), "cpu", torch.float32,
+                            tolerance=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [
+    pytest.param(Case(_long_tail(3, 16, 200, 1500), None, True, "softmax", 2, 96), id="self-long_tail-d96"),
+    pytest.param(Case(_long_tail(6, 16, 200, 1500), None, False, "silu", 2, 192), id="self-long_tail-d192-silu"),
+    pytest.param(Case((1, 4, 2, 3) * 8, _long_tail(2, 32, 300, 2000), False, "softmax", 4, 96, 48),
+                 id="cross-d96-dv48")])
+def test_split_head_dims_match_reference_on_gpu(case, monkeypatch):
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "SPLIT_HEAD", True)
+    check_against_reference(case, "cuda", torch.bfloat16, tolerance=2e-2)
+
+
+def test_dims_of_two_powers_of_two_split_into_their_parts():
+    from kernels.triton.triton_jagged_attention import _dim_parts
+
+    split = {dim: _dim_parts(dim, split=True) for dim in (8, 24, 48, 64, 80, 96, 112, 160, 192, 256)}
+    assert split == {8: (16, 0), 24: (32, 0), 48: (32, 16), 64: (64, 0), 80: (64, 16), 96: (64, 32), 112: (128, 0),
+                     160: (128, 32), 192: (128, 64), 256: (256, 0)}
+    assert [_dim_parts(dim, split=False) for dim in (48, 96, 192)] == [(64, 0), (128, 0), (256, 0)]
+
+
 def check_fp8_forward(case: Case, device: str, tolerance: float) -> None:
     """FP8 inputs (each tensor scaled by its amax / 448) through the kernel against the reference on the very same
     FP8 values and factors: what differs is only the kernel's fp16 weights and its summation order."""
@@ -613,14 +667,15 @@ def test_compiled_caller_runs_the_kernels_on_gpu():
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
-                          + len(FP8_CASES) + len(TILE_TABLE_CASES) + 3 + _default_count(NAN_INTERPRETER_CASES))
+                          + len(FP8_CASES) + len(TILE_TABLE_CASES) + 3 + _default_count(NAN_INTERPRETER_CASES)
+                          + _default_count(SPLIT_CASES) + 1)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_every_interpreter_case():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
-                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES), markers="")
+                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES) + len(SPLIT_CASES) + 1, markers="")
 
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory on Hopper
@@ -738,15 +793,19 @@ def test_first_chosen_configs_fit_hopper_shared_memory_at_head_dim_256():
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper instead")
 def test_every_chosen_config_fits_hopper_shared_memory():
-    """About 200 host compiles (a few minutes): head dims 16 to 256 in bf16; cross dims, SiLU, full attention, fp32,
+    """About 250 host compiles (a few minutes): head dims 16 to 256 in bf16; cross dims, SiLU, full attention, fp32,
     the FP8 forward and the dk/dv kernel adding dq (JAGGED_ATTENTION_ATOMIC_DQ=1) at the large dims; the short-query
-    configs of a candidate's cross attention (full, softmax and SiLU)."""
+    configs of a candidate's cross attention (full, softmax and SiLU); dims in two column parts
+    (JAGGED_ATTENTION_SPLIT_HEAD=1)."""
     dims = [(d, d, torch.bfloat16, {}) for d in (16, 32, 64, 96, 128, 192, 256)]
     dims += [(256, 64, torch.bfloat16, {"silu": True, "causal": False}), (64, 256, torch.bfloat16, {}),
              (256, 256, torch.float32, {}), (128, 128, torch.float32, {}), (256, 256, torch.float8_e4m3fn, {}),
              (128, 128, torch.bfloat16, {"atomic_dq": True}), (256, 256, torch.bfloat16, {"atomic_dq": True})]
     dims += [(d, d, torch.bfloat16, {"short_queries": True, "causal": False, "silu": silu})
              for d, silu in ((32, False), (96, False), (128, True), (256, False))]
+    dims += [(48, 48, torch.bfloat16, {"split": True}), (96, 96, torch.bfloat16, {"split": True}),
+             (192, 64, torch.bfloat16, {"split": True, "silu": True, "causal": False}),
+             (96, 96, torch.bfloat16, {"split": True, "atomic_dq": True})]
     _check_compiled_shared_memory(dims, first_only=False)
 
 

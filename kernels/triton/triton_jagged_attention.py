@@ -201,9 +201,9 @@ def _pruner(kernel: str):
 
     def prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
         q = nargs["q_ptr"]
-        return _choose_configs(kernel, configs, kwargs["D_PAD"], kwargs["DV_PAD"], q.dtype,
-                               _shared_memory_limit(q.device.index or 0), kwargs.get("ADD_DQ", False),
-                               nargs["query_bucket"] <= SHORT_QUERY_LEN)
+        widths = kwargs["D_PAD"] + kwargs["D_B"], kwargs["DV_PAD"] + kwargs["DV_B"]  # both parts (_dim_parts)
+        return _choose_configs(kernel, configs, *widths, q.dtype, _shared_memory_limit(q.device.index or 0),
+                               kwargs.get("ADD_DQ", False), nargs["query_bucket"] <= SHORT_QUERY_LEN)
 
     return prune
 
@@ -229,6 +229,10 @@ ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
 # rows; otherwise, and with JAGGED_ATTENTION_TMA=0, pointer loads. The interpreter runs the descriptor
 # loads but not the reduce.
 TMA = os.environ.get("JAGGED_ATTENTION_TMA") != "0"
+# JAGGED_ATTENTION_SPLIT_HEAD=1: a head or value dim that is the sum of two powers of two (96 = 64 + 32, 48, 80, 160,
+# 192) runs as those two column parts, each a matmul of its own width, instead of padded to the next power of two
+# (128, 64, ..., 256), whose padding is a quarter to a third of the matmuls' work (_dim_parts). Off until measured.
+SPLIT_HEAD = os.environ.get("JAGGED_ATTENTION_SPLIT_HEAD") == "1"
 
 
 def _short_bench(kernel_call, quantiles):
@@ -603,24 +607,54 @@ def _visible(col_ok, cols, rows, shift, CAUSAL: tl.constexpr):
     return visible
 
 
+@triton.jit
+def _block_parts(a_desc, b_desc, a_base, b_base, first, row0, a_col, b_col, stride_a, stride_b, limit,
+                 A_DIM: tl.constexpr, B_DIM: tl.constexpr, A_PAD: tl.constexpr, B_PAD: tl.constexpr,
+                 A_REST: tl.constexpr, B_REST: tl.constexpr, BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr,
+                 TMA: tl.constexpr):
+    """Rows [first, first + BLOCK) of two tensors (K and V, or Q and dO), each in its column parts (_dim_parts): the
+    padded first part and, where the dim has one (A_REST, B_REST > 0), the second; without it the first again."""
+    a = _load_block(a_desc, a_base, first, row0, a_col, stride_a, limit, A_DIM - A_REST, A_PAD, BLOCK, CHECK_ROWS, TMA)
+    b = _load_block(b_desc, b_base, first, row0, b_col, stride_b, limit, B_DIM - B_REST, B_PAD, BLOCK, CHECK_ROWS, TMA)
+    a_rest, b_rest = a, b
+    if A_REST > 0:
+        a_rest = _load_block(a_desc, a_base + A_PAD, first, row0, a_col, stride_a, limit, A_REST, A_REST, BLOCK,
+                             CHECK_ROWS, TMA)
+    if B_REST > 0:
+        b_rest = _load_block(b_desc, b_base + B_PAD, first, row0, b_col, stride_b, limit, B_REST, B_REST, BLOCK,
+                             CHECK_ROWS, TMA)
+    return a, a_rest, b, b_rest
+
+
+@triton.jit
+def _dot_t(a, a_rest, b, b_rest, SPLIT: tl.constexpr):
+    """a b^T over both column parts of the shared dim."""
+    out = tl.dot(a, tl.trans(b))
+    if SPLIT:
+        out = tl.dot(a_rest, tl.trans(b_rest), out)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Forward
 
 
 @triton.jit
-def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_base, v_base, stride_kt, stride_vt,
-                    rows, lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr):
+def _forward_blocks(acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kv_row, k_col, v_col, k_base, v_base, stride_kt,
+                    stride_vt, rows, lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr, DV_B: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr,
+                    TMA: tl.constexpr, FP8: tl.constexpr):
     # Only the masked range can reach past the keys (hi): its mask drops the keys TMA loads from there.
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = _load_block(k_desc, k_base, n0, kv_row, k_col, stride_kt, hi, HEAD_DIM, D_PAD, BLOCK_N, MASKED, TMA)
-        v = _load_block(v_desc, v_base, n0, kv_row, v_col, stride_vt, hi, VALUE_DIM, DV_PAD, BLOCK_N, MASKED, TMA)
+        k, k_b, v, v_b = _block_parts(k_desc, v_desc, k_base, v_base, n0, kv_row, k_col, v_col, stride_kt, stride_vt,
+                                      hi, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, MASKED, TMA)
         if FP8:  # the weights meet V in fp16 (exact for e4m3 values): in FP8, weights far below 1 would flush to zero
             v = v.to(tl.float16)
-        s = tl.dot(q, tl.trans(k))
+            v_b = v_b.to(tl.float16)
+        s = _dot_t(q, q_b, k, k_b, D_B > 0)
         if MASKED:
             visible = _visible(col_ok, cols, rows, shift, CAUSAL)
         if SILU:
@@ -629,6 +663,8 @@ def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_ba
             if MASKED:
                 w = w * visible.to(tl.float32)
             acc = tl.dot(w.to(v.dtype), v, acc)
+            if DV_B > 0:
+                acc_b = tl.dot(w.to(v_b.dtype), v_b, acc_b)
         else:
             s = s * (scale * _LOG2E)
             if MASKED:
@@ -638,8 +674,10 @@ def _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, k_col, v_col, k_ba
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            if DV_B > 0:
+                acc_b = tl.dot(p.to(v_b.dtype), v_b, acc_b * alpha[:, None])
             m_i = m_new
-    return acc, m_i, l_i
+    return acc, acc_b, m_i, l_i
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench,
@@ -649,9 +687,9 @@ def _forward_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, stats_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
     descale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stats_stride,
     total_q, num_seqs, num_heads, scale, length_bucket, query_bucket,
-    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr,
+    DV_B: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     if FP8:  # real values are q * descale[0], k * descale[1], v * descale[2]
         scale = scale * tl.load(descale_ptr) * tl.load(descale_ptr + 1)
@@ -663,7 +701,11 @@ def _forward_kernel(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q = _load_rows(q_ptr + q_start * stride_qt + head * stride_qh, rows, stride_qt, row_ok, HEAD_DIM, D_PAD, True)
+        q_base = q_ptr + q_start * stride_qt + head * stride_qh
+        q = _load_rows(q_base, rows, stride_qt, row_ok, HEAD_DIM - D_B, D_PAD, True)
+        q_b = q
+        if D_B > 0:
+            q_b = _load_rows(q_base + D_PAD, rows, stride_qt, row_ok, D_B, D_B, True)
         kv_row = kv_start.to(tl.int32)
         k_base = k_ptr + kv_start * stride_kt + head * stride_kh
         v_base = v_ptr + kv_start * stride_vt + head * stride_vh
@@ -672,24 +714,35 @@ def _forward_kernel(
         unmasked, hi = _visible_keys(m0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
 
         acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+        acc_b = acc
+        if DV_B > 0:
+            acc_b = tl.zeros([BLOCK_M, DV_B], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], _RUNNING_MAX_START, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM,
-                                        k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale, inv_len,
-                                        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU, TMA, FP8)
-        acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM,
-                                        k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale, inv_len,
-                                        HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU, TMA, FP8)
+        acc, acc_b, m_i, l_i = _forward_blocks(
+            acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM, k_base, v_base,
+            stride_kt, stride_vt, rows, 0, unmasked, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B,
+            DV_B, BLOCK_N, False, CAUSAL, SILU, TMA, FP8)
+        acc, acc_b, m_i, l_i = _forward_blocks(
+            acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM, k_base, v_base,
+            stride_kt, stride_vt, rows, unmasked, hi, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B,
+            DV_B, BLOCK_N, True, CAUSAL, SILU, TMA, FP8)
         if not SILU:
             has_key = l_i > 0.0
             l_safe = tl.where(has_key, l_i, 1.0)
             acc = acc / l_safe[:, None]
+            if DV_B > 0:
+                acc_b = acc_b / l_safe[:, None]
             lse = tl.where(has_key, m_i + tl.log2(l_safe), _EMPTY_ROW_LSE)
             tl.store(stats_ptr + head * stats_stride + stats_start + rows, lse, mask=row_ok)
         if FP8:
             acc = acc * v_descale
-        _store_rows(out_ptr + q_start * stride_ot + head * stride_oh, acc.to(out_ptr.dtype.element_ty), rows,
-                    stride_ot, row_ok, VALUE_DIM, DV_PAD)
+            if DV_B > 0:
+                acc_b = acc_b * v_descale
+        out_base = out_ptr + q_start * stride_ot + head * stride_oh
+        _store_rows(out_base, acc.to(out_ptr.dtype.element_ty), rows, stride_ot, row_ok, VALUE_DIM - DV_B, DV_PAD)
+        if DV_B > 0:
+            _store_rows(out_base + DV_PAD, acc_b.to(out_ptr.dtype.element_ty), rows, stride_ot, row_ok, DV_B, DV_B)
     _zero_outside(out_ptr, q_offsets_ptr, num_seqs, total_q, num_heads * VALUE_DIM, tl.program_id(0),
                   tl.num_programs(0))
 
@@ -734,17 +787,18 @@ def _backward_prologue_kernel(out_ptr, do_ptr, stats_ptr, dq_ptr, dk_ptr, dv_ptr
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_base, v_base, stride_kt, stride_vt, rows,
-               lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               SILU: tl.constexpr, TMA: tl.constexpr):
+def _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_base, v_base, stride_kt,
+               stride_vt, rows, lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+               D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr, DV_B: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr,
+               TMA: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = _load_block(k_desc, k_base, n0, kv_row, k_col, stride_kt, hi, HEAD_DIM, D_PAD, BLOCK_N, MASKED, TMA)
-        v = _load_block(v_desc, v_base, n0, kv_row, v_col, stride_vt, hi, VALUE_DIM, DV_PAD, BLOCK_N, MASKED, TMA)
-        s = tl.dot(q, tl.trans(k))
-        dp = tl.dot(do, tl.trans(v))
+        k, k_b, v, v_b = _block_parts(k_desc, v_desc, k_base, v_base, n0, kv_row, k_col, v_col, stride_kt, stride_vt,
+                                      hi, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, MASKED, TMA)
+        s = _dot_t(q, q_b, k, k_b, D_B > 0)
+        dp = _dot_t(do, do_b, v, v_b, DV_B > 0)
         if MASKED:
             visible = _visible(col_ok, cols, rows, shift, CAUSAL)
         if SILU:
@@ -760,7 +814,9 @@ def _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_ba
             p = tl.exp2(s - lse[:, None])
             ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
-    return dq
+        if D_B > 0:
+            dq_b = tl.dot(ds.to(k_b.dtype), k_b, dq_b)
+    return dq, dq_b
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, do_bench=_short_bench,
@@ -770,8 +826,9 @@ def _dq_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, stats_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
     tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stats_stride, delta_offset, num_heads, scale, length_bucket, query_bucket,
-    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr,
+    DV_B: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_M // 16) + 1) * num_heads
@@ -780,10 +837,17 @@ def _dq_kernel(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q = _load_rows(q_ptr + q_start * stride_qt + head * stride_qh, rows, stride_qt, row_ok, HEAD_DIM, D_PAD, True)
+        q_base = q_ptr + q_start * stride_qt + head * stride_qh
+        q = _load_rows(q_base, rows, stride_qt, row_ok, HEAD_DIM - D_B, D_PAD, True)
+        q_b = q
+        if D_B > 0:
+            q_b = _load_rows(q_base + D_PAD, rows, stride_qt, row_ok, D_B, D_B, True)
         kv_row = kv_start.to(tl.int32)
-        do = _load_rows(do_ptr + q_start * stride_dot + head * stride_doh, rows, stride_dot, row_ok,
-                        VALUE_DIM, DV_PAD, True)
+        do_base = do_ptr + q_start * stride_dot + head * stride_doh
+        do = _load_rows(do_base, rows, stride_dot, row_ok, VALUE_DIM - DV_B, DV_PAD, True)
+        do_b = do
+        if DV_B > 0:
+            do_b = _load_rows(do_base + DV_PAD, rows, stride_dot, row_ok, DV_B, DV_B, True)
         if SILU:
             lse = tl.zeros([BLOCK_M], dtype=tl.float32)
             delta = lse
@@ -798,14 +862,21 @@ def _dq_kernel(
         unmasked, hi = _visible_keys(m0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
 
         dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        dq = _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM, k_base,
-                        v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
-                        D_PAD, DV_PAD, BLOCK_N, False, CAUSAL, SILU, TMA)
-        dq = _dq_blocks(dq, q, do, lse, delta, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM, k_base,
-                        v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
-                        D_PAD, DV_PAD, BLOCK_N, True, CAUSAL, SILU, TMA)
-        _store_rows(dq_ptr + q_start * stride_dqt + head * stride_dqh, (dq * scale).to(dq_ptr.dtype.element_ty), rows,
-                    stride_dqt, row_ok, HEAD_DIM, D_PAD)
+        dq_b = dq
+        if D_B > 0:
+            dq_b = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
+        dq, dq_b = _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kv_row, head * HEAD_DIM,
+                              head * VALUE_DIM, k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale,
+                              inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, False, CAUSAL, SILU, TMA)
+        dq, dq_b = _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kv_row, head * HEAD_DIM,
+                              head * VALUE_DIM, k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale,
+                              inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, True, CAUSAL, SILU, TMA)
+        dq_base = dq_ptr + q_start * stride_dqt + head * stride_dqh
+        _store_rows(dq_base, (dq * scale).to(dq_ptr.dtype.element_ty), rows, stride_dqt, row_ok, HEAD_DIM - D_B,
+                    D_PAD)
+        if D_B > 0:
+            _store_rows(dq_base + D_PAD, (dq_b * scale).to(dq_ptr.dtype.element_ty), rows, stride_dqt, row_ok, D_B,
+                        D_B)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -813,21 +884,22 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, q_col, do_col, stats_row, delta_offset,
-                 q_base, do_base, stats_ptr, dq_base, stride_qt, stride_dot, stride_dqt, cols, lo, hi, q_len, shift,
-                 scale, inv_len,
+def _dkdv_blocks(dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, dq_desc, stats_desc, q_row, q_col, do_col,
+                 stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base, stride_qt, stride_dot, stride_dqt, cols,
+                 lo, hi, q_len, shift, scale, inv_len,
                  HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr, ADD_DQ: tl.constexpr,
-                 TMA: tl.constexpr, DQ_TMA: tl.constexpr):
+                 D_B: tl.constexpr, DV_B: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                 SILU: tl.constexpr, ADD_DQ: tl.constexpr, TMA: tl.constexpr, DQ_TMA: tl.constexpr):
     # Rows past q_len get an empty-row logsumexp, so (softmax) their probabilities are 0 without a mask. Through
     # pointers they also load as zeros; through TMA they hold the next sequence's queries, which SiLU must mask.
     for m0 in range(lo, hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q = _load_block(q_desc, q_base, m0, q_row, q_col, stride_qt, q_len, HEAD_DIM, D_PAD, BLOCK_M, True, TMA)
-        do = _load_block(do_desc, do_base, m0, q_row, do_col, stride_dot, q_len, VALUE_DIM, DV_PAD, BLOCK_M, True, TMA)
-        s_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
-        dp_t = tl.dot(v, tl.trans(do))
+        q, q_b, do, do_b = _block_parts(q_desc, do_desc, q_base, do_base, m0, q_row, q_col, do_col, stride_qt,
+                                        stride_dot, q_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_M,
+                                        True, TMA)
+        s_t = _dot_t(k, k_b, q, q_b, D_B > 0)  # [BLOCK_N, BLOCK_M]
+        dp_t = _dot_t(v, v_b, do, do_b, DV_B > 0)
         if MASKED:
             visible = cols[:, None] <= rows[None, :] + shift
         if SILU:
@@ -843,6 +915,8 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, q_co
                 w_t = w_t * keep
                 ds_t = ds_t * keep
             dv = tl.dot(w_t.to(do.dtype), do, dv)
+            if DV_B > 0:
+                dv_b = tl.dot(w_t.to(do_b.dtype), do_b, dv_b)
         else:
             lse, delta = _row_stats(stats_desc, stats_ptr, stats_row, delta_offset, m0, rows, row_ok, TMA)
             s_t = s_t * (scale * _LOG2E)
@@ -850,9 +924,13 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, q_co
                 s_t = s_t + tl.where(visible, 0.0, _NEG_LARGE)
             p_t = tl.exp2(s_t - lse[None, :])
             dv = tl.dot(p_t.to(do.dtype), do, dv)
+            if DV_B > 0:
+                dv_b = tl.dot(p_t.to(do_b.dtype), do_b, dv_b)
             ds_t = p_t * (dp_t - delta[None, :])
         ds_t = ds_t.to(q.dtype)
         dk = tl.dot(ds_t, q, dk)
+        if D_B > 0:
+            dk_b = tl.dot(ds_t, q_b, dk_b)
         if ADD_DQ:
             # dS^T K of this key block, added to the query rows' fp32 sums: five matmuls per block pair
             # instead of seven with a separate dq pass that recomputes S and dP.
@@ -865,8 +943,13 @@ def _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, q_co
             else:
                 dcols = tl.arange(0, D_PAD)
                 tl.atomic_add(dq_base + rows[:, None] * stride_dqt + dcols[None, :], dq,
-                              mask=row_ok[:, None] & (dcols[None, :] < HEAD_DIM), sem="relaxed")
-    return dk, dv
+                              mask=row_ok[:, None] & (dcols[None, :] < HEAD_DIM - D_B), sem="relaxed")
+                if D_B > 0:
+                    dq_b = tl.dot(tl.trans(ds_t), k_b) * scale
+                    dcols_b = tl.arange(0, D_B)
+                    tl.atomic_add(dq_base + D_PAD + rows[:, None] * stride_dqt + dcols_b[None, :], dq_b,
+                                  mask=row_ok[:, None], sem="relaxed")
+    return dk, dk_b, dv, dv_b
 
 
 @triton.autotune(configs=_DKDV_CONFIGS, key=[*_AUTOTUNE_KEY, "ADD_DQ", "DQ_TMA"], do_bench=_short_bench,
@@ -877,9 +960,9 @@ def _dkdv_kernel(
     q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
     stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
     stats_stride, delta_offset, num_heads, scale, length_bucket, query_bucket, HEAD_DIM: tl.constexpr,
-    VALUE_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr,
-    ADD_DQ: tl.constexpr, DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr, DV_B: tl.constexpr,
+    CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, ADD_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     first_tile = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16))
     items = tl.load(tile_index_ptr + 2 * (BLOCK_N // 16) + 1) * num_heads
@@ -888,9 +971,15 @@ def _dkdv_kernel(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_len
-        k = _load_rows(k_ptr + kv_start * stride_kt + head * stride_kh, cols, stride_kt, col_ok, HEAD_DIM, D_PAD, True)
-        v = _load_rows(v_ptr + kv_start * stride_vt + head * stride_vh, cols, stride_vt, col_ok, VALUE_DIM, DV_PAD,
-                       True)
+        k_base = k_ptr + kv_start * stride_kt + head * stride_kh
+        k = _load_rows(k_base, cols, stride_kt, col_ok, HEAD_DIM - D_B, D_PAD, True)
+        v_base = v_ptr + kv_start * stride_vt + head * stride_vh
+        v = _load_rows(v_base, cols, stride_vt, col_ok, VALUE_DIM - DV_B, DV_PAD, True)
+        k_b, v_b = k, v
+        if D_B > 0:  # the head dim's second part (see _dim_parts)
+            k_b = _load_rows(k_base + D_PAD, cols, stride_kt, col_ok, D_B, D_B, True)
+        if DV_B > 0:
+            v_b = _load_rows(v_base + DV_PAD, cols, stride_vt, col_ok, DV_B, DV_B, True)
         q_base = q_ptr + q_start * stride_qt + head * stride_qh
         do_base = do_ptr + q_start * stride_dot + head * stride_doh
         dq_base = dq_ptr + q_start * stride_dqt + head * stride_dqh
@@ -900,21 +989,32 @@ def _dkdv_kernel(
 
         dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
+        dk_b, dv_b = dk, dv
+        if D_B > 0:
+            dk_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
+        if DV_B > 0:
+            dv_b = tl.zeros([BLOCK_N, DV_B], dtype=tl.float32)
         q_row = q_start.to(tl.int32)  # the descriptors' row of this sequence's first query
         stats_row = head * stats_stride + stats_start  # and of its first query's logsumexp in the statistics
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, head * HEAD_DIM,
-                              head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base, stride_qt,
-                              stride_dot, stride_dqt, cols, lo, unmasked, q_len, shift, scale, inv_len, HEAD_DIM,
-                              VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, True, SILU, ADD_DQ, TMA, DQ_TMA)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_desc, do_desc, dq_desc, stats_desc, q_row, head * HEAD_DIM,
-                              head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base,
-                              stride_qt, stride_dot, stride_dqt, cols, unmasked, q_len, q_len, shift, scale,
-                              inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, BLOCK_M, False, SILU, ADD_DQ, TMA,
-                              DQ_TMA)
-        _store_rows(dk_ptr + kv_start * stride_dkt + head * stride_dkh, (dk * scale).to(dk_ptr.dtype.element_ty),
-                    cols, stride_dkt, col_ok, HEAD_DIM, D_PAD)
-        _store_rows(dv_ptr + kv_start * stride_dvt + head * stride_dvh, dv.to(dv_ptr.dtype.element_ty), cols,
-                    stride_dvt, col_ok, VALUE_DIM, DV_PAD)
+        dk, dk_b, dv, dv_b = _dkdv_blocks(
+            dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, dq_desc, stats_desc, q_row, head * HEAD_DIM,
+            head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base, stride_qt, stride_dot,
+            stride_dqt, cols, lo, unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B,
+            DV_B, BLOCK_M, True, SILU, ADD_DQ, TMA, DQ_TMA)
+        dk, dk_b, dv, dv_b = _dkdv_blocks(
+            dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, dq_desc, stats_desc, q_row, head * HEAD_DIM,
+            head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base, stride_qt, stride_dot,
+            stride_dqt, cols, unmasked, q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B,
+            DV_B, BLOCK_M, False, SILU, ADD_DQ, TMA, DQ_TMA)
+        dk_base = dk_ptr + kv_start * stride_dkt + head * stride_dkh
+        _store_rows(dk_base, (dk * scale).to(dk_ptr.dtype.element_ty), cols, stride_dkt, col_ok, HEAD_DIM - D_B, D_PAD)
+        dv_base = dv_ptr + kv_start * stride_dvt + head * stride_dvh
+        _store_rows(dv_base, dv.to(dv_ptr.dtype.element_ty), cols, stride_dvt, col_ok, VALUE_DIM - DV_B, DV_PAD)
+        if D_B > 0:
+            _store_rows(dk_base + D_PAD, (dk_b * scale).to(dk_ptr.dtype.element_ty), cols, stride_dkt, col_ok, D_B,
+                        D_B)
+        if DV_B > 0:
+            _store_rows(dv_base + DV_PAD, dv_b.to(dv_ptr.dtype.element_ty), cols, stride_dvt, col_ok, DV_B, DV_B)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -949,8 +1049,9 @@ class _Problem:
                 *(x.dtype if isinstance(x, torch.Tensor) else x for x in extra))
 
     def constexprs(self) -> dict:
-        return dict(HEAD_DIM=self.head_dim, VALUE_DIM=self.value_dim, D_PAD=_pad(self.head_dim),
-                    DV_PAD=_pad(self.value_dim), CAUSAL=self.causal, SILU=self.silu)
+        (d_pad, d_b), (dv_pad, dv_b) = _dim_parts(self.head_dim), _dim_parts(self.value_dim)
+        return dict(HEAD_DIM=self.head_dim, VALUE_DIM=self.value_dim, D_PAD=d_pad, DV_PAD=dv_pad, D_B=d_b, DV_B=dv_b,
+                    CAUSAL=self.causal, SILU=self.silu)
 
 
 def stats_stride(total_q, num_seqs):
@@ -982,6 +1083,18 @@ def clear_tile_cache() -> None:
 
 def _pad(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))  # tl.dot needs power-of-two sides of at least 16
+
+
+def _dim_parts(dim: int, split: bool | None = None) -> tuple[int, int]:
+    """The column parts the kernels compute a head (or value) dim in: (its padded width, 0), or with `split` (default
+    SPLIT_HEAD) a dim of two powers of two of at least 16, such as 96, as (64, 32): each part a matmul of its own
+    width, nothing padded."""
+    first = triton.next_power_of_2(dim) // 2
+    rest = dim - first
+    if (SPLIT_HEAD if split is None else split) and first >= 16 and rest >= 16 and rest & (rest - 1) == 0 \
+            and rest < first:
+        return first, rest
+    return _pad(dim), 0
 
 
 class _TunedLaunch:
