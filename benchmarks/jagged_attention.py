@@ -13,6 +13,9 @@ one query per sample over `--cross-tokens` keys):
   triton_cached
               the same with the lists built beforehand (the cache kept), as every layer after the first
               in a step sees them; the counterpart of 'flex'
+  triton_split
+              with --sweep: triton_cached with head dims such as 96 computed in two power-of-two column parts
+              (JAGGED_ATTENTION_SPLIT_HEAD), at the head dims that have them
   triton_fp8  the forward on float8_e4m3fn q, k, v (per-tensor amax / 448 factors, quantized beforehand),
               lists cached; forward only (no backward in FP8), with its output's relative error against
               the bf16 kernel's on the same batch
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import math
 import os
 import time
@@ -124,28 +128,37 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
         **({"sdpa_padded": _padded_sdpa(offsets, causal)} if q_lengths is None else {}),
         **_flex(q_lengths or lengths, lengths, offsets, kv_offsets, causal),
     }
+    from kernels.triton.triton_jagged_attention import _dim_parts
+
+    runners["triton_split"] = runners["triton_cached"]  # run with the head dims split (_split_heads)
+    methods = tuple(m for m in methods if m != "triton_split" or _dim_parts(dim, split=True)[1])
     if warm_only:
         for method in (m for m in methods if m != "triton_fp8"):
             prepare, call = runners[method]
             inputs = [x.requires_grad_() for x in prepare(q, k, v)]
-            out = call(*inputs)
-            torch.autograd.grad(out, inputs, torch.randn_like(out))
+            with _split_heads(method == "triton_split"):
+                out = call(*inputs)
+                torch.autograd.grad(out, inputs, torch.randn_like(out))
         return {}
-    try:
-        row = {"triton": _disagreement(runners, q, k, v)}
-    except Exception as e:  # flex cannot run this shape: its own rows say why
-        failure = f"{type(e).__name__}: {str(e)[:300]}"
-        row = {"triton": {"rel_error_vs_flex": float("nan"), "check_error_vs_flex": failure}}
+    row = {}
+    for ours in (m for m in ("triton", "triton_split") if m in methods or m == "triton"):
+        try:
+            with _split_heads(ours == "triton_split"):
+                row[ours] = _disagreement(runners, q, k, v)
+        except Exception as e:  # flex cannot run this shape: its own rows say why
+            failure = f"{type(e).__name__}: {str(e)[:300]}"
+            row[ours] = {"rel_error_vs_flex": float("nan"), "check_error_vs_flex": failure}
     if "triton_fp8" in methods:
         row["triton_fp8"] = _fp8_forward(offsets, kv_offsets, causal, q, k, v)
     for method in (m for m in methods if m != "triton_fp8"):
         prepare, call = runners[method]
         inputs = [x.requires_grad_() for x in prepare(q, k, v)]  # layout changes are not timed
         try:
-            d_out = torch.randn_like(call(*inputs))
-            with torch.no_grad():
-                forward_ms = timed(lambda: call(*inputs))
-            both_ms = timed(lambda: torch.autograd.grad(call(*inputs), inputs, d_out))
+            with _split_heads(method == "triton_split"):
+                d_out = torch.randn_like(call(*inputs))
+                with torch.no_grad():
+                    forward_ms = timed(lambda: call(*inputs))
+                both_ms = timed(lambda: torch.autograd.grad(call(*inputs), inputs, d_out))
             failure = {}
         except Exception as e:  # out of memory, or a method that cannot run this shape: recorded, the others go on
             forward_ms = both_ms = float("nan")
@@ -154,6 +167,19 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
         inputs = d_out = None  # freed before the next method's inputs
         torch.cuda.empty_cache()
     return row
+
+
+@contextlib.contextmanager
+def _split_heads(on: bool):
+    """The kernels' head dims in two power-of-two column parts (JAGGED_ATTENTION_SPLIT_HEAD) while `on`."""
+    from kernels.triton import triton_jagged_attention as kernel
+
+    before = kernel.SPLIT_HEAD
+    kernel.SPLIT_HEAD = on or before
+    try:
+        yield
+    finally:
+        kernel.SPLIT_HEAD = before
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
@@ -406,7 +432,7 @@ def _source_commit() -> str:
 
 
 SWEEP_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-SWEEP_METHODS = ("triton", "triton_cached", "flex", "flex+mask")
+SWEEP_METHODS = ("triton", "triton_cached", "triton_split", "flex", "flex+mask")
 
 
 def sweep_cases(head_dims) -> list[tuple]:
@@ -447,7 +473,7 @@ def run_case(case: tuple, tokens: int, cross_tokens: int, methods: tuple[str, ..
 def _speedups(method: str, row: dict) -> dict:
     """Our time against FlexAttention's (theirs / ours) for our bf16 methods: with its block mask prebuilt ('flex')
     and built in the call ('flex+mask')."""
-    if method not in ("triton", "triton_cached"):
+    if method not in ("triton", "triton_cached", "triton_split"):
         return {}
     out = {}
     for flex, name in (("flex", "vs_flex"), ("flex+mask", "vs_flex_mask")):
@@ -551,7 +577,7 @@ def _case_name(r: dict) -> str:
 
 # (ours, FlexAttention's) forward + backward time ratios in the summary: lists and block mask both built in the call,
 # ours built against a mask prebuilt, both prebuilt.
-SUMMARY_RATIOS = (("triton", "flex+mask"), ("triton", "flex"), ("triton_cached", "flex"))
+SUMMARY_RATIOS = (("triton", "flex+mask"), ("triton", "flex"), ("triton_cached", "flex"), ("triton_split", "flex"))
 
 
 def print_summary(results: list[dict]) -> None:
@@ -560,7 +586,7 @@ def print_summary(results: list[dict]) -> None:
     for r in results:
         by_case.setdefault(_case_name(r), {})[r["method"]] = r
     print("\nTFLOP/s on real tokens, forward / forward+backward; fwd+bwd speed-up over flex")
-    methods = [m for m in (*METHODS, REFERENCE) if any(m in row for row in by_case.values())]
+    methods = [m for m in (*METHODS, "triton_split", REFERENCE) if any(m in row for row in by_case.values())]
     ratios = [(ours, theirs) for ours, theirs in SUMMARY_RATIOS
               if any(ours in row and theirs in row for row in by_case.values())]
     print(f"{'case':<41}" + "".join(f"{m:>16}" for m in methods)

@@ -214,7 +214,7 @@ def _shared_memory_limit(device_index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
-_AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "length_bucket", "query_bucket", "CAUSAL", "SILU", "TMA"]
+_AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "D_B", "DV_B", "length_bucket", "query_bucket", "CAUSAL", "SILU", "TMA"]
 
 
 # JAGGED_ATTENTION_ATOMIC_DQ=1: the dk/dv kernel also adds dS^T K into an fp32 dq with atomics
@@ -1037,6 +1037,7 @@ class _Problem:
         self.num_seqs = num_seqs
         self.num_heads, self.head_dim, self.value_dim = q.shape[1], q.shape[2], v.shape[2]
         self.causal, self.silu, self.scale = causal, silu, scale
+        self.parts = _dim_parts(self.head_dim), _dim_parts(self.value_dim)  # fixed for the forward and backward
         mean_length = max(self.total_q, self.total_kv) // max(self.num_seqs, 1)
         self.length_bucket = triton.next_power_of_2(max(mean_length, 16))
         self.stats_stride = stats_stride(self.total_q, self.num_seqs)
@@ -1044,12 +1045,14 @@ class _Problem:
 
     def tuning_key(self, *extra) -> tuple:
         """What the autotuners key on (_AUTOTUNE_KEY and the tensors' dtypes), for _TunedLaunch: this problem's
-        dims, length bucket and flags, and `extra` (the call's TMA and other flags, its tensors' dtypes)."""
-        return (self.head_dim, self.value_dim, self.length_bucket, self.query_bucket, self.causal, self.silu,
+        dims and their column parts, buckets and flags, and `extra` (the call's TMA and other flags, its tensors'
+        dtypes)."""
+        return (self.head_dim, self.value_dim, self.parts[0][1], self.parts[1][1], self.length_bucket,
+                self.query_bucket, self.causal, self.silu,
                 *(x.dtype if isinstance(x, torch.Tensor) else x for x in extra))
 
     def constexprs(self) -> dict:
-        (d_pad, d_b), (dv_pad, dv_b) = _dim_parts(self.head_dim), _dim_parts(self.value_dim)
+        (d_pad, d_b), (dv_pad, dv_b) = self.parts
         return dict(HEAD_DIM=self.head_dim, VALUE_DIM=self.value_dim, D_PAD=d_pad, DV_PAD=dv_pad, D_B=d_b, DV_B=dv_b,
                     CAUSAL=self.causal, SILU=self.silu)
 
