@@ -28,8 +28,10 @@ from kernels.triton import triton_jagged_attention as kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Which descriptor argument holds blocks of which config size.
-DESCRIPTOR_BLOCK = {"k_desc": "BLOCK_N", "v_desc": "BLOCK_N", "q_desc": "BLOCK_M", "do_desc": "BLOCK_M"}
-VALUE_DESCRIPTORS = ("v_desc", "do_desc")  # blocks of the value dim; the others of the head dim
+DESCRIPTOR_BLOCK = {"k_desc": "BLOCK_N", "v_desc": "BLOCK_N", "q_desc": "BLOCK_M", "do_desc": "BLOCK_M",
+                    "kb_desc": "BLOCK_N", "vb_desc": "BLOCK_N", "qb_desc": "BLOCK_M", "dob_desc": "BLOCK_M"}
+VALUE_DESCRIPTORS = ("v_desc", "do_desc", "vb_desc", "dob_desc")  # blocks of the value dim; the others of the head dim
+SECOND_PART_DESCRIPTORS = ("kb_desc", "vb_desc", "qb_desc", "dob_desc")  # a dim's second column part (split dims)
 STATS_DESCRIPTORS = ("stats_desc",)  # the dk/dv kernel's one-dimensional logsumexp and delta
 POINTER_TYPES = {"stats_ptr": "*fp32", "descale_ptr": "*fp32", "q_offsets_ptr": "*i64",
                  "kv_offsets_ptr": "*i64", "tiles_ptr": "*i32", "tile_index_ptr": "*i32"}
@@ -45,23 +47,25 @@ def signature(fn, config: triton.Config, dim: int, value_dim: int | None = None,
     (kernel._dim_parts), else padded."""
     value_dim = value_dim or dim
     (d_pad, d_b), (dv_pad, dv_b) = kernel._dim_parts(dim, split), kernel._dim_parts(value_dim, split)
-    tma = (dim == d_pad and value_dim == dv_pad) if tma is None else tma
+    tma = (dim == d_pad + d_b and value_dim == dv_pad + dv_b) if tma is None else tma
     constexprs = dict(HEAD_DIM=dim, VALUE_DIM=value_dim, D_PAD=d_pad, DV_PAD=dv_pad, D_B=d_b, DV_B=dv_b, CAUSAL=causal,
-                      SILU=silu, TMA=tma, FP8=dtype == "fp8e4nv", ADD_DQ=atomic_dq, DQ_TMA=atomic_dq and tma,
-                      **config.kwargs)
+                      SILU=silu, TMA=tma, FP8=dtype == "fp8e4nv", ADD_DQ=atomic_dq,
+                      DQ_TMA=atomic_dq and tma and not d_b, **config.kwargs)
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     types = {}
     for name in fn.arg_names:
         if name in constexprs:
             types[name] = "constexpr"
-        elif tma and name in DESCRIPTOR_BLOCK:
-            width = value_dim if name in VALUE_DESCRIPTORS else dim
+        elif tma and name in DESCRIPTOR_BLOCK and (name not in SECOND_PART_DESCRIPTORS or
+                                                   (dv_b if name in VALUE_DESCRIPTORS else d_b)):
+            first, second = (dv_pad, dv_b) if name in VALUE_DESCRIPTORS else (d_pad, d_b)
+            width = second if name in SECOND_PART_DESCRIPTORS else first
             types[name] = f"tensordesc<{dtype}[{config.kwargs[DESCRIPTOR_BLOCK[name]]}, {width}]>"
         elif tma and name in STATS_DESCRIPTORS:
             types[name] = f"tensordesc<fp32[{config.kwargs['BLOCK_M']}]>"
         elif name in STATS_DESCRIPTORS:
             types[name] = "*fp32"
-        elif name == "dq_desc" and atomic_dq and tma:
+        elif name == "dq_desc" and constexprs.get("DQ_TMA", False):
             types[name] = f"tensordesc<fp32[{config.kwargs['BLOCK_M']}, {dim}]>"
         elif name in ("dq_ptr", "dq_desc") and atomic_dq:
             types[name] = "*fp32"

@@ -72,8 +72,11 @@ def _block_shapes(*descriptors: tuple[str, str, str]):
     return hook
 
 
-_KV_DESCRIPTORS = (("k_desc", "BLOCK_N", "D_PAD"), ("v_desc", "BLOCK_N", "DV_PAD"))
-_Q_DESCRIPTORS = (("q_desc", "BLOCK_M", "D_PAD"), ("do_desc", "BLOCK_M", "DV_PAD"), ("dq_desc", "BLOCK_M", "D_PAD"),
+# (the *b_desc ones read a head dim's second column part, _dim_parts)
+_KV_DESCRIPTORS = (("k_desc", "BLOCK_N", "D_PAD"), ("v_desc", "BLOCK_N", "DV_PAD"), ("kb_desc", "BLOCK_N", "D_B"),
+                   ("vb_desc", "BLOCK_N", "DV_B"))
+_Q_DESCRIPTORS = (("q_desc", "BLOCK_M", "D_PAD"), ("do_desc", "BLOCK_M", "DV_PAD"), ("qb_desc", "BLOCK_M", "D_B"),
+                  ("dob_desc", "BLOCK_M", "DV_B"), ("dq_desc", "BLOCK_M", "D_PAD"),
                   ("stats_desc", "BLOCK_M", None))
 _KV_BLOCKS = _block_shapes(*_KV_DESCRIPTORS)
 _Q_BLOCKS = _block_shapes(*_Q_DESCRIPTORS)
@@ -225,13 +228,14 @@ ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
 # Tensor descriptors (TMA on Hopper and newer): the inner loops load their blocks of K, V (forward, dq) or
 # Q, dO (dk/dv) through descriptors over [tokens, heads * dim] instead of per-element pointers, and the
 # atomic dq is added with one bulk TMA reduce per block instead of one atomic per element. Needs head
-# dims that are powers of two (a block must not spill into the next head's columns) and 16-byte aligned
-# rows; otherwise, and with JAGGED_ATTENTION_TMA=0, pointer loads. The interpreter runs the descriptor
-# loads but not the reduce.
+# dims computed unpadded, powers of two or split in two (SPLIT_HEAD; a block must not spill into the next
+# head's columns), and 16-byte aligned rows; otherwise, and with JAGGED_ATTENTION_TMA=0, pointer loads. The
+# interpreter runs the descriptor loads but not the reduce.
 TMA = os.environ.get("JAGGED_ATTENTION_TMA") != "0"
 # JAGGED_ATTENTION_SPLIT_HEAD=1: a head or value dim that is the sum of two powers of two (96 = 64 + 32, 48, 80, 160,
 # 192) runs as those two column parts, each a matmul of its own width, instead of padded to the next power of two
-# (128, 64, ..., 256), whose padding is a quarter to a third of the matmuls' work (_dim_parts). Off until measured.
+# (128, 64, ..., 256), whose padding is a quarter to a third of the matmuls' work (_dim_parts), each part through
+# a descriptor of its own (*b_desc). Off until measured.
 SPLIT_HEAD = os.environ.get("JAGGED_ATTENTION_SPLIT_HEAD") == "1"
 
 
@@ -608,21 +612,21 @@ def _visible(col_ok, cols, rows, shift, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _block_parts(a_desc, b_desc, a_base, b_base, first, row0, a_col, b_col, stride_a, stride_b, limit,
-                 A_DIM: tl.constexpr, B_DIM: tl.constexpr, A_PAD: tl.constexpr, B_PAD: tl.constexpr,
-                 A_REST: tl.constexpr, B_REST: tl.constexpr, BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr,
-                 TMA: tl.constexpr):
+def _block_parts(a_desc, a_rest_desc, b_desc, b_rest_desc, a_base, b_base, first, row0, a_col, b_col, stride_a,
+                 stride_b, limit, A_DIM: tl.constexpr, B_DIM: tl.constexpr, A_PAD: tl.constexpr,
+                 B_PAD: tl.constexpr, A_REST: tl.constexpr, B_REST: tl.constexpr, BLOCK: tl.constexpr,
+                 CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
     """Rows [first, first + BLOCK) of two tensors (K and V, or Q and dO), each in its column parts (_dim_parts): the
     padded first part and, where the dim has one (A_REST, B_REST > 0), the second; without it the first again."""
     a = _load_block(a_desc, a_base, first, row0, a_col, stride_a, limit, A_DIM - A_REST, A_PAD, BLOCK, CHECK_ROWS, TMA)
     b = _load_block(b_desc, b_base, first, row0, b_col, stride_b, limit, B_DIM - B_REST, B_PAD, BLOCK, CHECK_ROWS, TMA)
     a_rest, b_rest = a, b
     if A_REST > 0:
-        a_rest = _load_block(a_desc, a_base + A_PAD, first, row0, a_col, stride_a, limit, A_REST, A_REST, BLOCK,
-                             CHECK_ROWS, TMA)
+        a_rest = _load_block(a_rest_desc, a_base + A_PAD, first, row0, a_col + A_PAD, stride_a, limit, A_REST,
+                             A_REST, BLOCK, CHECK_ROWS, TMA)
     if B_REST > 0:
-        b_rest = _load_block(b_desc, b_base + B_PAD, first, row0, b_col, stride_b, limit, B_REST, B_REST, BLOCK,
-                             CHECK_ROWS, TMA)
+        b_rest = _load_block(b_rest_desc, b_base + B_PAD, first, row0, b_col + B_PAD, stride_b, limit, B_REST,
+                             B_REST, BLOCK, CHECK_ROWS, TMA)
     return a, a_rest, b, b_rest
 
 
@@ -640,17 +644,18 @@ def _dot_t(a, a_rest, b, b_rest, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _forward_blocks(acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kv_row, k_col, v_col, k_base, v_base, stride_kt,
-                    stride_vt, rows, lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                    D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr, DV_B: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr,
-                    TMA: tl.constexpr, FP8: tl.constexpr):
+def _forward_blocks(acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kb_desc, vb_desc, kv_row, k_col, v_col, k_base,
+                    v_base, stride_kt, stride_vt, rows, lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr,
+                    VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr,
+                    DV_B: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                    SILU: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr):
     # Only the masked range can reach past the keys (hi): its mask drops the keys TMA loads from there.
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k, k_b, v, v_b = _block_parts(k_desc, v_desc, k_base, v_base, n0, kv_row, k_col, v_col, stride_kt, stride_vt,
-                                      hi, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, MASKED, TMA)
+        k, k_b, v, v_b = _block_parts(k_desc, kb_desc, v_desc, vb_desc, k_base, v_base, n0, kv_row, k_col, v_col,
+                                      stride_kt, stride_vt, hi, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N,
+                                      MASKED, TMA)
         if FP8:  # the weights meet V in fp16 (exact for e4m3 values): in FP8, weights far below 1 would flush to zero
             v = v.to(tl.float16)
             v_b = v_b.to(tl.float16)
@@ -684,9 +689,9 @@ def _forward_blocks(acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kv_row, k_col,
                  prune_configs_by={"early_config_prune": _pruner("forward")})
 @_jit
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, stats_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr,
-    descale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stats_stride,
-    total_q, num_seqs, num_heads, scale, length_bucket, query_bucket,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, kb_desc, vb_desc, out_ptr, stats_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
+    tile_index_ptr, descale_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+    stride_oh, stats_stride, total_q, num_seqs, num_heads, scale, length_bucket, query_bucket,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr,
     DV_B: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -720,13 +725,13 @@ def _forward_kernel(
         m_i = tl.full([BLOCK_M], _RUNNING_MAX_START, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, acc_b, m_i, l_i = _forward_blocks(
-            acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM, k_base, v_base,
-            stride_kt, stride_vt, rows, 0, unmasked, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B,
-            DV_B, BLOCK_N, False, CAUSAL, SILU, TMA, FP8)
+            acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kb_desc, vb_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM,
+            k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
+            D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, False, CAUSAL, SILU, TMA, FP8)
         acc, acc_b, m_i, l_i = _forward_blocks(
-            acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM, k_base, v_base,
-            stride_kt, stride_vt, rows, unmasked, hi, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B,
-            DV_B, BLOCK_N, True, CAUSAL, SILU, TMA, FP8)
+            acc, acc_b, m_i, l_i, q, q_b, k_desc, v_desc, kb_desc, vb_desc, kv_row, head * HEAD_DIM, head * VALUE_DIM,
+            k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
+            D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, True, CAUSAL, SILU, TMA, FP8)
         if not SILU:
             has_key = l_i > 0.0
             l_safe = tl.where(has_key, l_i, 1.0)
@@ -787,16 +792,17 @@ def _backward_prologue_kernel(out_ptr, do_ptr, stats_ptr, dq_ptr, dk_ptr, dv_ptr
 
 
 @triton.jit
-def _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kv_row, k_col, v_col, k_base, v_base, stride_kt,
-               stride_vt, rows, lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-               D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr, DV_B: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr,
-               TMA: tl.constexpr):
+def _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kb_desc, vb_desc, kv_row, k_col, v_col, k_base,
+               v_base, stride_kt, stride_vt, rows, lo, hi, shift, scale, inv_len, HEAD_DIM: tl.constexpr,
+               VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr,
+               DV_B: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               SILU: tl.constexpr, TMA: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k, k_b, v, v_b = _block_parts(k_desc, v_desc, k_base, v_base, n0, kv_row, k_col, v_col, stride_kt, stride_vt,
-                                      hi, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, MASKED, TMA)
+        k, k_b, v, v_b = _block_parts(k_desc, kb_desc, v_desc, vb_desc, k_base, v_base, n0, kv_row, k_col, v_col,
+                                      stride_kt, stride_vt, hi, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N,
+                                      MASKED, TMA)
         s = _dot_t(q, q_b, k, k_b, D_B > 0)
         dp = _dot_t(do, do_b, v, v_b, DV_B > 0)
         if MASKED:
@@ -823,8 +829,8 @@ def _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kv_row, k
                  prune_configs_by={"early_config_prune": _pruner("dq")})
 @_jit
 def _dq_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, do_ptr, stats_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr, tiles_ptr,
-    tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, kb_desc, vb_desc, do_ptr, stats_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr,
+    tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stats_stride, delta_offset, num_heads, scale, length_bucket, query_bucket,
     HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr,
     DV_B: tl.constexpr, CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -865,12 +871,14 @@ def _dq_kernel(
         dq_b = dq
         if D_B > 0:
             dq_b = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
-        dq, dq_b = _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kv_row, head * HEAD_DIM,
-                              head * VALUE_DIM, k_base, v_base, stride_kt, stride_vt, rows, 0, unmasked, shift, scale,
-                              inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, False, CAUSAL, SILU, TMA)
-        dq, dq_b = _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kv_row, head * HEAD_DIM,
-                              head * VALUE_DIM, k_base, v_base, stride_kt, stride_vt, rows, unmasked, hi, shift, scale,
-                              inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, True, CAUSAL, SILU, TMA)
+        dq, dq_b = _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kb_desc, vb_desc, kv_row,
+                              head * HEAD_DIM, head * VALUE_DIM, k_base, v_base, stride_kt, stride_vt, rows, 0,
+                              unmasked, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N,
+                              False, CAUSAL, SILU, TMA)
+        dq, dq_b = _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kb_desc, vb_desc, kv_row,
+                              head * HEAD_DIM, head * VALUE_DIM, k_base, v_base, stride_kt, stride_vt, rows, unmasked,
+                              hi, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, True,
+                              CAUSAL, SILU, TMA)
         dq_base = dq_ptr + q_start * stride_dqt + head * stride_dqh
         _store_rows(dq_base, (dq * scale).to(dq_ptr.dtype.element_ty), rows, stride_dqt, row_ok, HEAD_DIM - D_B,
                     D_PAD)
@@ -884,9 +892,9 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkdv_blocks(dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, dq_desc, stats_desc, q_row, q_col, do_col,
-                 stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base, stride_qt, stride_dot, stride_dqt, cols,
-                 lo, hi, q_len, shift, scale, inv_len,
+def _dkdv_blocks(dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, qb_desc, dob_desc, dq_desc, stats_desc, q_row,
+                 q_col, do_col, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base, stride_qt, stride_dot,
+                 stride_dqt, cols, lo, hi, q_len, shift, scale, inv_len,
                  HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                  D_B: tl.constexpr, DV_B: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  SILU: tl.constexpr, ADD_DQ: tl.constexpr, TMA: tl.constexpr, DQ_TMA: tl.constexpr):
@@ -895,9 +903,9 @@ def _dkdv_blocks(dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, dq_desc, s
     for m0 in range(lo, hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q, q_b, do, do_b = _block_parts(q_desc, do_desc, q_base, do_base, m0, q_row, q_col, do_col, stride_qt,
-                                        stride_dot, q_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_M,
-                                        True, TMA)
+        q, q_b, do, do_b = _block_parts(q_desc, qb_desc, do_desc, dob_desc, q_base, do_base, m0, q_row, q_col, do_col,
+                                        stride_qt, stride_dot, q_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B,
+                                        BLOCK_M, True, TMA)
         s_t = _dot_t(k, k_b, q, q_b, D_B > 0)  # [BLOCK_N, BLOCK_M]
         dp_t = _dot_t(v, v_b, do, do_b, DV_B > 0)
         if MASKED:
@@ -956,10 +964,10 @@ def _dkdv_blocks(dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, dq_desc, s
                  reset_to_zero=["dq_ptr"], prune_configs_by={"early_config_prune": _pruner("dkdv")})
 @_jit
 def _dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, stats_ptr, stats_desc, dk_ptr, dv_ptr, dq_ptr, dq_desc,
-    q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-    stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-    stats_stride, delta_offset, num_heads, scale, length_bucket, query_bucket, HEAD_DIM: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, qb_desc, dob_desc, stats_ptr, stats_desc, dk_ptr, dv_ptr, dq_ptr,
+    dq_desc, q_offsets_ptr, kv_offsets_ptr, tiles_ptr, tile_index_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt,
+    stride_dqh, stats_stride, delta_offset, num_heads, scale, length_bucket, query_bucket, HEAD_DIM: tl.constexpr,
     VALUE_DIM: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, D_B: tl.constexpr, DV_B: tl.constexpr,
     CAUSAL: tl.constexpr, SILU: tl.constexpr, TMA: tl.constexpr, ADD_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -997,15 +1005,15 @@ def _dkdv_kernel(
         q_row = q_start.to(tl.int32)  # the descriptors' row of this sequence's first query
         stats_row = head * stats_stride + stats_start  # and of its first query's logsumexp in the statistics
         dk, dk_b, dv, dv_b = _dkdv_blocks(
-            dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, dq_desc, stats_desc, q_row, head * HEAD_DIM,
-            head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base, stride_qt, stride_dot,
-            stride_dqt, cols, lo, unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B,
-            DV_B, BLOCK_M, True, SILU, ADD_DQ, TMA, DQ_TMA)
+            dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, qb_desc, dob_desc, dq_desc, stats_desc, q_row,
+            head * HEAD_DIM, head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base,
+            stride_qt, stride_dot, stride_dqt, cols, lo, unmasked, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM,
+            D_PAD, DV_PAD, D_B, DV_B, BLOCK_M, True, SILU, ADD_DQ, TMA, DQ_TMA)
         dk, dk_b, dv, dv_b = _dkdv_blocks(
-            dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, dq_desc, stats_desc, q_row, head * HEAD_DIM,
-            head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base, stride_qt, stride_dot,
-            stride_dqt, cols, unmasked, q_len, q_len, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B,
-            DV_B, BLOCK_M, False, SILU, ADD_DQ, TMA, DQ_TMA)
+            dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, qb_desc, dob_desc, dq_desc, stats_desc, q_row,
+            head * HEAD_DIM, head * VALUE_DIM, stats_row, delta_offset, q_base, do_base, stats_ptr, dq_base,
+            stride_qt, stride_dot, stride_dqt, cols, unmasked, q_len, q_len, shift, scale, inv_len, HEAD_DIM,
+            VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_M, False, SILU, ADD_DQ, TMA, DQ_TMA)
         dk_base = dk_ptr + kv_start * stride_dkt + head * stride_dkh
         _store_rows(dk_base, (dk * scale).to(dk_ptr.dtype.element_ty), cols, stride_dkt, col_ok, HEAD_DIM - D_B, D_PAD)
         dv_base = dv_ptr + kv_start * stride_dvt + head * stride_dvh
@@ -1158,11 +1166,10 @@ def _forward(p: _Problem, q, k, v, descale=None):
     table = p.table
     stats_arg = out if stats is None else stats  # never read when SILU
     tma = _use_tma(p, k, v)
-    k_desc, v_desc = _descriptor(k, tma), _descriptor(v, tma)
+    kv = _kv_descriptors(p, k, v, tma)
     _launch_forward(
-        _persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device), p.tuning_key(tma, q, k, v, fp8),
-        {"k_desc": k_desc, "v_desc": v_desc},
-        q, k, v, k_desc, v_desc, out, stats_arg, p.q_offsets, p.kv_offsets, table.tiles,
+        _persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device), p.tuning_key(tma, q, k, v, fp8), kv,
+        q, k, v, *kv.values(), out, stats_arg, p.q_offsets, p.kv_offsets, table.tiles,
         table.index[0], descale if fp8 else stats_arg, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), p.stats_stride, p.total_q, p.num_seqs, p.num_heads,
         p.scale, p.length_bucket, p.query_bucket, TMA=tma, FP8=fp8, **p.constexprs(),
@@ -1171,8 +1178,9 @@ def _forward(p: _Problem, q, k, v, descale=None):
 
 
 def _use_tma(p: _Problem, *tensors) -> bool:
-    """Whether the kernels may read these [tokens, heads, dim] tensors through descriptors (see TMA)."""
-    if not TMA or p.head_dim != _pad(p.head_dim) or p.value_dim != _pad(p.value_dim):
+    """Whether the kernels may read these [tokens, heads, dim] tensors through descriptors (see TMA): dims computed
+    unpadded (powers of two, or split in two, _dim_parts), so that no block reaches into the next head."""
+    if not TMA or sum(p.parts[0]) != p.head_dim or sum(p.parts[1]) != p.value_dim:
         return False
     if max(p.num_heads * max(p.total_q, p.total_kv), 2 * p.num_heads * p.stats_stride) >= 2**31:
         return False  # descriptor coordinates are int32
@@ -1204,7 +1212,14 @@ def _descriptor(x: torch.Tensor, tma: bool):
     if not tma:
         return x
     width = x.shape[1] * x.shape[2]
-    return TensorDescriptor(x, [x.shape[0], width], [x.stride(0), 1], [16, x.shape[2]])
+    return TensorDescriptor(x, [x.shape[0], width], [x.stride(0), 1], [16, 16])
+
+
+def _kv_descriptors(p: _Problem, k: torch.Tensor, v: torch.Tensor, tma: bool) -> dict:
+    """The forward's and dq's K and V arguments, in their order: a descriptor (or the tensor) for each column part,
+    the tensor itself for a second part the dims do not have."""
+    return {"k_desc": _descriptor(k, tma), "v_desc": _descriptor(v, tma),
+            "kb_desc": _descriptor(k, tma and p.parts[0][1] > 0), "vb_desc": _descriptor(v, tma and p.parts[1][1] > 0)}
 
 
 def _flat_descriptor(x: torch.Tensor, tma: bool):
@@ -1254,14 +1269,18 @@ def _backward(p: _Problem, q, k, v, out, stats, d_out):
     stats_stride, delta_offset = (0, 0) if p.silu else (p.stats_stride, stats.stride(0))
     _backward_prologue(p, out, d_out, stats, dq, dk, dv, zero_dq=not atomic)
     tma = _use_tma(p, q, k, v, d_out)
-    dq_tma = atomic and tma and not INTERPRETING  # the interpreter has no descriptor reduce
+    # (the interpreter has no descriptor reduce; split dims add dq's second part through pointers)
+    dq_tma = atomic and tma and not INTERPRETING and not p.parts[0][1]
     table = p.table
     # dk/dv first: autotuning it zeroes dq (reset_to_zero), which the separate dq kernel then writes.
     descriptors = {"q_desc": _descriptor(q, tma), "do_desc": _descriptor(d_out, tma),
+                   "qb_desc": _descriptor(q, tma and p.parts[0][1] > 0),
+                   "dob_desc": _descriptor(d_out, tma and p.parts[1][1] > 0),
                    "stats_desc": _flat_descriptor(stats, tma), "dq_desc": _descriptor(dq, dq_tma)}
     _launch_dkdv(
         _persistent_grid(table, 1, "BLOCK_N", p.num_heads, q.device), p.tuning_key(tma, q, k, v, d_out, atomic, dq_tma),
-        descriptors, q, k, v, d_out, descriptors["q_desc"], descriptors["do_desc"], stats, descriptors["stats_desc"],
+        descriptors, q, k, v, d_out, descriptors["q_desc"], descriptors["do_desc"], descriptors["qb_desc"],
+        descriptors["dob_desc"], stats, descriptors["stats_desc"],
         dk, dv, dq, descriptors["dq_desc"], p.q_offsets, p.kv_offsets, table.tiles, table.index[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), d_out.stride(0),
         d_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
@@ -1270,10 +1289,10 @@ def _backward(p: _Problem, q, k, v, out, stats, d_out):
         **p.constexprs(),
     )
     if not atomic:
-        k_desc, v_desc = _descriptor(k, tma), _descriptor(v, tma)
+        kv = _kv_descriptors(p, k, v, tma)
         _launch_dq(
-            _persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device), p.tuning_key(tma, q, k, v, d_out),
-            {"k_desc": k_desc, "v_desc": v_desc}, q, k, v, k_desc, v_desc, d_out, stats, dq, p.q_offsets, p.kv_offsets,
+            _persistent_grid(table, 0, "BLOCK_M", p.num_heads, q.device), p.tuning_key(tma, q, k, v, d_out), kv,
+            q, k, v, *kv.values(), d_out, stats, dq, p.q_offsets, p.kv_offsets,
             table.tiles, table.index[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             d_out.stride(0), d_out.stride(1), dq.stride(0), dq.stride(1), stats_stride, delta_offset, p.num_heads,
             p.scale, p.length_bucket, p.query_bucket, TMA=tma, **p.constexprs(),
