@@ -275,6 +275,34 @@ def test_dims_of_two_powers_of_two_split_into_their_parts():
     assert [_dim_parts(dim, split=False) for dim in (48, 96, 192)] == [(64, 0), (128, 0), (256, 0)]
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_atomic_dq_for_short_queries_skips_their_dq_kernel_only_on_cpu_interpreter(monkeypatch):
+    """JAGGED_ATTENTION_ATOMIC_DQ=short: a call of a few queries per sequence adds dq in the dk/dv kernel; one of
+    longer sequences keeps the dq kernel. Both match the reference."""
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "ATOMIC_DQ_SHORT", True)
+    launches = []
+    launch_dq = kernel._launch_dq
+    monkeypatch.setattr(kernel, "_launch_dq", lambda *a, **k: launches.append(1) or launch_dq(*a, **k))
+    check_against_reference(Case((2, 1, 4, 3, 2, 1), (0, 1, 7, 40, 3, 50), False, "softmax"), "cpu",
+                            torch.float32, tolerance=1e-5)
+    assert not launches
+    check_against_reference(Case((0, 40, 17, 33, 70), None, True, "softmax"), "cpu", torch.float32, tolerance=1e-5)
+    assert launches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dim,value_dim", [(128, 128), (64, 96)])  # dq added by one TMA reduce a block; by atomics
+def test_atomic_dq_for_short_queries_matches_reference_on_gpu(dim, value_dim, monkeypatch):
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "ATOMIC_DQ_SHORT", True)
+    case = Case((1, 4, 2, 3) * 8, _long_tail(2, 32, 300, 2000), False, "softmax", 4, dim, value_dim)
+    check_against_reference(case, "cuda", torch.bfloat16, tolerance=2e-2)
+
+
 def check_fp8_forward(case: Case, device: str, tolerance: float) -> None:
     """FP8 inputs (each tensor scaled by its amax / 448) through the kernel against the reference on the very same
     FP8 values and factors: what differs is only the kernel's fp16 weights and its summation order."""
@@ -668,14 +696,14 @@ def test_compiled_caller_runs_the_kernels_on_gpu():
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
                           + len(FP8_CASES) + len(TILE_TABLE_CASES) + 3 + _default_count(NAN_INTERPRETER_CASES)
-                          + _default_count(SPLIT_CASES) + 1)
+                          + _default_count(SPLIT_CASES) + 2)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_every_interpreter_case():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
-                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES) + len(SPLIT_CASES) + 1, markers="")
+                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES) + len(SPLIT_CASES) + 2, markers="")
 
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory on Hopper

@@ -223,8 +223,11 @@ _AUTOTUNE_KEY = ["HEAD_DIM", "VALUE_DIM", "D_B", "DV_B", "length_bucket", "query
 # JAGGED_ATTENTION_ATOMIC_DQ=1: the dk/dv kernel also adds dS^T K into an fp32 dq with atomics
 # (FlashAttention-2's split: five matmuls per block pair instead of seven, sums in a run-dependent
 # order). Off by default: on the H200 the atomics cost more than the recomputation they save (the
-# separate, deterministic dq kernel was 6-13% faster over the whole backward).
+# separate, deterministic dq kernel was 6-13% faster over the whole backward). JAGGED_ATTENTION_ATOMIC_DQ=short:
+# only for calls of few queries per sequence (SHORT_QUERY_LEN), whose dq kernel reads every key and value again for
+# a handful of queries; not yet timed.
 ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
+ATOMIC_DQ_SHORT = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "short"
 # Tensor descriptors (TMA on Hopper and newer): the inner loops load their blocks of K, V (forward, dq) or
 # Q, dO (dk/dv) through descriptors over [tokens, heads * dim] instead of per-element pointers, and the
 # atomic dq is added with one bulk TMA reduce per block instead of one atomic per element. Needs head
@@ -1038,9 +1041,9 @@ class _Problem:
         # Autotuning is keyed on the mean sequence length (bucketed) and the mean query count: the maxima would
         # need the offsets read back to the host on every call.
         self.query_bucket = triton.next_power_of_2(max(self.total_q // max(num_seqs, 1), SHORT_QUERY_LEN))
-        short_queries = self.query_bucket <= SHORT_QUERY_LEN
-        tiles = tile_cache.get(q_offsets, kv_offsets, q.device, self.total_q, self.total_kv, _parts(short_queries),
-                               causal)
+        self.short_queries = self.query_bucket <= SHORT_QUERY_LEN
+        tiles = tile_cache.get(q_offsets, kv_offsets, q.device, self.total_q, self.total_kv,
+                               _parts(self.short_queries), causal)
         self.q_offsets, self.kv_offsets, self.table = tiles.q_offsets, tiles.kv_offsets, tiles.table
         self.num_seqs = num_seqs
         self.num_heads, self.head_dim, self.value_dim = q.shape[1], q.shape[2], v.shape[2]
@@ -1258,7 +1261,7 @@ def _has_tma(device_index: int) -> bool:
 def _backward(p: _Problem, q, k, v, out, stats, d_out):
     """dq, dk, dv; `stats` from the forward (softmax), whose delta half the prologue fills in. The kernels write
     every row of the gradients, so these need no zero fill, except dq summed atomically."""
-    atomic = ATOMIC_DQ
+    atomic = ATOMIC_DQ or (ATOMIC_DQ_SHORT and p.short_queries)
     if p.empty:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     # dq is summed over key blocks in fp32 when the dk/dv kernel adds into it atomically.
