@@ -243,6 +243,14 @@ def test_split_head_dims_match_reference_on_cpu_interpreter(case, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_split_head_dims_fp8_forward_matches_reference_on_cpu_interpreter(monkeypatch):
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "SPLIT_HEAD", True)
+    check_fp8_forward(Case((0, 1, 5, 17, 33, 2, 40), None, True, "softmax", 2, 96), "cpu", tolerance=1e-2)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
 def test_split_head_dims_with_atomic_dq_match_reference_on_cpu_interpreter(monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
 
@@ -696,14 +704,14 @@ def test_compiled_caller_runs_the_kernels_on_gpu():
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
                           + len(FP8_CASES) + len(TILE_TABLE_CASES) + 3 + _default_count(NAN_INTERPRETER_CASES)
-                          + _default_count(SPLIT_CASES) + 2)
+                          + _default_count(SPLIT_CASES) + 3)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_every_interpreter_case():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
-                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES) + len(SPLIT_CASES) + 2, markers="")
+                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES) + len(SPLIT_CASES) + 3, markers="")
 
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory on Hopper
