@@ -163,14 +163,27 @@ def bench_dense_layers(model_config, spec, args, device: torch.device) -> dict:
 
 
 def run_variant(name: str) -> tuple[str, str | None, str | None]:
-    """An end-to-end run's name: precision[:fp8 recipe][@compile], e.g. fp8:tensorwise_fast_accum ->
+    """An end-to-end run's name: precision[:fp8 recipe][@compile][+NAME=VALUE...], e.g. fp8:tensorwise_fast_accum ->
     ("fp8", "tensorwise_fast_accum", None), bf16@model -> ("bf16", None, "model"); the recipe defaults to
-    --fp8-recipes' first, the compile setting to --compile."""
+    --fp8-recipes' first, the compile setting to --compile; the +NAME=VALUE parts are run_environment's."""
+    name = name.split("+")[0]
     name, _, compile_setting = name.partition("@")
     precision, _, recipe = name.partition(":")
     if compile_setting and compile_setting not in COMPILE_SETTINGS:
         raise ValueError(f"run {name}@{compile_setting}: compile must be one of {COMPILE_SETTINGS}")
     return precision, recipe or None, compile_setting or None
+
+
+def run_environment(name: str) -> dict[str, str]:
+    """The environment variables a run's name sets for its job, e.g. bf16@model+JAGGED_ATTENTION_SPLIT_HEAD=1: kernel
+    settings read at import, compared side by side with the first run like any other variant."""
+    settings = {}
+    for part in name.split("+")[1:]:
+        key, equals, value = part.partition("=")
+        if not equals or not key.isidentifier() or key.upper() != key:
+            raise ValueError(f"run {name}: {part!r} is not NAME=VALUE with an upper-case environment variable NAME")
+        settings[key] = value
+    return settings
 
 
 def compare_runs(baseline: str, base: list[dict], runs: list[dict]) -> dict:
@@ -229,7 +242,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "result.json"
         command = engine_command(args, shape, variant, output)
-        env = _allocator_env()
+        env = {**_allocator_env(), **run_environment(variant)}
         began = time.perf_counter()
         cut = False
         try:
@@ -243,7 +256,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                     "stderr_tail": last_lines}
         reported = json.loads(output.read_text())
     report = reported["mfu_report"]
-    run = {"path": reported["path"], "launch": "torchrun", "command": command,
+    run = {"path": reported["path"], "launch": "torchrun", "command": command, "environment": run_environment(variant),
            "wall_seconds": time.perf_counter() - began, **({"cut_after_its_result": True} if cut else {}),
            "world_size": reported["world_size"], "embedding_sharding": reported["embedding_sharding"],
            "mfu_window_mean": report["mfu"], "mfu_median_step": report["mfu_median_step"],
@@ -401,8 +414,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each shape and precision")
     parser.add_argument("--precisions", nargs="*", default=["bf16"],
-                        help="end-to-end runs, each precision[:fp8 recipe][@compile], run in turn and compared with "
-                             "the first (none: the other stages alone)")
+                        help="end-to-end runs, each precision[:fp8 recipe][@compile][+NAME=VALUE...] (environment "
+                             "variables of its job), run in turn and compared with the first (none: the other stages "
+                             "alone)")
     parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise_triton", "tensorwise"],
                         help="the first is the end-to-end run's; the dense-layer stage times each")
     parser.add_argument("--compile", choices=COMPILE_SETTINGS, default="dense",

@@ -4,6 +4,7 @@ and the MLflow run's metrics, per-step curve, plot and report read back."""
 
 import json
 import math
+import re
 from datetime import date, timedelta
 
 import dagster as dg
@@ -202,6 +203,37 @@ def test_a_run_stopped_by_the_budget_after_writing_its_result_keeps_its_figures(
     monkeypatch.setattr(mfu, "engine_command", lambda *a: [sys.executable, "-c", "import time; time.sleep(60)"])
     assert mfu.end_to_end(None, "preset", {}, "bf16", seconds_left=3.0, seconds_needed=0.0)["error"].startswith(
         "timed out")
+
+
+def test_a_runs_name_sets_environment_variables_of_its_job_alone(monkeypatch):
+    """`--precisions bf16@model bf16@model+JAGGED_ATTENTION_SPLIT_HEAD=1`: the second run's job sees the setting, the
+    first's does not, and a malformed setting is refused with the run's name."""
+    import sys
+
+    import benchmarks.mfu as mfu
+
+    name = "bf16@model+JAGGED_ATTENTION_SPLIT_HEAD=1+JAGGED_ATTENTION_ATOMIC_DQ=short"
+    assert mfu.run_variant(name) == ("bf16", None, "model")
+    assert mfu.run_environment(name) == {"JAGGED_ATTENTION_SPLIT_HEAD": "1", "JAGGED_ATTENTION_ATOMIC_DQ": "short"}
+    assert mfu.run_environment("bf16@model") == {}
+    for bad in ("bf16+split", "bf16+lower_case=1"):
+        with pytest.raises(ValueError, match=re.escape(f"run {bad}:")):
+            mfu.run_environment(bad)
+    monkeypatch.delenv("JAGGED_ATTENTION_SPLIT_HEAD", raising=False)
+    report = {"mfu": 0.3, "mfu_median_step": 0.31, "model_tflops": 300.0, "samples_per_second": 4500.0,
+              "step_seconds_mean": 0.2, "step_seconds_median": 0.2}
+
+    def job(args, shape, variant, output):
+        script = ("import json, os, pathlib; pathlib.Path(%r).write_text(json.dumps({'path': "
+                  "os.environ.get('JAGGED_ATTENTION_SPLIT_HEAD', 'unset'), 'world_size': 1, "
+                  "'embedding_sharding': 'none', 'mfu_report': %r}))" % (str(output), report))
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(mfu, "engine_command", job)
+    runs = {v: mfu.end_to_end(None, "preset", {}, v, seconds_left=60.0, seconds_needed=0.0)
+            for v in ("bf16", "bf16+JAGGED_ATTENTION_SPLIT_HEAD=1")}
+    assert runs["bf16"]["path"] == "unset" and runs["bf16"]["environment"] == {}
+    assert runs["bf16+JAGGED_ATTENTION_SPLIT_HEAD=1"]["path"] == "1"
 
 
 def test_step_ratios_compare_the_same_batches_and_replace_chosen_steps():
