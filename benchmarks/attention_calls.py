@@ -16,6 +16,8 @@ first finds them):
 
     python -m benchmarks.attention_calls --data .gpu_data/mfu --save-calls .gpu_data/calls_w05_L512.npz
     python -m benchmarks.attention_calls --time-calls .gpu_data/calls_w05_L512.npz --output-name NAME   # GPU
+
+`--variants default split_head ...` times kernel settings (KERNEL_VARIANTS) side by side on the same inputs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import save
+from benchmarks.jagged_attention import KERNEL_VARIANTS, kernel_variant
 from kernels.triton.triton_jagged_attention import _pad as padded_head_dim  # the dim the kernels compute at
 
 TILES = ((128, 64), (128, 128), (64, 64), (32, 32))  # (BLOCK_M, BLOCK_N): the forward's configs, and a smaller one
@@ -81,8 +84,10 @@ def save_calls(path: Path, recorded: list[list[tuple]], names: list[str], heads:
     tmp.replace(path)
 
 
-def time_calls(path: Path) -> dict:
-    """Device ms of each saved call's kernels, forward and forward + backward, and per step: (see the module)."""
+def time_calls(path: Path, variants: tuple[str, ...] = ("default",)) -> dict:
+    """Device ms of each saved call's kernels, forward and forward + backward, and per step (see the module), for
+    each kernel variant in turn on the same inputs, call by call: the first variant's figures at the top level, every
+    variant's under "variants" with its step's time over the first's."""
     import torch
 
     from benchmarks.jagged_attention import kernel_times
@@ -94,7 +99,7 @@ def time_calls(path: Path) -> dict:
     # In the forward's order, as saved: a call that tunes its kernels first may leave its configs to later calls
     # that share its autotuning key.
     keys = list(dict.fromkeys(tuple(k.split("|")[:2]) for k in saved.files if "|" in k))
-    per_call: dict[str, dict[str, list[float]]] = {}
+    per_call: dict[str, dict[str, dict[str, list[float]]]] = {variant: {} for variant in variants}
     for step, name in keys:
         q_lengths, kv_lengths = (saved[f"{step}|{name}|{field}"] for field in ("q", "kv"))
         causal, cross = bool(saved[f"{step}|{name}|causal"]), "cross" in name.split()
@@ -111,29 +116,40 @@ def time_calls(path: Path) -> dict:
             return jagged_attention(q, k, v, q_offsets, kv_offsets if cross else None, causal=causal)
 
         d_out = torch.randn(int(q_lengths.sum()), *dims, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            forward = sum(kernel_times(attend).values())
-        both = sum(kernel_times(lambda: torch.autograd.grad(attend(), leaves, d_out)).values())
-        row = per_call.setdefault(name, {"fwd_ms": [], "fwd_bwd_ms": []})
-        row["fwd_ms"].append(forward)
-        row["fwd_bwd_ms"].append(both)
-        print(f"step {step} {name:24s} forward {forward:7.3f} ms  forward + backward {both:7.3f} ms", flush=True)
-    steps = len({step for step, _ in keys})
+        for variant in variants:
+            with kernel_variant(variant):
+                with torch.no_grad():
+                    forward = sum(kernel_times(attend).values())
+                both = sum(kernel_times(lambda: torch.autograd.grad(attend(), leaves, d_out)).values())
+            row = per_call[variant].setdefault(name, {"fwd_ms": [], "fwd_bwd_ms": []})
+            row["fwd_ms"].append(forward)
+            row["fwd_bwd_ms"].append(both)
+            print(f"step {step} {name:24s} {variant:20s} forward {forward:7.3f} ms  forward + backward {both:7.3f} ms",
+                  flush=True)
     chosen = {name: {" ".join(map(str, key)): str(config) for key, config in launch.chosen.items()}
               for name, launch in (("forward", kernel._launch_forward), ("dq", kernel._launch_dq),
                                    ("dkdv", kernel._launch_dkdv))}
-    results = {"heads": heads, "head_dim": head_dim, "steps": steps, "device": torch.cuda.get_device_name(),
-               "chosen_configs": chosen,
-               "per_call": {name: {field: float(np.mean(values)) for field, values in row.items()}
-                            for name, row in per_call.items()}}
-    results["per_step"] = {field: sum(row[field] for row in results["per_call"].values())
+    figures = {variant: _step_figures(rows) for variant, rows in per_call.items()}
+    first = figures[variants[0]]["per_step"]
+    for variant, figure in figures.items():
+        figure["fwd_bwd_over_first"] = figure["per_step"]["fwd_bwd_ms"] / first["fwd_bwd_ms"]
+        print(f"{variant}: a step's attention: forward {figure['per_step']['fwd_ms']:.2f} ms, forward + backward "
+              f"{figure['per_step']['fwd_bwd_ms']:.2f} ms ({figure['fwd_bwd_over_first']:.3f}x {variants[0]}'s)")
+    return {"heads": heads, "head_dim": head_dim, "steps": len({step for step, _ in keys}),
+            "device": torch.cuda.get_device_name(), "chosen_configs": chosen, **figures[variants[0]],
+            "variants": figures}
+
+
+def _step_figures(rows: dict[str, dict[str, list[float]]]) -> dict:
+    """Per call the mean over steps; per step the sum over calls; the self and cross attentions' shares."""
+    figures = {"per_call": {name: {field: float(np.mean(values)) for field, values in row.items()}
+                            for name, row in rows.items()}}
+    figures["per_step"] = {field: sum(row[field] for row in figures["per_call"].values())
                            for field in ("fwd_ms", "fwd_bwd_ms")}
     for kind in ("self", "cross"):
-        results[f"{kind}_share_of_fwd_bwd"] = sum(row["fwd_bwd_ms"] for name, row in results["per_call"].items()
-                                                  if name.endswith(kind)) / results["per_step"]["fwd_bwd_ms"]
-    print(f"a step's attention: forward {results['per_step']['fwd_ms']:.2f} ms, forward + backward "
-          f"{results['per_step']['fwd_bwd_ms']:.2f} ms")
-    return results
+        figures[f"{kind}_share_of_fwd_bwd"] = sum(row["fwd_bwd_ms"] for name, row in figures["per_call"].items()
+                                                  if name.endswith(kind)) / figures["per_step"]["fwd_bwd_ms"]
+    return figures
 
 
 def main() -> None:
@@ -147,9 +163,11 @@ def main() -> None:
     parser.add_argument("--save-calls", type=Path, help="keep the recorded lengths of --timed-steps steps (npz)")
     parser.add_argument("--timed-steps", type=int, default=2, help="with --save-calls: the first this many steps")
     parser.add_argument("--time-calls", type=Path, help="GPU: time the calls a --save-calls file holds")
+    parser.add_argument("--variants", nargs="+", choices=sorted(KERNEL_VARIANTS), default=["default"],
+                        help="with --time-calls: kernel settings timed side by side, call by call, against the first")
     args = parser.parse_args()
     if args.time_calls:
-        save(args.output_name, vars(args), time_calls(args.time_calls))
+        save(args.output_name, vars(args), time_calls(args.time_calls, tuple(args.variants)))
         return
     if args.data is None:
         parser.error("--data is required (or --time-calls)")

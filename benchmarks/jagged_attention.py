@@ -130,20 +130,20 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
     }
     from kernels.triton.triton_jagged_attention import _dim_parts
 
-    runners["triton_split"] = runners["triton_cached"]  # run with the head dims split (_split_heads)
+    runners["triton_split"] = runners["triton_cached"]  # run with the head dims split (_variant_of)
     methods = tuple(m for m in methods if m != "triton_split" or _dim_parts(dim, split=True)[1])
     if warm_only:
         for method in (m for m in methods if m != "triton_fp8"):
             prepare, call = runners[method]
             inputs = [x.requires_grad_() for x in prepare(q, k, v)]
-            with _split_heads(method == "triton_split"):
+            with kernel_variant(_variant_of(method)):
                 out = call(*inputs)
                 torch.autograd.grad(out, inputs, torch.randn_like(out))
         return {}
     row = {}
     for ours in (m for m in ("triton", "triton_split") if m in methods or m == "triton"):
         try:
-            with _split_heads(ours == "triton_split"):
+            with kernel_variant(_variant_of(ours)):
                 row[ours] = _disagreement(runners, q, k, v)
         except Exception as e:  # flex cannot run this shape: its own rows say why
             failure = f"{type(e).__name__}: {str(e)[:300]}"
@@ -154,7 +154,7 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
         prepare, call = runners[method]
         inputs = [x.requires_grad_() for x in prepare(q, k, v)]  # layout changes are not timed
         try:
-            with _split_heads(method == "triton_split"):
+            with kernel_variant(_variant_of(method)):
                 d_out = torch.randn_like(call(*inputs))
                 with torch.no_grad():
                     forward_ms = timed(lambda: call(*inputs))
@@ -169,17 +169,34 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
     return row
 
 
+# Kernel settings timed side by side (the kernel module's switches, read at each call): the sweep's
+# triton_split rows, attention_calls.py --variants.
+KERNEL_VARIANTS = {
+    "default": {},
+    "split_head": {"SPLIT_HEAD": True},  # JAGGED_ATTENTION_SPLIT_HEAD=1
+    "split_head_pointers": {"SPLIT_HEAD": True, "TMA": False},  # ... with JAGGED_ATTENTION_TMA=0
+    "atomic_dq_short": {"ATOMIC_DQ_SHORT": True},  # JAGGED_ATTENTION_ATOMIC_DQ=short
+}
+
+
 @contextlib.contextmanager
-def _split_heads(on: bool):
-    """The kernels' head dims in two power-of-two column parts (JAGGED_ATTENTION_SPLIT_HEAD) while `on`."""
+def kernel_variant(name: str):
+    """The kernel module's switches set as KERNEL_VARIANTS[name] says, restored after."""
     from kernels.triton import triton_jagged_attention as kernel
 
-    before = kernel.SPLIT_HEAD
-    kernel.SPLIT_HEAD = on or before
+    settings = KERNEL_VARIANTS[name]
+    before = {key: getattr(kernel, key) for key in settings}
+    for key, value in settings.items():
+        setattr(kernel, key, value)
     try:
         yield
     finally:
-        kernel.SPLIT_HEAD = before
+        for key, value in before.items():
+            setattr(kernel, key, value)
+
+
+def _variant_of(method: str) -> str:
+    return "split_head" if method == "triton_split" else "default"
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:

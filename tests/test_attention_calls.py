@@ -52,8 +52,11 @@ def test_saved_calls_keep_each_steps_lengths_and_the_shape(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_timed_calls_report_each_call_and_the_step(tmp_path):
     _, names = _saved_calls(tmp_path / "calls.npz")
-    results = time_calls(tmp_path / "calls.npz")
+    results = time_calls(tmp_path / "calls.npz", ("default", "split_head"))
     assert set(results["per_call"]) == set(names) and results["steps"] == 2
+    assert set(results["variants"]) == {"default", "split_head"}
+    assert results["variants"]["default"]["fwd_bwd_over_first"] == 1.0
+    assert results["per_step"] == results["variants"]["default"]["per_step"]
     assert all(0 < row["fwd_ms"] < row["fwd_bwd_ms"] for row in results["per_call"].values())
     rows = results["per_call"].values()
     assert results["per_step"]["fwd_bwd_ms"] == pytest.approx(sum(row["fwd_bwd_ms"] for row in rows))

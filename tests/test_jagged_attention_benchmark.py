@@ -1,23 +1,25 @@
-"""benchmarks/jagged_attention.py: the split-head method runs with the kernels' head dims split and leaves the
-setting as it found it."""
+"""benchmarks/jagged_attention.py: kernel variants set the kernel module's switches for their runs alone; the
+split-head method runs with the kernels' head dims split."""
 
 import pytest
 import torch
 
-from benchmarks.jagged_attention import _split_heads, bench_case
+from benchmarks.jagged_attention import KERNEL_VARIANTS, bench_case, kernel_variant
 
 
-def test_split_heads_turns_the_setting_on_inside_only():
+def test_a_kernel_variant_sets_the_kernels_switches_inside_only():
     from kernels.triton import triton_jagged_attention as kernel
 
-    assert not kernel.SPLIT_HEAD
-    with _split_heads(True):
-        assert kernel.SPLIT_HEAD
-    with _split_heads(False):
-        assert not kernel.SPLIT_HEAD
-    with pytest.raises(RuntimeError), _split_heads(True):
+    before = (kernel.SPLIT_HEAD, kernel.TMA, kernel.ATOMIC_DQ_SHORT)
+    with kernel_variant("split_head_pointers"):
+        assert kernel.SPLIT_HEAD and not kernel.TMA
+    with kernel_variant("default"):
+        assert (kernel.SPLIT_HEAD, kernel.TMA, kernel.ATOMIC_DQ_SHORT) == before
+    with pytest.raises(RuntimeError), kernel_variant("atomic_dq_short"):
+        assert kernel.ATOMIC_DQ_SHORT
         raise RuntimeError("a failed case")
-    assert not kernel.SPLIT_HEAD
+    assert (kernel.SPLIT_HEAD, kernel.TMA, kernel.ATOMIC_DQ_SHORT) == before
+    assert all(hasattr(kernel, key) for settings in KERNEL_VARIANTS.values() for key in settings)
 
 
 @pytest.mark.gpu
