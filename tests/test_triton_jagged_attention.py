@@ -507,15 +507,19 @@ def test_fp8_forward_matches_reference_on_gpu(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("head_dim,activation,short_queries", [
-    (64, "softmax", False), (128, "softmax", False), (64, "silu", False), (256, "softmax", False),
-    (192, "silu", False), (96, "softmax", True), (128, "silu", True), (256, "softmax", True)])
-def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, short_queries, monkeypatch):
+@pytest.mark.parametrize("head_dim,activation,short_queries,split", [
+    (64, "softmax", False, False), (128, "softmax", False, False), (64, "silu", False, False),
+    (256, "softmax", False, False), (192, "silu", False, False), (96, "softmax", True, False),
+    (128, "silu", True, False), (256, "softmax", True, False), (96, "softmax", False, True),
+    (192, "silu", False, True)])
+def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, short_queries, split, monkeypatch):
     """Autotuning runs one config per shape, so each config the kernels may choose at this head dim on this GPU (and
     the small-footprint fallbacks) is run here, one per kernel at a time, not only the winners: none may fail to
     launch for want of shared memory. With short queries, a candidate's cross attention (1-3 queries over a long
-    tail of keys) on the short-query configs."""
+    tail of keys) on the short-query configs; with split, the head dim in its two column parts (SPLIT_HEAD)."""
     from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "SPLIT_HEAD", split)
 
     names = ("forward", "dq", "dkdv")
     tuners = (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel)
