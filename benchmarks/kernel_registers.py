@@ -46,7 +46,8 @@ def signature(fn, config: triton.Config, dim: int, value_dim: int | None = None,
     kernel adds dq (in fp32, one TMA reduce per block with descriptors); split: dims such as 96 in two column parts
     (kernel._dim_parts), else padded."""
     value_dim = value_dim or dim
-    (d_pad, d_b), (dv_pad, dv_b) = kernel._dim_parts(dim, split), kernel._dim_parts(value_dim, split)
+    d_pad, d_b = kernel._dim_parts(dim, split, smallest=32 if dtype == "fp8e4nv" else 16)
+    dv_pad, dv_b = kernel._dim_parts(value_dim, split)
     tma = (dim == d_pad + d_b and value_dim == dv_pad + dv_b) if tma is None else tma
     constexprs = dict(HEAD_DIM=dim, VALUE_DIM=value_dim, D_PAD=d_pad, DV_PAD=dv_pad, D_B=d_b, DV_B=dv_b, CAUSAL=causal,
                       SILU=silu, TMA=tma, FP8=dtype == "fp8e4nv", ADD_DQ=atomic_dq,

@@ -1048,7 +1048,9 @@ class _Problem:
         self.num_seqs = num_seqs
         self.num_heads, self.head_dim, self.value_dim = q.shape[1], q.shape[2], v.shape[2]
         self.causal, self.silu, self.scale = causal, silu, scale
-        self.parts = _dim_parts(self.head_dim), _dim_parts(self.value_dim)  # fixed for the forward and backward
+        fp8 = q.dtype == torch.float8_e4m3fn
+        # fixed for the forward and backward
+        self.parts = _dim_parts(self.head_dim, smallest=32 if fp8 else 16), _dim_parts(self.value_dim)
         mean_length = max(self.total_q, self.total_kv) // max(self.num_seqs, 1)
         self.length_bucket = triton.next_power_of_2(max(mean_length, 16))
         self.stats_stride = stats_stride(self.total_q, self.num_seqs)
@@ -1099,14 +1101,14 @@ def _pad(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))  # tl.dot needs power-of-two sides of at least 16
 
 
-def _dim_parts(dim: int, split: bool | None = None) -> tuple[int, int]:
+def _dim_parts(dim: int, split: bool | None = None, smallest: int = 16) -> tuple[int, int]:
     """The column parts the kernels compute a head (or value) dim in: (its padded width, 0), or with `split` (default
-    SPLIT_HEAD) a dim of two powers of two of at least 16, such as 96, as (64, 32): each part a matmul of its own
-    width, nothing padded."""
+    SPLIT_HEAD) a dim of two powers of two of at least `smallest`, such as 96, as (64, 32): each part a matmul of its
+    own width, nothing padded. (An FP8 head dim's parts are contractions of FP8 matmuls, which take 32 or more.)"""
     first = triton.next_power_of_2(dim) // 2
     rest = dim - first
-    if (SPLIT_HEAD if split is None else split) and first >= 16 and rest >= 16 and rest & (rest - 1) == 0 \
-            and rest < first:
+    if (SPLIT_HEAD if split is None else split) and first >= smallest and rest >= smallest \
+            and rest & (rest - 1) == 0 and rest < first:
         return first, rest
     return _pad(dim), 0
 
