@@ -848,6 +848,7 @@ def test_every_chosen_config_fits_hopper_shared_memory():
              for d, silu in ((32, False), (96, False), (128, True), (256, False))]
     dims += [(48, 48, torch.bfloat16, {"split": True}), (96, 96, torch.bfloat16, {"split": True}),
              (48, 48, torch.float8_e4m3fn, {"split": True}), (96, 96, torch.float8_e4m3fn, {"split": True}),
+             (96, 96, torch.bfloat16, {"split": True, "short_queries": True, "causal": False}),
              (192, 64, torch.bfloat16, {"split": True, "silu": True, "causal": False}),
              (96, 96, torch.bfloat16, {"split": True, "atomic_dq": True})]
     _check_compiled_shared_memory(dims, first_only=False)
