@@ -12,9 +12,10 @@ recomputes the scores in two kernels without atomics: one per key block (dk, dv)
 and the second is skipped). The kernels write every row of their outputs, zeros in rows that no sequence
 owns, so no output is zero-filled first (except the atomically summed dq). Key blocks that
 causality rules out are never visited, and blocks that need no mask skip the masking arithmetic. With
-power-of-two head dims the inner loops read their blocks through tensor descriptors (TMA), which keeps
-per-element addresses out of the registers. FP8 (e4m3) inputs run the forward only: QK^T in FP8, the
-weights times V in fp16, the per-tensor factors applied to the scores' scale and to the output.
+power-of-two head dims (or, with JAGGED_ATTENTION_SPLIT_HEAD=1, dims such as 96 computed as 64 + 32) the inner
+loops read their blocks through tensor descriptors (TMA), which keeps per-element addresses out of the registers.
+FP8 (e4m3) inputs run the forward only: QK^T in FP8, the weights times V in fp16, the per-tensor factors applied to
+the scores' scale and to the output.
 
 Contract: kernels.jagged_attention.jagged_attention. Launches need CUDA or TRITON_INTERPRET=1 set before this
 module is imported. Known gap: on the descriptor path, a block past a sequence's end holds the next sequence's
