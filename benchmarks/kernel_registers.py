@@ -2,12 +2,12 @@
 per autotune config that the kernels may choose at each head dim on an H200 (kernel._choose_configs, by the shared
 memory estimate kernel.shared_memory_bytes, which each row shows beside the compiler's figure): compiled on the
 host, no GPU needed. Bf16, causal softmax, self attention; tensor-descriptor loads where the head dim is a power of
-two, pointer loads otherwise; the backward without atomic dq.
+two (or, with --split, two powers of two), pointer loads otherwise; the backward without atomic dq.
 
-    python -m benchmarks.kernel_registers [--head-dims 16 32 64 96 128 192 256]
+    python -m benchmarks.kernel_registers [--head-dims 16 32 64 96 128 192 256] [--split --output-name NAME]
 
-Writes benchmarks/results/kernel_registers.json. The figures are the local Triton's (recorded in the
-settings); the GPU machine may run another version.
+Writes benchmarks/results/kernel_registers.json (or --output-name's). The figures are the local Triton's (recorded
+in the settings); the GPU machine may run another version.
 """
 
 from __future__ import annotations
@@ -106,21 +106,26 @@ KERNELS = {"forward": kernel._forward_kernel, "dq": kernel._dq_kernel, "dkdv": k
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256])
+    parser.add_argument("--split", action="store_true",
+                        help="dims such as 96 in two column parts (JAGGED_ATTENTION_SPLIT_HEAD=1), else padded")
+    parser.add_argument("--output-name", default="kernel_registers")
     args = parser.parse_args()
     results = []
     for name, tuner in KERNELS.items():
         for dim in args.head_dims:
             d_pad = kernel._pad(dim)
             for config in kernel._choose_configs(name, tuner.configs, d_pad, d_pad, torch.bfloat16, H200_SHARED_BYTES):
-                compiled = compile_for_hopper(tuner.fn, config, dim)
-                row = {"kernel": tuner.fn.__name__, "head_dim": dim, "tma": d_pad == dim, **config.kwargs,
+                compiled = compile_for_hopper(tuner.fn, config, dim, split=args.split)
+                parts = kernel._dim_parts(dim, args.split)
+                row = {"kernel": tuner.fn.__name__, "head_dim": dim, "parts": parts, "tma": sum(parts) == dim,
+                       **config.kwargs,
                        "warps": config.num_warps, "stages": config.num_stages, **ptxas_report(compiled),
                        "shared_estimate_bytes": kernel.shared_memory_bytes(name, config, d_pad, d_pad, torch.bfloat16)}
                 print(row, flush=True)
                 results.append(row)
-    save("kernel_registers", {"target": "sm_90a", "triton": triton.__version__, "head_dims": args.head_dims,
-                              "dtype": "bfloat16", "causal": True, "activation": "softmax",
-                              "shared_limit_bytes": H200_SHARED_BYTES}, results)
+    save(args.output_name, {"target": "sm_90a", "triton": triton.__version__, "head_dims": args.head_dims,
+                            "split": args.split, "dtype": "bfloat16", "causal": True, "activation": "softmax",
+                            "shared_limit_bytes": H200_SHARED_BYTES}, results)
 
 
 if __name__ == "__main__":
