@@ -90,7 +90,7 @@ def time_calls(path: Path, variants: tuple[str, ...] = ("default",)) -> dict:
     variant's under "variants" with its step's time over the first's."""
     import torch
 
-    from benchmarks.jagged_attention import kernel_times
+    from benchmarks.jagged_attention import _offsets, kernel_times
     from kernels.jagged_attention import jagged_attention
     from kernels.triton import triton_jagged_attention as kernel
 
@@ -103,8 +103,7 @@ def time_calls(path: Path, variants: tuple[str, ...] = ("default",)) -> dict:
     for step, name in keys:
         q_lengths, kv_lengths = (saved[f"{step}|{name}|{field}"] for field in ("q", "kv"))
         causal, cross = bool(saved[f"{step}|{name}|causal"]), "cross" in name.split()
-        q_offsets, kv_offsets = (torch.tensor(np.concatenate([[0], np.cumsum(x)]), device="cuda")
-                                 for x in (q_lengths, kv_lengths))
+        q_offsets, kv_offsets = _offsets(q_lengths.tolist()), _offsets(kv_lengths.tolist())
         dims = (heads, head_dim)
         fused_kv = torch.randn(int(kv_lengths.sum()), (2 if cross else 3) * heads, head_dim, device="cuda",
                                dtype=torch.bfloat16, requires_grad=True)

@@ -275,6 +275,34 @@ def test_split_head_dims_match_reference_on_gpu(case, monkeypatch):
     check_against_reference(case, "cuda", torch.bfloat16, tolerance=2e-2)
 
 
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter has no short-query configs")
+def test_a_call_of_few_queries_per_sequence_gets_16_row_tiles_and_its_own_tuning(monkeypatch):
+    """The mean query count picks the short-query configs (the pruner reads query_bucket) and their 16-row tiles; a
+    self attention over the same history keeps the tuned ones and another autotuning key; FP8 head dims of 48 stay
+    padded even when head dims split."""
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(kernel, "MAX_COUNTED_PAIRS", 0)  # the PyTorch tile build: no GPU here
+    kernel.clear_tile_cache()
+    history = torch.tensor([0, 300, 340, 900])
+    candidates = torch.tensor([0, 2, 4, 6])
+
+    def problem(q_offsets, kv_offsets, dim=96, dtype=torch.bfloat16):
+        q = torch.zeros(int(q_offsets[-1]), 2, dim).to(dtype)
+        k = torch.zeros(int(kv_offsets[-1]), 2, dim).to(dtype)
+        return kernel._Problem(q, k, k, q_offsets, kv_offsets, False, False, 0.1)
+
+    cross, self_ = problem(candidates, history), problem(history, history)
+    assert (cross.query_bucket, cross.short_queries) == (16, True) and not self_.short_queries
+    assert (0, 16) in cross.table.capacity and (0, 16) not in self_.table.capacity
+    assert cross.tuning_key() != self_.tuning_key()
+    assert kernel._parts(True) == tuple(sorted({*kernel._parts(False), (0, 16)}))
+    monkeypatch.setattr(kernel, "SPLIT_HEAD", True)
+    assert problem(history, history).parts == ((64, 32), (64, 32))
+    assert problem(history, history, 48, torch.float8_e4m3fn).parts == ((64, 0), (32, 16))
+    kernel.clear_tile_cache()
+
+
 def test_dims_of_two_powers_of_two_split_into_their_parts():
     from kernels.triton.triton_jagged_attention import _dim_parts
 
