@@ -357,6 +357,8 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
     pointer loads instead of tensor descriptors (JAGGED_ATTENTION_TMA=0); and the backward with dq added
     by the dk/dv kernel (JAGGED_ATTENTION_ATOMIC_DQ=1, one TMA reduce per block) instead of a separate dq kernel."""
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_jagged_attention_kernels as device_code
+    from kernels.triton import triton_tile_table as tile_lists
 
     results = []
     cases = [case for case in [("uniform", 512, 128, True), ("long_tail", 512, 128, True),
@@ -380,8 +382,8 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
             built = kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)  # lists for this dq mode
             out, lse = kernel._forward(built, q, k, v)
             if not suffix:
-                row["tables_ms"] = timed(lambda: kernel._Tiles(offsets, offsets, q.device, tokens, tokens,
-                                                               kernel._parts(), causal))
+                row["tables_ms"] = timed(lambda: tile_lists._Tiles(offsets, offsets, q.device, tokens, tokens,
+                                                                   kernel._parts(), causal))
             if not atomic:
                 row[f"kernel_fwd{suffix}_ms"] = timed(lambda: kernel._forward(built, q, k, v))
             row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
@@ -389,7 +391,7 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
                 row["fwd_kernel_ms"] = kernel_times(lambda: kernel._forward(built, q, k, v))
                 row["bwd_kernel_ms"] = kernel_times(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
                 row["config_ms"] = {tuner.base_fn.__name__: _config_timings(tuner) for tuner in
-                                    (kernel._forward_kernel, kernel._dkdv_kernel, kernel._dq_kernel)}
+                                    (device_code.forward_kernel, device_code.dkdv_kernel, device_code.dq_kernel)}
         row["flex_fwd_bwd_kernel_ms"] = _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out)
         row["host"] = _host_times(offsets, causal, q, k, v, d_out)
         kernel.ATOMIC_DQ, kernel.TMA = defaults

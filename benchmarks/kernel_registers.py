@@ -1,8 +1,8 @@
 """Registers, spills and shared memory of the jagged attention kernels as ptxas builds them for Hopper (sm_90a),
-per autotune config that the kernels may choose at each head dim on an H200 (kernel._choose_configs, by the shared
-memory estimate kernel.shared_memory_bytes, which each row shows beside the compiler's figure): compiled on the
-host, no GPU needed. Bf16, causal softmax, self attention; tensor-descriptor loads where the head dim is a power of
-two (or, with --split, two powers of two), pointer loads otherwise; the backward without atomic dq.
+per autotune config that the kernels may choose at each head dim on an H200 (launch_configs.choose_configs, by the
+shared memory estimate launch_configs.shared_memory_bytes, which each row shows beside the compiler's figure):
+compiled on the host, no GPU needed. Bf16, causal softmax, self attention; tensor-descriptor loads where the head dim
+is a power of two (or, with --split, two powers of two), pointer loads otherwise; the backward without atomic dq.
 
     python -m benchmarks.kernel_registers [--head-dims 16 32 64 96 128 192 256] [--split --output-name NAME]
 
@@ -25,6 +25,8 @@ from triton.compiler import ASTSource
 
 from benchmarks.common import save
 from kernels.triton import triton_jagged_attention as kernel
+from kernels.triton import triton_jagged_attention_configs as launch_configs
+from kernels.triton import triton_jagged_attention_kernels as device_code
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Which descriptor argument holds blocks of which config size.
@@ -100,7 +102,7 @@ def ptxas_report(compiled) -> dict:
 
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory
-KERNELS = {"forward": kernel._forward_kernel, "dq": kernel._dq_kernel, "dkdv": kernel._dkdv_kernel}
+KERNELS = {"forward": device_code.forward_kernel, "dq": device_code.dq_kernel, "dkdv": device_code.dkdv_kernel}
 
 
 def main() -> None:
@@ -114,13 +116,15 @@ def main() -> None:
     for name, tuner in KERNELS.items():
         for dim in args.head_dims:
             d_pad = kernel._pad(dim)
-            for config in kernel._choose_configs(name, tuner.configs, d_pad, d_pad, torch.bfloat16, H200_SHARED_BYTES):
+            for config in launch_configs.choose_configs(name, tuner.configs, d_pad, d_pad, torch.bfloat16,
+                                                        H200_SHARED_BYTES):
                 compiled = compile_for_hopper(tuner.fn, config, dim, split=args.split)
                 parts = kernel._dim_parts(dim, args.split)
                 row = {"kernel": tuner.fn.__name__, "head_dim": dim, "parts": parts, "tma": sum(parts) == dim,
                        **config.kwargs,
                        "warps": config.num_warps, "stages": config.num_stages, **ptxas_report(compiled),
-                       "shared_estimate_bytes": kernel.shared_memory_bytes(name, config, d_pad, d_pad, torch.bfloat16)}
+                       "shared_estimate_bytes": launch_configs.shared_memory_bytes(name, config, d_pad, d_pad,
+                                                                                   torch.bfloat16)}
                 print(row, flush=True)
                 results.append(row)
     save(args.output_name, {"target": "sm_90a", "triton": triton.__version__, "head_dims": args.head_dims,

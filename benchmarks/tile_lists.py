@@ -20,6 +20,7 @@ from benchmarks.common import save
 from benchmarks.jagged_attention import long_tail_lengths, timed, uniform_lengths
 from kernels.pytorch.pt_tile_table import pt_tile_table
 from kernels.triton import triton_jagged_attention as kernel
+from kernels.triton import triton_tile_table as tile_lists
 
 
 def mixes(tokens: int) -> list[tuple[str, list[int]]]:
@@ -36,21 +37,21 @@ def main() -> None:
     for name, lengths in mixes(args.tokens):
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
         total = int(offsets[-1])
-        table = kernel.TileTable(offsets, offsets, total, total, parts, True)
+        table = tile_lists.TileTable(offsets, offsets, total, total, parts, True)
         width = table.tiles.shape[1]
         tiles, index = pt_tile_table(offsets, offsets, width, parts, True)
         counts = [int(index[d, s // 16, 1]) for d, s in parts]
         agree = torch.equal(table.index, index) and all(
             torch.equal(table.tiles[p, :n], tiles[p, :n]) for p, n in enumerate(counts))
         row = {"mix": name, "sequences": len(lengths), "tokens": total, "slots_x_sequences": width * len(lengths),
-               "counted": width * len(lengths) <= kernel.MAX_COUNTED_PAIRS, "agree": agree,
-               "counting_ms": timed(lambda: kernel.TileTable(offsets, offsets, total, total, parts, True)),
+               "counted": width * len(lengths) <= tile_lists.MAX_COUNTED_PAIRS, "agree": agree,
+               "counting_ms": timed(lambda: tile_lists.TileTable(offsets, offsets, total, total, parts, True)),
                "sorting_ms": timed(lambda: pt_tile_table(offsets, offsets, width, parts, True))}
         row["speedup"] = row["sorting_ms"] / row["counting_ms"]
         print(row, flush=True)
         results.append(row)
     save("tile_lists", {"tokens": args.tokens, "parts": parts, "causal": True, "max_counted_pairs":
-                        kernel.MAX_COUNTED_PAIRS, "gpu": torch.cuda.get_device_name()}, results)
+                        tile_lists.MAX_COUNTED_PAIRS, "gpu": torch.cuda.get_device_name()}, results)
 
 
 if __name__ == "__main__":

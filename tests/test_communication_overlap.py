@@ -81,7 +81,7 @@ def test_device_time_by_kind_sorts_a_profile_s_kernels_and_covers_all_of_their_t
     from gem_ops.metrics.kernels import kind_of, time_by_kind
 
     rows = [{"name": "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopB_TNN", "ms": 60.0, "calls": 10},
-            {"name": "_dkdv_kernel", "ms": 20.0, "calls": 4}, {"name": "_forward_kernel", "ms": 5.0, "calls": 4},
+            {"name": "dkdv_kernel", "ms": 20.0, "calls": 4}, {"name": "forward_kernel", "ms": 5.0, "calls": 4},
             {"name": "triton_per_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_130", "ms": 4.0,
              "calls": 1},
             {"name": "triton_poi_fused_gelu_gelu_backward_7", "ms": 3.0, "calls": 1},

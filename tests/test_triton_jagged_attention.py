@@ -281,8 +281,10 @@ def test_a_call_of_few_queries_per_sequence_gets_16_row_tiles_and_its_own_tuning
     self attention over the same history keeps the tuned ones and another autotuning key; FP8 head dims of 48 stay
     padded even when head dims split."""
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_tile_table as tile_lists
+    from kernels.triton.triton_jagged_attention_kernels import forward_kernel
 
-    monkeypatch.setattr(kernel, "MAX_COUNTED_PAIRS", 0)  # the PyTorch tile build: no GPU here
+    monkeypatch.setattr(tile_lists, "MAX_COUNTED_PAIRS", 0)  # the PyTorch tile build: no GPU here
     kernel.clear_tile_cache()
     history = torch.tensor([0, 300, 340, 900])
     candidates = torch.tensor([0, 2, 4, 6])
@@ -295,7 +297,7 @@ def test_a_call_of_few_queries_per_sequence_gets_16_row_tiles_and_its_own_tuning
     cross, self_ = problem(candidates, history), problem(history, history)
     assert (cross.query_bucket, cross.short_queries) == (16, True) and not self_.short_queries
     assert (0, 16) in cross.table.capacity and (0, 16) not in self_.table.capacity
-    assert cross.tuning_key() != self_.tuning_key()
+    assert cross.tuning_key(forward_kernel, (), TMA=True) != self_.tuning_key(forward_kernel, (), TMA=True)
     assert kernel._parts(True) == tuple(sorted({*kernel._parts(False), (0, 16)}))
     monkeypatch.setattr(kernel, "SPLIT_HEAD", True)
     assert problem(history, history).parts == ((64, 32), (64, 32))
@@ -431,6 +433,7 @@ def test_views_off_the_16_byte_line_compile_no_new_kernel_variant_on_gpu():
 def test_tile_cache_is_never_stale_on_cpu_interpreter():
     """Cached tile lists serve the same unmodified offsets tensor only: not one edited in place, nor another."""
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_tile_table as tile_lists
 
     kernel.clear_tile_cache()
     torch.manual_seed(0)
@@ -443,7 +446,7 @@ def test_tile_cache_is_never_stale_on_cpu_interpreter():
             assert (got - want).abs().max() < 1e-5
 
     def cached(offsets):
-        return kernel.tile_cache.get(offsets, offsets, q.device, 40, 40, kernel._parts(), True)
+        return tile_lists.tile_cache.get(offsets, offsets, q.device, 40, 40, kernel._parts(), True)
 
     offsets = torch.tensor([0, 3, 35, 40])
     check(offsets)
@@ -462,12 +465,12 @@ def test_tile_cache_is_never_stale_on_cpu_interpreter():
 def check_tile_table(q_lengths, kv_lengths, causal: bool, parts: tuple, device: str) -> None:
     """The one-launch tile build against its PyTorch reference: every part's tiles, in order, and the index."""
     from kernels.pytorch.pt_tile_table import pt_tile_table
-    from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_tile_table as tile_lists
 
     q_offsets = _offsets(q_lengths, device)
     kv_offsets = q_offsets if kv_lengths is None else _offsets(kv_lengths, device)
-    table = kernel.TileTable(q_offsets, kv_offsets, int(q_offsets[-1]), int(kv_offsets[-1]), parts, causal)
-    assert table.tiles.shape[1] * len(q_lengths) <= kernel.MAX_COUNTED_PAIRS  # built by counting, not the sort
+    table = tile_lists.TileTable(q_offsets, kv_offsets, int(q_offsets[-1]), int(kv_offsets[-1]), parts, causal)
+    assert table.tiles.shape[1] * len(q_lengths) <= tile_lists.MAX_COUNTED_PAIRS  # built by counting, not the sort
     tiles, index = pt_tile_table(q_offsets, kv_offsets, table.tiles.shape[1], parts, causal)
     assert torch.equal(table.index, index)
     for p, (direction, size) in enumerate(parts):
@@ -489,9 +492,9 @@ TILE_TABLE_CASES = [
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
 @pytest.mark.parametrize("q_lengths,kv_lengths,causal", TILE_TABLE_CASES if INTERPRETING else [])
 def test_tile_table_matches_reference_on_cpu_interpreter(q_lengths, kv_lengths, causal, monkeypatch):
-    from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_tile_table as tile_lists
 
-    monkeypatch.setattr(kernel, "MAX_COUNTED_PAIRS", 1 << 24)  # the counting kernel, not the sort
+    monkeypatch.setattr(tile_lists, "MAX_COUNTED_PAIRS", 1 << 24)  # the counting kernel, not the sort
     check_tile_table(q_lengths, kv_lengths, causal, ((0, 16), (0, 32), (1, 16), (1, 64)), "cpu")
 
 
@@ -501,8 +504,9 @@ def test_kernels_run_on_counted_tile_lists_on_cpu_interpreter(case, monkeypatch)
     """The interpreter's other cases take sorted tile lists (MAX_COUNTED_PAIRS, for speed); these take the
     counting kernel's, as the GPU does."""
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_tile_table as tile_lists
 
-    monkeypatch.setattr(kernel, "MAX_COUNTED_PAIRS", 1 << 24)
+    monkeypatch.setattr(tile_lists, "MAX_COUNTED_PAIRS", 1 << 24)
     kernel.clear_tile_cache()
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
     kernel.clear_tile_cache()
@@ -549,18 +553,21 @@ def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, shor
     launch for want of shared memory. With short queries, a candidate's cross attention (1-3 queries over a long
     tail of keys) on the short-query configs; with split, the head dim in its two column parts (SPLIT_HEAD)."""
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_jagged_attention_configs as launch_configs
+    from kernels.triton import triton_jagged_attention_kernels as device_code
 
     monkeypatch.setattr(kernel, "SPLIT_HEAD", split)
 
     names = ("forward", "dq", "dkdv")
-    tuners = (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel)
-    limit = kernel._shared_memory_limit(torch.cuda.current_device())
-    configs = [kernel._choose_configs(name, tuner.configs, kernel._pad(head_dim), kernel._pad(head_dim),
-                                      torch.bfloat16, limit, short_queries=short_queries)
-               + [c for c in tuner.configs if any(c is x for x in kernel._FALLBACK_CONFIGS)]
+    tuners = (device_code.forward_kernel, device_code.dq_kernel, device_code.dkdv_kernel)
+    limit = launch_configs.shared_memory_limit(torch.cuda.current_device())
+    configs = [launch_configs.choose_configs(name, tuner.configs, kernel._pad(head_dim), kernel._pad(head_dim),
+                                             torch.bfloat16, limit, short_queries=short_queries)
+               + [c for c in tuner.configs if any(c is x for x in launch_configs.FALLBACK_CONFIGS)]
                for name, tuner in zip(names, tuners)]
     if short_queries:
-        assert all(any(c is x for x in kernel._SHORT_QUERY_CONFIGS) for options in configs for c in options[:-1])
+        assert all(any(c is x for x in launch_configs.SHORT_QUERY_CONFIGS)
+                   for options in configs for c in options[:-1])
         kv_lengths = _long_tail(4, 24, 200, 1500)
         case = Case(tuple(1 + i % 3 for i in range(len(kv_lengths))), kv_lengths, False, activation, 2, head_dim)
     else:
@@ -609,11 +616,12 @@ def test_tile_tables_are_built_afresh_and_left_uncached_while_a_cuda_graph_is_ca
     """A table cached before a capture would be replayed stale on the next batch's offsets; one cached during it
     would outlive its graph. So during a capture every call builds (and so records) its own."""
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_tile_table as tile_lists
 
     built = []
-    monkeypatch.setattr(kernel, "_Tiles", lambda *args: built.append(args) or object())
+    monkeypatch.setattr(tile_lists, "_Tiles", lambda *args: built.append(args) or object())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build of torch has none
-    cache, offsets = kernel.TileCache(), torch.tensor([0, 3, 7])
+    cache, offsets = tile_lists.TileCache(), torch.tensor([0, 3, 7])
     args = (offsets, offsets, "cuda", 7, 7, kernel._parts(), True)
     eager = cache.get(*args)
     assert cache.get(*args) is eager and len(built) == 1  # eager calls share one build
@@ -755,17 +763,18 @@ COMPILE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: 
 
 
 def _tuners():
-    from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_jagged_attention_kernels as device_code
 
-    return dict(zip(KERNEL_NAMES, (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel)))
+    return dict(zip(KERNEL_NAMES, (device_code.forward_kernel, device_code.dq_kernel, device_code.dkdv_kernel)))
 
 
 def _chosen(name: str, dim: int, value_dim: int, dtype=torch.bfloat16, limit: int = H200_SHARED_BYTES,
             atomic_dq: bool = False, short_queries: bool = False):
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_jagged_attention_configs as launch_configs
 
-    return kernel._choose_configs(name, _tuners()[name].configs, kernel._pad(dim), kernel._pad(value_dim), dtype,
-                                  limit, atomic_dq, short_queries)
+    return launch_configs.choose_configs(name, _tuners()[name].configs, kernel._pad(dim), kernel._pad(value_dim),
+                                         dtype, limit, atomic_dq, short_queries)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter has one config per kernel")
@@ -776,20 +785,24 @@ def test_configs_are_chosen_by_head_dim_and_shared_memory():
     input dtype; the smallest fitting one where a head dim's own do not fit; a ValueError naming the dims where
     nothing fits."""
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_jagged_attention_configs as launch_configs
 
-    assert all(t.early_config_prune.__qualname__.startswith("_pruner") for t in _tuners().values())
-    own_lists = {"forward": kernel._FWD_LARGE_HEAD, "dq": kernel._DQ_LARGE_HEAD, "dkdv": kernel._DKDV_LARGE_HEAD}
+    assert all(t.early_config_prune.__qualname__.startswith("pruner.") for t in _tuners().values())
+    own_lists = {"forward": launch_configs.FWD_LARGE_HEAD, "dq": launch_configs.DQ_LARGE_HEAD,
+                 "dkdv": launch_configs.DKDV_LARGE_HEAD}
     for name, tuner in _tuners().items():
         configs = tuner.configs
-        short = [c for c in configs if any(c is x for x in kernel._SHORT_QUERY_CONFIGS)]
-        extra = [c for c in configs if any(c is x for x in kernel._LARGE_HEAD_CONFIGS + kernel._FALLBACK_CONFIGS)]
+        short = [c for c in configs if any(c is x for x in launch_configs.SHORT_QUERY_CONFIGS)]
+        extra = [c for c in configs
+                 if any(c is x for x in launch_configs.LARGE_HEAD_CONFIGS + launch_configs.FALLBACK_CONFIGS)]
         tuned = [c for c in configs if not any(c is x for x in extra + short)]
-        small = [c for c in tuned if any(c is x for x in kernel._SMALL_HEAD_CONFIGS)]
+        small = [c for c in tuned if any(c is x for x in launch_configs.SMALL_HEAD_CONFIGS)]
         assert small and extra and short and configs[:len(tuned)] == tuned
         assert _chosen(name, 96, 96, short_queries=True) == _chosen(name, 32, 16, short_queries=True) == short
         wide_short = [c for c in short if name != "dkdv" or (c.kwargs["BLOCK_N"], c.num_warps) == (64, 8)]
         assert _chosen(name, 256, 256, short_queries=True) == [
-            c for c in wide_short if kernel.shared_memory_bytes(name, c, 256, 256, torch.bfloat16) <= H200_SHARED_BYTES]
+            c for c in wide_short
+            if launch_configs.shared_memory_bytes(name, c, 256, 256, torch.bfloat16) <= H200_SHARED_BYTES]
         if name == "forward":  # FP8 keeps the tuned lists
             assert _chosen(name, 128, 128, torch.float8_e4m3fn, short_queries=True) == \
                 _chosen(name, 128, 128, torch.float8_e4m3fn)
@@ -806,11 +819,12 @@ def test_configs_are_chosen_by_head_dim_and_shared_memory():
                         continue  # FP8 runs the forward only
                     for c in _chosen(name, dim, value_dim, dtype) + _chosen(name, dim, value_dim, dtype,
                                                                             short_queries=True):
-                        need = kernel.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim), dtype)
+                        need = launch_configs.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim),
+                                                                  dtype)
                         assert need <= H200_SHARED_BYTES, (name, dim, value_dim, dtype, c)
         # fp32 at 256: none of the large-head configs fits, the fallback does
         assert _chosen(name, 256, 256, torch.float32) == [c for c in configs if any(c is x for x in
-                                                                                    kernel._FALLBACK_CONFIGS)]
+                                                                                    launch_configs.FALLBACK_CONFIGS)]
         # the dk/dv kernel adding dq (JAGGED_ATTENTION_ATOMIC_DQ=1) holds more: its smallest config serves 256
         assert _chosen(name, 256, 256, atomic_dq=True)
         # an A100's 163 KB still serves bf16 at 256
@@ -818,7 +832,8 @@ def test_configs_are_chosen_by_head_dim_and_shared_memory():
         with pytest.raises(ValueError, match="head dim 256, value dim 256"):
             _chosen(name, 256, 256, limit=64 * 1024)
         # a list without the head dim's own configs (a test running one config at a time) is taken whole
-        assert kernel._choose_configs(name, small[:1], 128, 128, torch.bfloat16, H200_SHARED_BYTES) == small[:1]
+        assert launch_configs.choose_configs(name, small[:1], 128, 128, torch.bfloat16,
+                                             H200_SHARED_BYTES) == small[:1]
 
 
 def test_head_dims_above_256_are_refused_with_the_supported_range():
@@ -836,6 +851,7 @@ def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
     sm_90a on the host: the compiler's shared memory within the estimate, the estimate within the H200's."""
     from benchmarks.kernel_registers import compile_for_hopper
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_jagged_attention_configs as launch_configs
 
     rows = []
     for name, tuner in _tuners().items():
@@ -847,8 +863,8 @@ def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
                              short_queries=options.get("short_queries", False))[:1 if first_only else None]:
                 compiled = compile_for_hopper(tuner.fn, c, dim, value_dim, dtype=COMPILE_DTYPES[dtype],
                                               **compile_options)
-                need = kernel.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim), dtype,
-                                                  options.get("atomic_dq", False))
+                need = launch_configs.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim), dtype,
+                                                          options.get("atomic_dq", False))
                 row = dict(kernel=name, dim=dim, value_dim=value_dim, dtype=str(dtype), **options, **c.kwargs,
                            warps=c.num_warps, stages=c.num_stages, shared=compiled.metadata.shared, estimate=need)
                 assert compiled.metadata.shared <= need <= H200_SHARED_BYTES, row
@@ -890,17 +906,17 @@ def test_kernels_compile_when_integer_arguments_are_one():
     from triton.compiler import ASTSource
 
     from benchmarks.kernel_registers import TARGET, signature
-    from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_jagged_attention_kernels as device_code
 
     ones = ("total_q", "total_kv", "num_seqs", "num_heads", "stats_stride", "delta_offset")
-    for tuner in (kernel._forward_kernel, kernel._dq_kernel, kernel._dkdv_kernel):
+    for tuner in (device_code.forward_kernel, device_code.dq_kernel, device_code.dkdv_kernel):
         config = tuner.configs[0]
         types, constexprs = signature(tuner.fn, config, 64)
         constexprs.update({name: 1 for name in ones if name in types})
         types.update({name: "constexpr" for name in ones if name in types})
         triton.compile(ASTSource(fn=tuner.fn, signature=types, constexprs=constexprs), target=TARGET,
                        options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-    prologue = kernel._backward_prologue_kernel
+    prologue = device_code.backward_prologue_kernel
     pointers = {"stats_ptr": "*fp32", "q_offsets_ptr": "*i64", "kv_offsets_ptr": "*i64", "tiles_ptr": "*i32",
                 "tile_index_ptr": "*i32"}
     types = {n: pointers.get(n, "*bf16") if n.endswith("_ptr") else "constexpr" for n in prologue.arg_names}
@@ -919,16 +935,19 @@ def test_kernels_compile_no_variant_per_batch_size():
     import triton
 
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_jagged_attention_kernels as device_code
+    from kernels.triton.triton_tile_table import tile_table_kernel
 
-    functions = {name: getattr(kernel, name) for name in ("_tile_table_kernel", "_forward_kernel",
-                                                          "_backward_prologue_kernel", "_dq_kernel", "_dkdv_kernel")}
+    functions = {"tile_table_kernel": tile_table_kernel, **{
+        name: getattr(device_code, name) for name in ("forward_kernel", "backward_prologue_kernel", "dq_kernel",
+                                                      "dkdv_kernel")}}
     for name, function in functions.items():
         jit = function.fn if isinstance(function, triton.runtime.Autotuner) else function  # it wraps the JIT function
         arguments = [p.name for p in jit.params]
         unspecialised = {p.name for p in jit.params if p.do_not_specialize}
         batch = {"num_seqs", "total_q", "total_kv"} & set(arguments)
         assert unspecialised == batch, (name, unspecialised, batch)
-        assert name in ("_dq_kernel", "_dkdv_kernel") or batch, name  # these take no count of the batch
+        assert name in ("dq_kernel", "dkdv_kernel") or batch, name  # these take no count of the batch
     for total_q in (0, 1, 5, 16, 17, 1023, 530_001):
         for num_seqs in (1, 3, 16, 1024):
             stride = kernel.stats_stride(total_q, num_seqs)
@@ -942,6 +961,7 @@ def test_tuned_launch_tunes_once_per_key_then_calls_the_chosen_config():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_jagged_attention_configs as launch_configs
 
     class Recorder:
         def __init__(self, log, what):
@@ -961,7 +981,7 @@ def test_tuned_launch_tunes_once_per_key_then_calls_the_chosen_config():
 
     log: list = []
     configs = [triton.Config({"BLOCK_N": n}, num_warps=4, num_stages=2) for n in (32, 64)]
-    launch = kernel._TunedLaunch(Tuner(log, configs), kernel._KV_DESCRIPTORS)
+    launch = kernel._TunedLaunch(Tuner(log, configs), launch_configs.KV_DESCRIPTORS)
     k = torch.zeros(40, 2, 16)
     k_desc = TensorDescriptor(k, [40, 32], [32, 1], [16, 16])
     for _ in range(2):

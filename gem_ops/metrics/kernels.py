@@ -6,8 +6,8 @@ from __future__ import annotations
 # (kind, name fragments), first match wins: the project's attention kernels, cuBLAS / CUTLASS products,
 # Inductor's generated kernels (by what they fuse), then eager ATen kernels.
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention_backward", ("_dkdv_kernel", "_dq_kernel", "_backward_prologue_kernel")),
-    ("attention_forward", ("_forward_kernel", "_tile_table_kernel")),
+    ("attention_backward", ("dkdv_kernel", "dq_kernel", "backward_prologue_kernel")),
+    ("attention_forward", ("forward_kernel", "tile_table_kernel")),
     ("gemm", ("nvjet", "gemm", "cutlass", "cublas", "sm90_xmma", "fp8_matmul")),
     ("compiled_norm", ("native_layer_norm",)),
     ("compiled_activation", ("gelu", "silu")),
