@@ -112,6 +112,38 @@ def _store_rows(base, x, rows, stride, row_ok, DIM: tl.constexpr, DIM_PAD: tl.co
     tl.store(base + rows[:, None] * stride + cols[None, :], x, mask=row_ok[:, None] & (cols[None, :] < DIM))
 
 
+# A head (or value) dim is computed in up to two column parts (triton_jagged_attention._dim_parts): the first padded
+# to PAD, and, where the dim has one (REST > 0), a second of REST columns. Without a second part, the helpers below
+# hand back the first in its place, which the callers never read.
+
+
+@triton.jit
+def _load_row_parts(base, rows, stride, row_ok, DIM: tl.constexpr, PAD: tl.constexpr, REST: tl.constexpr):
+    """Rows of a [tokens, DIM] slice in its column parts: [rows, PAD], [rows, REST]."""
+    x = _load_rows(base, rows, stride, row_ok, DIM - REST, PAD, True)
+    x_b = x
+    if REST > 0:
+        x_b = _load_rows(base + PAD, rows, stride, row_ok, REST, REST, True)
+    return x, x_b
+
+
+@triton.jit
+def _store_row_parts(base, x, x_b, rows, stride, row_ok, DIM: tl.constexpr, PAD: tl.constexpr, REST: tl.constexpr):
+    _store_rows(base, x, rows, stride, row_ok, DIM - REST, PAD)
+    if REST > 0:
+        _store_rows(base + PAD, x_b, rows, stride, row_ok, REST, REST)
+
+
+@triton.jit
+def _zero_parts(ROWS: tl.constexpr, PAD: tl.constexpr, REST: tl.constexpr):
+    """fp32 accumulators of both column parts."""
+    x = tl.zeros([ROWS, PAD], dtype=tl.float32)
+    x_b = x
+    if REST > 0:
+        x_b = tl.zeros([ROWS, REST], dtype=tl.float32)
+    return x, x_b
+
+
 @triton.jit
 def _zero_outside(x_ptr, offsets_ptr, num_seqs, total_rows, row_width, program, programs,
                   BLOCK: tl.constexpr = 1024):
@@ -261,11 +293,8 @@ def forward_kernel(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q_base = q_ptr + q_start * stride_qt + head * stride_qh
-        q = _load_rows(q_base, rows, stride_qt, row_ok, HEAD_DIM - D_B, D_PAD, True)
-        q_b = q
-        if D_B > 0:
-            q_b = _load_rows(q_base + D_PAD, rows, stride_qt, row_ok, D_B, D_B, True)
+        q, q_b = _load_row_parts(q_ptr + q_start * stride_qt + head * stride_qh, rows, stride_qt, row_ok, HEAD_DIM,
+                                 D_PAD, D_B)
         kv_row = kv_start.to(tl.int32)
         k_base = k_ptr + kv_start * stride_kt + head * stride_kh
         v_base = v_ptr + kv_start * stride_vt + head * stride_vh
@@ -273,10 +302,7 @@ def forward_kernel(
         inv_len = 1.0 / tl.maximum(kv_len, 1).to(tl.float32)
         unmasked, hi = _visible_keys(m0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
 
-        acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
-        acc_b = acc
-        if DV_B > 0:
-            acc_b = tl.zeros([BLOCK_M, DV_B], dtype=tl.float32)
+        acc, acc_b = _zero_parts(BLOCK_M, DV_PAD, DV_B)
         m_i = tl.full([BLOCK_M], _RUNNING_MAX_START, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, acc_b, m_i, l_i = _forward_blocks(
@@ -299,10 +325,8 @@ def forward_kernel(
             acc = acc * v_descale
             if DV_B > 0:
                 acc_b = acc_b * v_descale
-        out_base = out_ptr + q_start * stride_ot + head * stride_oh
-        _store_rows(out_base, acc.to(out_ptr.dtype.element_ty), rows, stride_ot, row_ok, VALUE_DIM - DV_B, DV_PAD)
-        if DV_B > 0:
-            _store_rows(out_base + DV_PAD, acc_b.to(out_ptr.dtype.element_ty), rows, stride_ot, row_ok, DV_B, DV_B)
+        _store_row_parts(out_ptr + q_start * stride_ot + head * stride_oh, acc.to(out_ptr.dtype.element_ty),
+                         acc_b.to(out_ptr.dtype.element_ty), rows, stride_ot, row_ok, VALUE_DIM, DV_PAD, DV_B)
     _zero_outside(out_ptr, q_offsets_ptr, num_seqs, total_q, num_heads * VALUE_DIM, tl.program_id(0),
                   tl.num_programs(0))
 
@@ -399,17 +423,11 @@ def dq_kernel(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        q_base = q_ptr + q_start * stride_qt + head * stride_qh
-        q = _load_rows(q_base, rows, stride_qt, row_ok, HEAD_DIM - D_B, D_PAD, True)
-        q_b = q
-        if D_B > 0:
-            q_b = _load_rows(q_base + D_PAD, rows, stride_qt, row_ok, D_B, D_B, True)
+        q, q_b = _load_row_parts(q_ptr + q_start * stride_qt + head * stride_qh, rows, stride_qt, row_ok, HEAD_DIM,
+                                 D_PAD, D_B)
         kv_row = kv_start.to(tl.int32)
-        do_base = do_ptr + q_start * stride_dot + head * stride_doh
-        do = _load_rows(do_base, rows, stride_dot, row_ok, VALUE_DIM - DV_B, DV_PAD, True)
-        do_b = do
-        if DV_B > 0:
-            do_b = _load_rows(do_base + DV_PAD, rows, stride_dot, row_ok, DV_B, DV_B, True)
+        do, do_b = _load_row_parts(do_ptr + q_start * stride_dot + head * stride_doh, rows, stride_dot, row_ok,
+                                   VALUE_DIM, DV_PAD, DV_B)
         if SILU:
             lse = tl.zeros([BLOCK_M], dtype=tl.float32)
             delta = lse
@@ -423,10 +441,7 @@ def dq_kernel(
         inv_len = 1.0 / tl.maximum(kv_len, 1).to(tl.float32)
         unmasked, hi = _visible_keys(m0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
 
-        dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        dq_b = dq
-        if D_B > 0:
-            dq_b = tl.zeros([BLOCK_M, D_B], dtype=tl.float32)
+        dq, dq_b = _zero_parts(BLOCK_M, D_PAD, D_B)
         dq, dq_b = _dq_blocks(dq, dq_b, q, q_b, do, do_b, lse, delta, k_desc, v_desc, kb_desc, vb_desc, kv_row,
                               head * HEAD_DIM, head * VALUE_DIM, k_base, v_base, stride_kt, stride_vt, rows, 0,
                               unmasked, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N,
@@ -435,12 +450,8 @@ def dq_kernel(
                               head * HEAD_DIM, head * VALUE_DIM, k_base, v_base, stride_kt, stride_vt, rows, unmasked,
                               hi, shift, scale, inv_len, HEAD_DIM, VALUE_DIM, D_PAD, DV_PAD, D_B, DV_B, BLOCK_N, True,
                               CAUSAL, SILU, TMA)
-        dq_base = dq_ptr + q_start * stride_dqt + head * stride_dqh
-        _store_rows(dq_base, (dq * scale).to(dq_ptr.dtype.element_ty), rows, stride_dqt, row_ok, HEAD_DIM - D_B,
-                    D_PAD)
-        if D_B > 0:
-            _store_rows(dq_base + D_PAD, (dq_b * scale).to(dq_ptr.dtype.element_ty), rows, stride_dqt, row_ok, D_B,
-                        D_B)
+        _store_row_parts(dq_ptr + q_start * stride_dqt + head * stride_dqh, (dq * scale).to(dq_ptr.dtype.element_ty),
+                         (dq_b * scale).to(dq_ptr.dtype.element_ty), rows, stride_dqt, row_ok, HEAD_DIM, D_PAD, D_B)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -535,12 +546,13 @@ def dkdv_kernel(
             item, num_heads, tiles_ptr, first_tile, q_offsets_ptr, kv_offsets_ptr)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_len
+        # (the kernel's parts in this order, loads and stores: others spill more at split head dims)
         k_base = k_ptr + kv_start * stride_kt + head * stride_kh
         k = _load_rows(k_base, cols, stride_kt, col_ok, HEAD_DIM - D_B, D_PAD, True)
         v_base = v_ptr + kv_start * stride_vt + head * stride_vh
         v = _load_rows(v_base, cols, stride_vt, col_ok, VALUE_DIM - DV_B, DV_PAD, True)
         k_b, v_b = k, v
-        if D_B > 0:  # the head dim's second part (triton_jagged_attention._dim_parts)
+        if D_B > 0:
             k_b = _load_rows(k_base + D_PAD, cols, stride_kt, col_ok, D_B, D_B, True)
         if DV_B > 0:
             v_b = _load_rows(v_base + DV_PAD, cols, stride_vt, col_ok, DV_B, DV_B, True)
@@ -551,13 +563,8 @@ def dkdv_kernel(
         inv_len = 1.0 / tl.maximum(kv_len, 1).to(tl.float32)
         lo, unmasked = _seeing_queries(n0, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
 
-        dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
-        dk_b, dv_b = dk, dv
-        if D_B > 0:
-            dk_b = tl.zeros([BLOCK_N, D_B], dtype=tl.float32)
-        if DV_B > 0:
-            dv_b = tl.zeros([BLOCK_N, DV_B], dtype=tl.float32)
+        dk, dk_b = _zero_parts(BLOCK_N, D_PAD, D_B)
+        dv, dv_b = _zero_parts(BLOCK_N, DV_PAD, DV_B)
         q_row = q_start.to(tl.int32)  # the descriptors' row of this sequence's first query
         stats_row = head * stats_stride + stats_start  # and of its first query's logsumexp in the statistics
         dk, dk_b, dv, dv_b = _dkdv_blocks(
