@@ -275,6 +275,29 @@ def test_split_head_dims_match_reference_on_gpu(case, monkeypatch):
     check_against_reference(case, "cuda", torch.bfloat16, tolerance=2e-2)
 
 
+@pytest.mark.skipif(INTERPRETING, reason="needs no interpreter")
+def test_a_launch_key_holds_a_value_for_every_name_its_autotuner_keys_on(monkeypatch):
+    """_TunedLaunch reuses a chosen config for an equal key, so the key is read off the autotuner's own names: one
+    value per name and a dtype per tensor, a changed flag a new key, a flag left out a KeyError (not a key that
+    would serve another call's config)."""
+    from kernels.triton import triton_jagged_attention as kernel
+    from kernels.triton import triton_tile_table as tile_lists
+    from kernels.triton.triton_jagged_attention_kernels import dkdv_kernel, dq_kernel, forward_kernel
+
+    monkeypatch.setattr(tile_lists, "MAX_COUNTED_PAIRS", 0)  # the PyTorch tile build: no GPU here
+    offsets = torch.tensor([0, 300, 340, 900])
+    q = torch.zeros(900, 2, 64, dtype=torch.bfloat16)
+    problem = kernel._Problem(q, q, q, offsets, offsets, True, False, 0.1)
+    dkdv_flags = {"TMA": True, "ADD_DQ": False, "DQ_TMA": False}
+    for tuner, flags in ((forward_kernel, {"TMA": True}), (dq_kernel, {"TMA": True}), (dkdv_kernel, dkdv_flags)):
+        key = problem.tuning_key(tuner, (q, q), **flags)
+        assert len(key) == len(tuner.keys) + 2 and key[-2:] == (torch.bfloat16, torch.bfloat16)
+        assert problem.tuning_key(tuner, (q, q), **{**flags, "TMA": False}) != key
+    with pytest.raises(KeyError, match="ADD_DQ"):
+        problem.tuning_key(dkdv_kernel, (q,), TMA=True)
+    kernel.clear_tile_cache()
+
+
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter has no short-query configs")
 def test_a_call_of_few_queries_per_sequence_gets_16_row_tiles_and_its_own_tuning(monkeypatch):
     """The mean query count picks the short-query configs (the pruner reads query_bucket) and their 16-row tiles; a
