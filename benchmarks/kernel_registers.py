@@ -115,7 +115,7 @@ def main() -> None:
     results = []
     for name, tuner in KERNELS.items():
         for dim in args.head_dims:
-            d_pad = kernel._pad(dim)
+            d_pad = kernel.padded_dim(dim)
             for config in launch_configs.choose_configs(name, tuner.configs, d_pad, d_pad, torch.bfloat16,
                                                         H200_SHARED_BYTES):
                 compiled = compile_for_hopper(tuner.fn, config, dim, split=args.split)

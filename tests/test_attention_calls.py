@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.attention_calls import call_names, padded_head_dim, recorded_calls, save_calls, tile_work, time_calls
+from benchmarks.attention_calls import call_names, padded_dim, recorded_calls, save_calls, tile_work, time_calls
 from gem_ops.model.config import model_config
 from tests.model_inputs import SPEC, random_batch
 
@@ -67,4 +67,4 @@ def test_tiles_cover_each_sequence_and_head_dims_pad_to_powers_of_two():
     q, kv = np.array([1, 64, 65]), np.array([1, 64, 65])
     assert tile_work(q, kv, 64, 64) == 64 * 64 + 64 * 64 + 128 * 128
     assert tile_work(np.array([2]), np.array([130]), 128, 64) == 128 * 192
-    assert [padded_head_dim(d) for d in (8, 16, 24, 96, 128, 192)] == [16, 16, 32, 128, 128, 256]
+    assert [padded_dim(d) for d in (8, 16, 24, 96, 128, 192)] == [16, 16, 32, 128, 128, 256]

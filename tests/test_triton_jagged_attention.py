@@ -584,8 +584,9 @@ def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, shor
     names = ("forward", "dq", "dkdv")
     tuners = (device_code.forward_kernel, device_code.dq_kernel, device_code.dkdv_kernel)
     limit = launch_configs.shared_memory_limit(torch.cuda.current_device())
-    configs = [launch_configs.choose_configs(name, tuner.configs, kernel._pad(head_dim), kernel._pad(head_dim),
-                                             torch.bfloat16, limit, short_queries=short_queries)
+    padded = kernel.padded_dim(head_dim)
+    configs = [launch_configs.choose_configs(name, tuner.configs, padded, padded, torch.bfloat16, limit,
+                                             short_queries=short_queries)
                + [c for c in tuner.configs if any(c is x for x in launch_configs.FALLBACK_CONFIGS)]
                for name, tuner in zip(names, tuners)]
     if short_queries:
@@ -796,8 +797,8 @@ def _chosen(name: str, dim: int, value_dim: int, dtype=torch.bfloat16, limit: in
     from kernels.triton import triton_jagged_attention as kernel
     from kernels.triton import triton_jagged_attention_configs as launch_configs
 
-    return launch_configs.choose_configs(name, _tuners()[name].configs, kernel._pad(dim), kernel._pad(value_dim),
-                                         dtype, limit, atomic_dq, short_queries)
+    return launch_configs.choose_configs(name, _tuners()[name].configs, kernel.padded_dim(dim),
+                                         kernel.padded_dim(value_dim), dtype, limit, atomic_dq, short_queries)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter has one config per kernel")
@@ -842,8 +843,8 @@ def test_configs_are_chosen_by_head_dim_and_shared_memory():
                         continue  # FP8 runs the forward only
                     for c in _chosen(name, dim, value_dim, dtype) + _chosen(name, dim, value_dim, dtype,
                                                                             short_queries=True):
-                        need = launch_configs.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim),
-                                                                  dtype)
+                        need = launch_configs.shared_memory_bytes(name, c, kernel.padded_dim(dim),
+                                                                  kernel.padded_dim(value_dim), dtype)
                         assert need <= H200_SHARED_BYTES, (name, dim, value_dim, dtype, c)
         # fp32 at 256: none of the large-head configs fits, the fallback does
         assert _chosen(name, 256, 256, torch.float32) == [c for c in configs if any(c is x for x in
@@ -886,8 +887,8 @@ def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
                              short_queries=options.get("short_queries", False))[:1 if first_only else None]:
                 compiled = compile_for_hopper(tuner.fn, c, dim, value_dim, dtype=COMPILE_DTYPES[dtype],
                                               **compile_options)
-                need = launch_configs.shared_memory_bytes(name, c, kernel._pad(dim), kernel._pad(value_dim), dtype,
-                                                          options.get("atomic_dq", False))
+                need = launch_configs.shared_memory_bytes(name, c, kernel.padded_dim(dim), kernel.padded_dim(value_dim),
+                                                          dtype, options.get("atomic_dq", False))
                 row = dict(kernel=name, dim=dim, value_dim=value_dim, dtype=str(dtype), **options, **c.kwargs,
                            warps=c.num_warps, stages=c.num_stages, shared=compiled.metadata.shared, estimate=need)
                 assert compiled.metadata.shared <= need <= H200_SHARED_BYTES, row

@@ -138,7 +138,7 @@ def clear_tile_cache() -> None:
     tile_cache.clear()
 
 
-def _pad(dim: int) -> int:
+def padded_dim(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))  # tl.dot needs power-of-two sides of at least 16
 
 
@@ -151,7 +151,7 @@ def _dim_parts(dim: int, split: bool | None = None, smallest: int = 16) -> tuple
     if (SPLIT_HEAD if split is None else split) and first >= smallest and rest >= smallest \
             and rest & (rest - 1) == 0 and rest < first:
         return first, rest
-    return _pad(dim), 0
+    return padded_dim(dim), 0
 
 
 class _TunedLaunch:
@@ -293,8 +293,9 @@ def _backward_prologue(p: _Problem, out, d_out, stats, dq, dk, dv, zero_dq: bool
     backward_prologue_kernel[(p.table.capacity[(0, block)], p.num_heads)](
         out, d_out, stats, dq, dk, dv, p.q_offsets, p.kv_offsets, p.table.tiles, p.table.index[0], out.stride(0),
         out.stride(1), d_out.stride(0), d_out.stride(1), p.stats_stride, stats.stride(0), p.total_q, p.total_kv,
-        p.num_seqs, HEAD_DIM=p.head_dim, VALUE_DIM=p.value_dim, DV_PAD=_pad(p.value_dim), SILU=p.silu,
-        ZERO_DQ=zero_dq, BLOCK=block, num_warps=4 if _pad(p.value_dim) <= LARGE_HEAD_DIM else 8,  # O, dO in registers
+        p.num_seqs, HEAD_DIM=p.head_dim, VALUE_DIM=p.value_dim, DV_PAD=padded_dim(p.value_dim), SILU=p.silu,
+        ZERO_DQ=zero_dq, BLOCK=block,
+        num_warps=4 if padded_dim(p.value_dim) <= LARGE_HEAD_DIM else 8,  # O, dO in registers
     )
 
 
