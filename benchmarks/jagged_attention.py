@@ -179,12 +179,16 @@ KERNEL_VARIANTS = {
 }
 
 
-@contextlib.contextmanager
 def kernel_variant(name: str):
     """The kernel module's switches set as KERNEL_VARIANTS[name] says, restored after."""
+    return kernel_settings(**KERNEL_VARIANTS[name])
+
+
+@contextlib.contextmanager
+def kernel_settings(**settings):
+    """The kernel module's switches (TMA=False, ...) set inside the block, restored after, also on an error."""
     from kernels.triton import triton_jagged_attention as kernel
 
-    settings = KERNEL_VARIANTS[name]
     before = {key: getattr(kernel, key) for key in settings}
     for key, value in settings.items():
         setattr(kernel, key, value)
@@ -375,26 +379,24 @@ def overhead(tokens: int, max_lens: list[int] | None) -> None:
         d_out = torch.randn_like(q)
         scale = 1 / math.sqrt(dim)
         row = {"mix": mix, "max_len": max_len, "head_dim": dim, "causal": causal}
-        defaults = kernel.ATOMIC_DQ, kernel.TMA
         for suffix, atomic, tma in [("", False, True), ("_pointer", False, False), ("_atomic_dq", True, True)]:
-            kernel.ATOMIC_DQ, kernel.TMA = atomic, tma
-            kernel.clear_tile_cache()
-            built = kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)  # lists for this dq mode
-            out, lse = kernel._forward(built, q, k, v)
-            if not suffix:
-                row["tables_ms"] = timed(lambda: tile_lists._Tiles(offsets, offsets, q.device, tokens, tokens,
-                                                                   kernel._parts(), causal))
-            if not atomic:
-                row[f"kernel_fwd{suffix}_ms"] = timed(lambda: kernel._forward(built, q, k, v))
-            row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
-            if not suffix:  # each kernel's share (backward prologue, dk/dv, dq), every config's time
-                row["fwd_kernel_ms"] = kernel_times(lambda: kernel._forward(built, q, k, v))
-                row["bwd_kernel_ms"] = kernel_times(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
-                row["config_ms"] = {tuner.base_fn.__name__: _config_timings(tuner) for tuner in
-                                    (device_code.forward_kernel, device_code.dkdv_kernel, device_code.dq_kernel)}
+            with kernel_settings(ATOMIC_DQ=atomic, TMA=tma):
+                kernel.clear_tile_cache()
+                built = kernel._Problem(q, k, v, offsets, offsets, causal, False, scale)  # lists for this dq mode
+                out, lse = kernel._forward(built, q, k, v)
+                if not suffix:
+                    row["tables_ms"] = timed(lambda: tile_lists._Tiles(offsets, offsets, q.device, tokens, tokens,
+                                                                       kernel._parts(), causal))
+                if not atomic:
+                    row[f"kernel_fwd{suffix}_ms"] = timed(lambda: kernel._forward(built, q, k, v))
+                row[f"kernels_bwd{suffix}_ms"] = timed(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
+                if not suffix:  # each kernel's share (backward prologue, dk/dv, dq), every config's time
+                    row["fwd_kernel_ms"] = kernel_times(lambda: kernel._forward(built, q, k, v))
+                    row["bwd_kernel_ms"] = kernel_times(lambda: kernel._backward(built, q, k, v, out, lse, d_out))
+                    row["config_ms"] = {tuner.base_fn.__name__: _config_timings(tuner) for tuner in
+                                        (device_code.forward_kernel, device_code.dkdv_kernel, device_code.dq_kernel)}
         row["flex_fwd_bwd_kernel_ms"] = _flex_kernel_times(lengths, offsets, causal, q, k, v, d_out)
         row["host"] = _host_times(offsets, causal, q, k, v, d_out)
-        kernel.ATOMIC_DQ, kernel.TMA = defaults
         print(row, flush=True)
         results.append(row)
         # Saved after every case, so that a run cut short keeps what it measured.

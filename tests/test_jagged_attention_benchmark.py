@@ -4,7 +4,7 @@ split-head method runs with the kernels' head dims split."""
 import pytest
 import torch
 
-from benchmarks.jagged_attention import KERNEL_VARIANTS, bench_case, kernel_variant
+from benchmarks.jagged_attention import KERNEL_VARIANTS, bench_case, kernel_settings, kernel_variant
 
 
 def test_a_kernel_variant_sets_the_kernels_switches_inside_only():
@@ -20,6 +20,11 @@ def test_a_kernel_variant_sets_the_kernels_switches_inside_only():
         raise RuntimeError("a failed case")
     assert (kernel.SPLIT_HEAD, kernel.TMA, kernel.ATOMIC_DQ_SHORT) == before
     assert all(hasattr(kernel, key) for settings in KERNEL_VARIANTS.values() for key in settings)
+    atomic = kernel.ATOMIC_DQ
+    with pytest.raises(RuntimeError), kernel_settings(ATOMIC_DQ=not atomic, TMA=False):
+        assert kernel.ATOMIC_DQ is not atomic and not kernel.TMA
+        raise RuntimeError("a failed case")
+    assert (kernel.ATOMIC_DQ, kernel.TMA) == (atomic, before[1])
 
 
 @pytest.mark.gpu
