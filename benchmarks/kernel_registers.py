@@ -115,15 +115,15 @@ def main() -> None:
     results = []
     for name, tuner in KERNELS.items():
         for dim in args.head_dims:
-            d_pad = kernel.padded_dim(dim)
-            for config in launch_configs.choose_configs(name, tuner.configs, d_pad, d_pad, torch.bfloat16,
+            parts = kernel._dim_parts(dim, args.split)
+            width = sum(parts)  # what the kernels compute at, as their pruner sees it: padded, or both parts
+            for config in launch_configs.choose_configs(name, tuner.configs, width, width, torch.bfloat16,
                                                         H200_SHARED_BYTES):
                 compiled = compile_for_hopper(tuner.fn, config, dim, split=args.split)
-                parts = kernel._dim_parts(dim, args.split)
-                row = {"kernel": tuner.fn.__name__, "head_dim": dim, "parts": parts, "tma": sum(parts) == dim,
+                row = {"kernel": tuner.fn.__name__, "head_dim": dim, "parts": parts, "tma": width == dim,
                        **config.kwargs,
                        "warps": config.num_warps, "stages": config.num_stages, **ptxas_report(compiled),
-                       "shared_estimate_bytes": launch_configs.shared_memory_bytes(name, config, d_pad, d_pad,
+                       "shared_estimate_bytes": launch_configs.shared_memory_bytes(name, config, width, width,
                                                                                    torch.bfloat16)}
                 print(row, flush=True)
                 results.append(row)

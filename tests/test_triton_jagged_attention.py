@@ -792,13 +792,21 @@ def _tuners():
     return dict(zip(KERNEL_NAMES, (device_code.forward_kernel, device_code.dq_kernel, device_code.dkdv_kernel)))
 
 
-def _chosen(name: str, dim: int, value_dim: int, dtype=torch.bfloat16, limit: int = H200_SHARED_BYTES,
-            atomic_dq: bool = False, short_queries: bool = False):
+def _computed_dims(dim: int, value_dim: int, dtype, split: bool) -> tuple[int, int]:
+    """The widths the kernels compute a head and value dim at, as their pruner sees them: the padded dim, or with
+    split the sum of its column parts (kernel._dim_parts; FP8 head dims split only into parts of 32 or more)."""
     from kernels.triton import triton_jagged_attention as kernel
+
+    head = kernel._dim_parts(dim, split, smallest=32 if dtype == torch.float8_e4m3fn else 16)
+    return sum(head), sum(kernel._dim_parts(value_dim, split))
+
+
+def _chosen(name: str, dim: int, value_dim: int, dtype=torch.bfloat16, limit: int = H200_SHARED_BYTES,
+            atomic_dq: bool = False, short_queries: bool = False, split: bool = False):
     from kernels.triton import triton_jagged_attention_configs as launch_configs
 
-    return launch_configs.choose_configs(name, _tuners()[name].configs, kernel.padded_dim(dim),
-                                         kernel.padded_dim(value_dim), dtype, limit, atomic_dq, short_queries)
+    return launch_configs.choose_configs(name, _tuners()[name].configs, *_computed_dims(dim, value_dim, dtype, split),
+                                         dtype, limit, atomic_dq, short_queries)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter has one config per kernel")
@@ -874,7 +882,6 @@ def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
     """Every chosen config (or the first) of each kernel at each (head dim, value dim, dtype, options), compiled for
     sm_90a on the host: the compiler's shared memory within the estimate, the estimate within the H200's."""
     from benchmarks.kernel_registers import compile_for_hopper
-    from kernels.triton import triton_jagged_attention as kernel
     from kernels.triton import triton_jagged_attention_configs as launch_configs
 
     rows = []
@@ -883,11 +890,14 @@ def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
             if dtype == torch.float8_e4m3fn and name != "forward":
                 continue
             compile_options = {k: v for k, v in options.items() if k != "short_queries"}
+            split = options.get("split", False)
             for c in _chosen(name, dim, value_dim, dtype, atomic_dq=options.get("atomic_dq", False),
-                             short_queries=options.get("short_queries", False))[:1 if first_only else None]:
+                             short_queries=options.get("short_queries", False),
+                             split=split)[:1 if first_only else None]:
                 compiled = compile_for_hopper(tuner.fn, c, dim, value_dim, dtype=COMPILE_DTYPES[dtype],
                                               **compile_options)
-                need = launch_configs.shared_memory_bytes(name, c, kernel.padded_dim(dim), kernel.padded_dim(value_dim),
+                # at the widths the pruner estimates: for split dims the sum of their parts, not the padded dims
+                need = launch_configs.shared_memory_bytes(name, c, *_computed_dims(dim, value_dim, dtype, split),
                                                           dtype, options.get("atomic_dq", False))
                 row = dict(kernel=name, dim=dim, value_dim=value_dim, dtype=str(dtype), **options, **c.kwargs,
                            warps=c.num_warps, stages=c.num_stages, shared=compiled.metadata.shared, estimate=need)
