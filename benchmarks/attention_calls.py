@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks.common import save
 from benchmarks.jagged_attention import KERNEL_VARIANTS, kernel_variant
-from kernels.triton.triton_jagged_attention import padded_dim  # the dim the kernels compute at
+from kernels.triton.triton_jagged_attention import computed_dim, padded_dim
 
 TILES = ((128, 64), (128, 128), (64, 64), (32, 32))  # (BLOCK_M, BLOCK_N): the forward's configs, and a smaller one
 RUN_WIDTH = 0.0625  # the forward that records the calls: lengths are the same at every width
@@ -208,11 +208,12 @@ def main() -> None:
                        "tile_fill": {tile: row["pairs"] / work for tile, work in row["tiles"].items()}}
                 for name, row in totals.items()}
     fill = {tile: all_pairs / sum(row["tiles"][tile] for row in totals.values()) for tile in tiles}
-    results = {"head_dim": head_dim, "padded_head_dim": padded_dim(head_dim),
-               "head_dim_fill": head_dim / padded_dim(head_dim), "tile_fill": fill,
-               "real_work_share": {tile: f * head_dim / padded_dim(head_dim) for tile, f in fill.items()},
+    computed = computed_dim(head_dim)  # 96 as 64 + 32; padded with JAGGED_ATTENTION_SPLIT_HEAD=0
+    results = {"head_dim": head_dim, "padded_head_dim": padded_dim(head_dim), "computed_head_dim": computed,
+               "head_dim_fill": head_dim / computed, "tile_fill": fill,
+               "real_work_share": {tile: f * head_dim / computed for tile, f in fill.items()},
                "calls_per_step": len(names), "per_call": per_call}
-    print(f"head dim {head_dim} (computed at {padded_dim(head_dim)}), {len(names)} calls a step, "
+    print(f"head dim {head_dim} (computed at {computed}), {len(names)} calls a step, "
           f"{len(steps)} steps")
     for name, row in per_call.items():
         print(f"  {name:24s} pairs {row['share_of_pairs']:6.1%}  lengths q {row['mean_query_length']:6.1f} "

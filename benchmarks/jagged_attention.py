@@ -13,9 +13,9 @@ one query per sample over `--cross-tokens` keys):
   triton_cached
               the same with the lists built beforehand (the cache kept), as every layer after the first
               in a step sees them; the counterpart of 'flex'
-  triton_split
-              with --sweep: triton_cached with head dims such as 96 computed in two power-of-two column parts
-              (JAGGED_ATTENTION_SPLIT_HEAD), at the head dims that have them
+  triton_padded
+              with --sweep: triton_cached with head dims such as 96 padded to the next power of two
+              (JAGGED_ATTENTION_SPLIT_HEAD=0) instead of computed in two column parts, at the head dims that have them
   triton_fp8  the forward on float8_e4m3fn q, k, v (per-tensor amax / 448 factors, quantized beforehand),
               lists cached; forward only (no backward in FP8), with its output's relative error against
               the bf16 kernel's on the same batch
@@ -130,8 +130,8 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
     }
     from kernels.triton.triton_jagged_attention import _dim_parts
 
-    runners["triton_split"] = runners["triton_cached"]  # run with the head dims split (_variant_of)
-    methods = tuple(m for m in methods if m != "triton_split" or _dim_parts(dim, split=True)[1])
+    runners["triton_padded"] = runners["triton_cached"]  # run with the head dims padded (_variant_of)
+    methods = tuple(m for m in methods if m != "triton_padded" or _dim_parts(dim, split=True)[1])
     if warm_only:
         for method in (m for m in methods if m != "triton_fp8"):
             prepare, call = runners[method]
@@ -141,7 +141,7 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
                 torch.autograd.grad(out, inputs, torch.randn_like(out))
         return {}
     row = {}
-    for ours in (m for m in ("triton", "triton_split") if m in methods or m == "triton"):
+    for ours in (m for m in ("triton", "triton_padded") if m in methods or m == "triton"):
         try:
             with kernel_variant(_variant_of(ours)):
                 row[ours] = _disagreement(runners, q, k, v)
@@ -170,11 +170,11 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
 
 
 # Kernel settings timed side by side (the kernel module's switches, read at each call): the sweep's
-# triton_split rows, attention_calls.py --variants.
+# triton_padded rows, attention_calls.py --variants.
 KERNEL_VARIANTS = {
     "default": {},
-    "split_head": {"SPLIT_HEAD": True},  # JAGGED_ATTENTION_SPLIT_HEAD=1
-    "split_head_pointers": {"SPLIT_HEAD": True, "TMA": False},  # ... with JAGGED_ATTENTION_TMA=0
+    "padded": {"SPLIT_HEAD": False},  # JAGGED_ATTENTION_SPLIT_HEAD=0
+    "pointers": {"TMA": False},  # JAGGED_ATTENTION_TMA=0
     "atomic_dq_short": {"ATOMIC_DQ_SHORT": True},  # JAGGED_ATTENTION_ATOMIC_DQ=short
 }
 
@@ -200,7 +200,7 @@ def kernel_settings(**settings):
 
 
 def _variant_of(method: str) -> str:
-    return "split_head" if method == "triton_split" else "default"
+    return "padded" if method == "triton_padded" else "default"
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
@@ -453,7 +453,7 @@ def _source_commit() -> str:
 
 
 SWEEP_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-SWEEP_METHODS = ("triton", "triton_cached", "triton_split", "flex", "flex+mask")
+SWEEP_METHODS = ("triton", "triton_cached", "triton_padded", "flex", "flex+mask")
 
 
 def sweep_cases(head_dims) -> list[tuple]:
@@ -494,7 +494,7 @@ def run_case(case: tuple, tokens: int, cross_tokens: int, methods: tuple[str, ..
 def _speedups(method: str, row: dict) -> dict:
     """Our time against FlexAttention's (theirs / ours) for our bf16 methods: with its block mask prebuilt ('flex')
     and built in the call ('flex+mask')."""
-    if method not in ("triton", "triton_cached", "triton_split"):
+    if method not in ("triton", "triton_cached", "triton_padded"):
         return {}
     out = {}
     for flex, name in (("flex", "vs_flex"), ("flex+mask", "vs_flex_mask")):
@@ -598,7 +598,7 @@ def _case_name(r: dict) -> str:
 
 # (ours, FlexAttention's) forward + backward time ratios in the summary: lists and block mask both built in the call,
 # ours built against a mask prebuilt, both prebuilt.
-SUMMARY_RATIOS = (("triton", "flex+mask"), ("triton", "flex"), ("triton_cached", "flex"), ("triton_split", "flex"))
+SUMMARY_RATIOS = (("triton", "flex+mask"), ("triton", "flex"), ("triton_cached", "flex"), ("triton_padded", "flex"))
 
 
 def print_summary(results: list[dict]) -> None:
@@ -607,7 +607,7 @@ def print_summary(results: list[dict]) -> None:
     for r in results:
         by_case.setdefault(_case_name(r), {})[r["method"]] = r
     print("\nTFLOP/s on real tokens, forward / forward+backward; fwd+bwd speed-up over flex")
-    methods = [m for m in (*METHODS, "triton_split", REFERENCE) if any(m in row for row in by_case.values())]
+    methods = [m for m in (*METHODS, "triton_padded", REFERENCE) if any(m in row for row in by_case.values())]
     ratios = [(ours, theirs) for ours, theirs in SUMMARY_RATIOS
               if any(ours in row and theirs in row for row in by_case.values())]
     print(f"{'case':<41}" + "".join(f"{m:>16}" for m in methods)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.attention_calls import call_names, padded_dim, recorded_calls, save_calls, tile_work, time_calls
+from benchmarks.attention_calls import (call_names, computed_dim, padded_dim, recorded_calls, save_calls, tile_work,
+                                        time_calls)
 from gem_ops.model.config import model_config
 from tests.model_inputs import SPEC, random_batch
 
@@ -52,9 +53,9 @@ def test_saved_calls_keep_each_steps_lengths_and_the_shape(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_timed_calls_report_each_call_and_the_step(tmp_path):
     _, names = _saved_calls(tmp_path / "calls.npz")
-    results = time_calls(tmp_path / "calls.npz", ("default", "split_head"))
+    results = time_calls(tmp_path / "calls.npz", ("default", "padded"))
     assert set(results["per_call"]) == set(names) and results["steps"] == 2
-    assert set(results["variants"]) == {"default", "split_head"}
+    assert set(results["variants"]) == {"default", "padded"}
     assert results["variants"]["default"]["fwd_bwd_over_first"] == 1.0
     assert results["per_step"] == results["variants"]["default"]["per_step"]
     assert all(0 < row["fwd_ms"] < row["fwd_bwd_ms"] for row in results["per_call"].values())
@@ -63,8 +64,13 @@ def test_timed_calls_report_each_call_and_the_step(tmp_path):
     assert results["self_share_of_fwd_bwd"] + results["cross_share_of_fwd_bwd"] == pytest.approx(1.0)
 
 
-def test_tiles_cover_each_sequence_and_head_dims_pad_to_powers_of_two():
+def test_tiles_cover_each_sequence_and_head_dims_are_computed_split_or_padded(monkeypatch):
+    from kernels.triton import triton_jagged_attention as kernel
+
     q, kv = np.array([1, 64, 65]), np.array([1, 64, 65])
     assert tile_work(q, kv, 64, 64) == 64 * 64 + 64 * 64 + 128 * 128
     assert tile_work(np.array([2]), np.array([130]), 128, 64) == 128 * 192
     assert [padded_dim(d) for d in (8, 16, 24, 96, 128, 192)] == [16, 16, 32, 128, 128, 256]
+    assert [computed_dim(d) for d in (8, 24, 48, 96, 128, 192)] == [16, 32, 48, 96, 128, 192]  # split by default
+    monkeypatch.setattr(kernel, "SPLIT_HEAD", False)  # JAGGED_ATTENTION_SPLIT_HEAD=0
+    assert [computed_dim(d) for d in (48, 96, 192)] == [64, 128, 256]

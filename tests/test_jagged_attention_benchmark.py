@@ -1,5 +1,5 @@
 """benchmarks/jagged_attention.py: kernel variants set the kernel module's switches for their runs alone; the
-split-head method runs with the kernels' head dims split."""
+padded method runs with the kernels' head dims padded instead of split."""
 
 import pytest
 import torch
@@ -11,8 +11,10 @@ def test_a_kernel_variant_sets_the_kernels_switches_inside_only():
     from kernels.triton import triton_jagged_attention as kernel
 
     before = (kernel.SPLIT_HEAD, kernel.TMA, kernel.ATOMIC_DQ_SHORT)
-    with kernel_variant("split_head_pointers"):
-        assert kernel.SPLIT_HEAD and not kernel.TMA
+    with kernel_variant("padded"):
+        assert not kernel.SPLIT_HEAD and kernel.TMA == before[1]
+    with kernel_variant("pointers"):
+        assert kernel.SPLIT_HEAD == before[0] and not kernel.TMA
     with kernel_variant("default"):
         assert (kernel.SPLIT_HEAD, kernel.TMA, kernel.ATOMIC_DQ_SHORT) == before
     with pytest.raises(RuntimeError), kernel_variant("atomic_dq_short"):
@@ -29,9 +31,9 @@ def test_a_kernel_variant_sets_the_kernels_switches_inside_only():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_split_method_agrees_with_flex_at_head_dim_96_and_is_skipped_where_nothing_splits():
+def test_padded_method_agrees_with_flex_at_head_dim_96_and_is_skipped_where_nothing_splits():
     lengths = [700, 5, 130, 64, 1, 300]
-    row = bench_case(lengths, 4, 96, True, ("triton_cached", "triton_split", "flex"))
-    assert row["triton_split"]["rel_error_vs_flex"] < 1e-2 and row["triton_split"]["dq_rel_error_vs_flex"] < 1e-2
-    assert all(0 < row[m]["fwd_ms"] < row[m]["fwd_bwd_ms"] for m in ("triton_cached", "triton_split", "flex"))
-    assert "triton_split" not in bench_case(lengths, 4, 128, True, ("triton_cached", "triton_split", "flex"))
+    row = bench_case(lengths, 4, 96, True, ("triton_cached", "triton_padded", "flex"))
+    assert row["triton_padded"]["rel_error_vs_flex"] < 1e-2 and row["triton_padded"]["dq_rel_error_vs_flex"] < 1e-2
+    assert all(0 < row[m]["fwd_ms"] < row[m]["fwd_bwd_ms"] for m in ("triton_cached", "triton_padded", "flex"))
+    assert "triton_padded" not in bench_case(lengths, 4, 128, True, ("triton_cached", "triton_padded", "flex"))

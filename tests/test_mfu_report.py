@@ -206,7 +206,7 @@ def test_a_run_stopped_by_the_budget_after_writing_its_result_keeps_its_figures(
 
 
 def test_a_runs_name_sets_environment_variables_of_its_job_alone(monkeypatch):
-    """`--precisions bf16@model bf16@model+JAGGED_ATTENTION_SPLIT_HEAD=1`: the second run's job sees the setting, the
+    """`--precisions bf16@model bf16@model+JAGGED_ATTENTION_SPLIT_HEAD=0`: the second run's job sees the setting, the
     first's does not, and a malformed setting is refused with the run's name."""
     import sys
 

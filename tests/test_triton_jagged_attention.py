@@ -126,7 +126,7 @@ GPU_CASES = _cases(
     pytest.param(Case((1,), None, True, "softmax", 1, 64), id="self-single-token-one-head"),
 ] + [
     # Issue 23: one query per sample over a lognormal history of up to 2048 keys at head dim 256, and self attention
-    # at head dim 192 (padded to 256, pointer loads).
+    # at head dim 192 (two column parts, 128 + 64, through descriptors).
     pytest.param(Case((1,) * 48, _lognormal(5, 48, 2048), False, activation, 2, 256),
                  id=f"cross-d256-lognormal-{activation}") for activation in ("softmax", "silu")
 ] + [
@@ -358,12 +358,18 @@ def test_atomic_dq_for_short_queries_skips_their_dq_kernel_only_on_cpu_interpret
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dim,value_dim", [(128, 128), (64, 96)])  # dq added by one TMA reduce a block; by atomics
-def test_atomic_dq_for_short_queries_matches_reference_on_gpu(dim, value_dim, monkeypatch):
+@pytest.mark.parametrize("q_lengths,kv_lengths,heads,dim,value_dim", [
+    ((1, 4, 2, 3) * 8, _long_tail(2, 32, 300, 2000), 4, 128, 128),  # dq added by one TMA reduce a block
+    ((1, 4, 2, 3) * 8, _long_tail(2, 32, 300, 2000), 4, 64, 96),  # by atomics
+    # as a gem_gpu step's engaged cross attention: 2 queries over a few keys, many histories empty
+    ((2,) * 128, (0, 3, 17, 0, 1, 0, 9, 12) * 16, 16, 128, 128),
+], ids=["tma-reduce", "atomics", "engaged-cross-d128"])
+def test_atomic_dq_for_short_queries_matches_reference_on_gpu(q_lengths, kv_lengths, heads, dim, value_dim,
+                                                              monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
 
     monkeypatch.setattr(kernel, "ATOMIC_DQ_SHORT", True)
-    case = Case((1, 4, 2, 3) * 8, _long_tail(2, 32, 300, 2000), False, "softmax", 4, dim, value_dim)
+    case = Case(q_lengths, kv_lengths, False, "softmax", heads, dim, value_dim)
     check_against_reference(case, "cuda", torch.bfloat16, tolerance=2e-2)
 
 

@@ -11,9 +11,10 @@ recomputes the scores in two kernels without atomics: one per key block (dk, dv)
 (or, with JAGGED_ATTENTION_ATOMIC_DQ=1, the first also adds dq in fp32, one TMA reduce per block on Hopper,
 and the second is skipped). The kernels write every row of their outputs, zeros in rows that no sequence
 owns, so no output is zero-filled first (except the atomically summed dq). Key blocks that
-causality rules out are never visited, and blocks that need no mask skip the masking arithmetic. With
-power-of-two head dims (or, with JAGGED_ATTENTION_SPLIT_HEAD=1, dims such as 96 computed as 64 + 32) the inner
-loops read their blocks through tensor descriptors (TMA), which keeps per-element addresses out of the registers.
+causality rules out are never visited, and blocks that need no mask skip the masking arithmetic. Head dims of two
+powers of two, such as 96, run as two column parts (64 + 32) rather than padded. With power-of-two head dims or
+such parts the inner loops read their blocks through tensor descriptors (TMA), which keeps per-element addresses out
+of the registers.
 FP8 (e4m3) inputs run the forward only: QK^T in FP8, the weights times V in fp16, the per-tensor factors applied to
 the scores' scale and to the output.
 
@@ -53,7 +54,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e
 # order). Off by default: on the H200 the atomics cost more than the recomputation they save (the
 # separate, deterministic dq kernel was 6-13% faster over the whole backward). JAGGED_ATTENTION_ATOMIC_DQ=short:
 # only for calls of few queries per sequence (SHORT_QUERY_LEN), whose dq kernel reads every key and value again for
-# a handful of queries; not yet timed.
+# a handful of queries: 0.98x a w0.5_L512 step's attention time on an H100 (head dim 96 padded, pointer atomics);
+# a gem_gpu timing of it beside the default stopped on a misaligned address (benchmarks/README.md, open).
 ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
 ATOMIC_DQ_SHORT = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "short"
 # Tensor descriptors (TMA on Hopper and newer): the inner loops load their blocks of K, V (forward, dq) or
@@ -63,11 +65,12 @@ ATOMIC_DQ_SHORT = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "short"
 # head's columns), and 16-byte aligned rows; otherwise, and with JAGGED_ATTENTION_TMA=0, pointer loads. The
 # interpreter runs the descriptor loads but not the reduce.
 TMA = os.environ.get("JAGGED_ATTENTION_TMA") != "0"
-# JAGGED_ATTENTION_SPLIT_HEAD=1: a head or value dim that is the sum of two powers of two (96 = 64 + 32, 48, 80, 160,
-# 192) runs as those two column parts, each a matmul of its own width, instead of padded to the next power of two
-# (128, 64, ..., 256), whose padding is a quarter to a third of the matmuls' work (_dim_parts), each part through
-# a descriptor of its own (*b_desc). Off until measured.
-SPLIT_HEAD = os.environ.get("JAGGED_ATTENTION_SPLIT_HEAD") == "1"
+# A head or value dim that is the sum of two powers of two (96 = 64 + 32, 48, 80, 160, 192) runs as those two column
+# parts, each a matmul of its own width, instead of padded to the next power of two (128, 64, ..., 256), whose
+# padding is a quarter to a third of the matmuls' work (_dim_parts), each part through a descriptor of its own
+# (*b_desc): at head dim 96 a GEM step's attention in 0.79x the padded kernels' time (benchmarks/README.md).
+# JAGGED_ATTENTION_SPLIT_HEAD=0 pads them.
+SPLIT_HEAD = os.environ.get("JAGGED_ATTENTION_SPLIT_HEAD") != "0"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -140,6 +143,11 @@ def clear_tile_cache() -> None:
 
 def padded_dim(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))  # tl.dot needs power-of-two sides of at least 16
+
+
+def computed_dim(dim: int) -> int:
+    """The width the kernels compute a head dim at: the sum of its column parts (_dim_parts), 128 for 96 padded."""
+    return sum(_dim_parts(dim))
 
 
 def _dim_parts(dim: int, split: bool | None = None, smallest: int = 16) -> tuple[int, int]:
