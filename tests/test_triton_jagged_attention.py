@@ -124,6 +124,9 @@ GPU_CASES = _cases(
     pytest.param(Case((300, 0, 17, 1000), None, True, "softmax", 2, 128, outside=(70, 5000)), id="self-outside-d128"),
     pytest.param(Case((2, 1, 4), (700, 0, 40), False, "silu", 4, 64, 96, outside=(3, 129)), id="cross-outside-silu"),
     pytest.param(Case((1,), None, True, "softmax", 1, 64), id="self-single-token-one-head"),
+    # short-query configs (query blocks of 16) over sequences of up to 21 queries, as a gem_gpu step's engaged branch
+    pytest.param(Case((0, 3, 21, 8, 1, 17, 12, 5) * 16, None, False, "softmax", 16, 128), id="self-short-d128"),
+    pytest.param(Case((0, 3, 21, 8, 1, 17, 12, 5) * 16, None, False, "softmax", 11, 96), id="self-short-d96"),
 ] + [
     # Issue 23: one query per sample over a lognormal history of up to 2048 keys at head dim 256, and self attention
     # at head dim 192 (two column parts, 128 + 64, through descriptors).
@@ -361,9 +364,11 @@ def test_atomic_dq_for_short_queries_skips_their_dq_kernel_only_on_cpu_interpret
 @pytest.mark.parametrize("q_lengths,kv_lengths,heads,dim,value_dim", [
     ((1, 4, 2, 3) * 8, _long_tail(2, 32, 300, 2000), 4, 128, 128),  # dq added by one TMA reduce a block
     ((1, 4, 2, 3) * 8, _long_tail(2, 32, 300, 2000), 4, 64, 96),  # by atomics
-    # as a gem_gpu step's engaged cross attention: 2 queries over a few keys, many histories empty
+    # as a gem_gpu step's engaged branch: 2 queries over a few keys, many histories empty; self attention over up
+    # to 21 events (two query blocks of 16 in some sequences)
     ((2,) * 128, (0, 3, 17, 0, 1, 0, 9, 12) * 16, 16, 128, 128),
-], ids=["tma-reduce", "atomics", "engaged-cross-d128"])
+    ((0, 3, 21, 8, 1, 17, 12, 5) * 16, None, 16, 128, 128),
+], ids=["tma-reduce", "atomics", "engaged-cross-d128", "engaged-self-d128"])
 def test_atomic_dq_for_short_queries_matches_reference_on_gpu(q_lengths, kv_lengths, heads, dim, value_dim,
                                                               monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
