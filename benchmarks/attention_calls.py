@@ -23,6 +23,7 @@ first finds them):
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,17 @@ def save_calls(path: Path, recorded: list[list[tuple]], names: list[str], heads:
     tmp.replace(path)
 
 
+@contextlib.contextmanager
+def naming_the_call(where: str):
+    """An error inside the block carries `where` as a note, printed under its message: a CUDA fault ends the process
+    (it is sticky), and a log's tail is all that may come back from a GPU machine."""
+    try:
+        yield
+    except Exception as error:
+        error.add_note(f"while timing {where}")
+        raise
+
+
 def time_calls(path: Path, variants: tuple[str, ...] = ("default",)) -> dict:
     """Device ms of each saved call's kernels, forward and forward + backward, and per step (see the module), for
     each kernel variant in turn on the same inputs, call by call: the first variant's figures at the top level, every
@@ -116,7 +128,7 @@ def time_calls(path: Path, variants: tuple[str, ...] = ("default",)) -> dict:
 
         d_out = torch.randn(int(q_lengths.sum()), *dims, device="cuda", dtype=torch.bfloat16)
         for variant in variants:
-            with kernel_variant(variant):
+            with kernel_variant(variant), naming_the_call(f"step {step}, call {name!r}, kernel variant {variant!r}"):
                 with torch.no_grad():
                     forward = sum(kernel_times(attend).values())
                 both = sum(kernel_times(lambda: torch.autograd.grad(attend(), leaves, d_out)).values())

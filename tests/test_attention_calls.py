@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.attention_calls import (call_names, computed_dim, padded_dim, recorded_calls, save_calls, tile_work,
-                                        time_calls)
+from benchmarks.attention_calls import (call_names, computed_dim, naming_the_call, padded_dim, recorded_calls,
+                                        save_calls, tile_work, time_calls)
 from gem_ops.model.config import model_config
 from tests.model_inputs import SPEC, random_batch
 
@@ -74,3 +74,9 @@ def test_tiles_cover_each_sequence_and_head_dims_are_computed_split_or_padded(mo
     assert [computed_dim(d) for d in (8, 24, 48, 96, 128, 192)] == [16, 32, 48, 96, 128, 192]  # split by default
     monkeypatch.setattr(kernel, "SPLIT_HEAD", False)  # JAGGED_ATTENTION_SPLIT_HEAD=0
     assert [computed_dim(d) for d in (48, 96, 192)] == [64, 128, 256]
+
+
+def test_an_error_while_timing_names_the_call_and_variant():
+    with pytest.raises(RuntimeError, match="misaligned") as raised, naming_the_call("step 0, call 'block 0 all self'"):
+        raise RuntimeError("CUDA error: misaligned address")
+    assert raised.value.__notes__ == ["while timing step 0, call 'block 0 all self'"]
