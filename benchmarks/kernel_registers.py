@@ -109,7 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256])
     parser.add_argument("--split", action="store_true",
-                        help="dims such as 96 in two column parts (JAGGED_ATTENTION_SPLIT_HEAD=1), else padded")
+                        help="dims such as 96 in two column parts (the kernels' default), else padded "
+                             "(JAGGED_ATTENTION_SPLIT_HEAD=0)")
     parser.add_argument("--output-name", default="kernel_registers")
     args = parser.parse_args()
     results = []

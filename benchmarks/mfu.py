@@ -175,7 +175,7 @@ def run_variant(name: str) -> tuple[str, str | None, str | None]:
 
 
 def run_environment(name: str) -> dict[str, str]:
-    """The environment variables a run's name sets for its job, e.g. bf16@model+JAGGED_ATTENTION_SPLIT_HEAD=1: kernel
+    """The environment variables a run's name sets for its job, e.g. bf16@model+JAGGED_ATTENTION_SPLIT_HEAD=0: kernel
     settings read at import, compared side by side with the first run like any other variant."""
     settings = {}
     for part in name.split("+")[1:]:

@@ -224,7 +224,8 @@ def test_atomic_dq_backward_matches_reference_on_cpu_interpreter(case, monkeypat
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
-# Head and value dims of two powers of two, computed in two column parts with JAGGED_ATTENTION_SPLIT_HEAD=1.
+# Head and value dims of two powers of two, computed in two column parts (the default; JAGGED_ATTENTION_SPLIT_HEAD=0
+# pads them).
 SPLIT_DEFAULT = {"self-d96-full-silu", "cross-d192-dv64-causal-silu", "self-d48-causal-softmax",
                  "cross-d80-dv48-full-silu"}
 SPLIT_CASES = [p for p in CPU_CASES if "-d96-" in p.id or "-d192-" in p.id] + [
@@ -928,7 +929,7 @@ def test_every_chosen_config_fits_hopper_shared_memory():
     """About 250 host compiles (a few minutes): head dims 16 to 256 in bf16; cross dims, SiLU, full attention, fp32,
     the FP8 forward and the dk/dv kernel adding dq (JAGGED_ATTENTION_ATOMIC_DQ=1) at the large dims; the short-query
     configs of a candidate's cross attention (full, softmax and SiLU); dims in two column parts
-    (JAGGED_ATTENTION_SPLIT_HEAD=1)."""
+    (the default), beside the padded ones."""
     dims = [(d, d, torch.bfloat16, {}) for d in (16, 32, 64, 96, 128, 192, 256)]
     dims += [(256, 64, torch.bfloat16, {"silu": True, "causal": False}), (64, 256, torch.bfloat16, {}),
              (256, 256, torch.float32, {}), (128, 128, torch.float32, {}), (256, 256, torch.float8_e4m3fn, {}),
