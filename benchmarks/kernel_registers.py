@@ -2,9 +2,9 @@
 per autotune config that the kernels may choose at each head dim on an H200 (launch_configs.choose_configs, by the
 shared memory estimate launch_configs.shared_memory_bytes, which each row shows beside the compiler's figure):
 compiled on the host, no GPU needed. Bf16, causal softmax, self attention; tensor-descriptor loads where the head dim
-is a power of two (or, with --split, two powers of two), pointer loads otherwise; the backward without atomic dq.
+is a power of two or two of them (unless --padded), pointer loads otherwise; the backward without atomic dq.
 
-    python -m benchmarks.kernel_registers [--head-dims 16 32 64 96 128 192 256] [--split --output-name NAME]
+    python -m benchmarks.kernel_registers [--head-dims 16 32 64 96 128 192 256] [--padded --output-name NAME]
 
 Writes benchmarks/results/kernel_registers.json (or --output-name's). The figures are the local Triton's (recorded
 in the settings); the GPU machine may run another version.
@@ -108,19 +108,20 @@ KERNELS = {"forward": device_code.forward_kernel, "dq": device_code.dq_kernel, "
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[16, 32, 64, 96, 128, 192, 256])
-    parser.add_argument("--split", action="store_true",
-                        help="dims such as 96 in two column parts (the kernels' default), else padded "
-                             "(JAGGED_ATTENTION_SPLIT_HEAD=0)")
+    parser.add_argument("--padded", action="store_true",
+                        help="dims such as 96 padded to the next power of two (JAGGED_ATTENTION_SPLIT_HEAD=0), "
+                             "else in two column parts, as the kernels run them by default")
     parser.add_argument("--output-name", default="kernel_registers")
     args = parser.parse_args()
+    split = not args.padded
     results = []
     for name, tuner in KERNELS.items():
         for dim in args.head_dims:
-            parts = kernel._dim_parts(dim, args.split)
+            parts = kernel._dim_parts(dim, split)
             width = sum(parts)  # what the kernels compute at, as their pruner sees it: padded, or both parts
             for config in launch_configs.choose_configs(name, tuner.configs, width, width, torch.bfloat16,
                                                         H200_SHARED_BYTES):
-                compiled = compile_for_hopper(tuner.fn, config, dim, split=args.split)
+                compiled = compile_for_hopper(tuner.fn, config, dim, split=split)
                 row = {"kernel": tuner.fn.__name__, "head_dim": dim, "parts": parts, "tma": width == dim,
                        **config.kwargs,
                        "warps": config.num_warps, "stages": config.num_stages, **ptxas_report(compiled),
@@ -129,7 +130,7 @@ def main() -> None:
                 print(row, flush=True)
                 results.append(row)
     save(args.output_name, {"target": "sm_90a", "triton": triton.__version__, "head_dims": args.head_dims,
-                            "split": args.split, "dtype": "bfloat16", "causal": True, "activation": "softmax",
+                            "split": split, "dtype": "bfloat16", "causal": True, "activation": "softmax",
                             "shared_limit_bytes": H200_SHARED_BYTES}, results)
 
 
