@@ -596,9 +596,8 @@ def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, shor
     names = ("forward", "dq", "dkdv")
     tuners = (device_code.forward_kernel, device_code.dq_kernel, device_code.dkdv_kernel)
     limit = launch_configs.shared_memory_limit(torch.cuda.current_device())
-    padded = kernel.padded_dim(head_dim)
-    configs = [launch_configs.choose_configs(name, tuner.configs, padded, padded, torch.bfloat16, limit,
-                                             short_queries=short_queries)
+    # chosen at the widths the pruner sees (a split dim's parts' sum), where more configs fit than padded
+    configs = [_chosen(name, head_dim, head_dim, limit=limit, short_queries=short_queries, split=split)
                + [c for c in tuner.configs if any(c is x for x in launch_configs.FALLBACK_CONFIGS)]
                for name, tuner in zip(names, tuners)]
     if short_queries:
@@ -805,12 +804,10 @@ def _tuners():
 
 
 def _computed_dims(dim: int, value_dim: int, dtype, split: bool) -> tuple[int, int]:
-    """The widths the kernels compute a head and value dim at, as their pruner sees them: the padded dim, or with
-    split the sum of its column parts (kernel._dim_parts; FP8 head dims split only into parts of 32 or more)."""
-    from kernels.triton import triton_jagged_attention as kernel
+    """The widths the kernels compute a head and value dim at (FP8 head dims split only into parts of 32 or more)."""
+    from kernels.triton.triton_jagged_attention import computed_dim
 
-    head = kernel._dim_parts(dim, split, smallest=32 if dtype == torch.float8_e4m3fn else 16)
-    return sum(head), sum(kernel._dim_parts(value_dim, split))
+    return computed_dim(dim, split, smallest=32 if dtype == torch.float8_e4m3fn else 16), computed_dim(value_dim, split)
 
 
 def _chosen(name: str, dim: int, value_dim: int, dtype=torch.bfloat16, limit: int = H200_SHARED_BYTES,

@@ -145,9 +145,10 @@ def padded_dim(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))  # tl.dot needs power-of-two sides of at least 16
 
 
-def computed_dim(dim: int) -> int:
-    """The width the kernels compute a head dim at: the sum of its column parts (_dim_parts), 128 for 96 padded."""
-    return sum(_dim_parts(dim))
+def computed_dim(dim: int, split: bool | None = None, smallest: int = 16) -> int:
+    """The width the kernels compute a head dim at, as their pruner sees it: the sum of its column parts (_dim_parts;
+    smallest 32 for an FP8 head dim), 128 for 96 padded."""
+    return sum(_dim_parts(dim, split, smallest))
 
 
 def _dim_parts(dim: int, split: bool | None = None, smallest: int = 16) -> tuple[int, int]:
