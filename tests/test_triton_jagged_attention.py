@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -585,8 +586,9 @@ def test_fp8_forward_matches_reference_on_gpu(case):
 def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, short_queries, split, monkeypatch):
     """Autotuning runs one config per shape, so each config the kernels may choose at this head dim on this GPU (and
     the small-footprint fallbacks) is run here, one per kernel at a time, not only the winners: none may fail to
-    launch for want of shared memory. With short queries, a candidate's cross attention (1-3 queries over a long
-    tail of keys) on the short-query configs; with split, the head dim in its two column parts (SPLIT_HEAD)."""
+    launch for want of shared memory. With short queries, cross attention of 1-3 queries (some 17-21, two query
+    blocks) over a long tail of keys on the short-query configs; with split, the head dim in its two column parts
+    (SPLIT_HEAD)."""
     from kernels.triton import triton_jagged_attention as kernel
     from kernels.triton import triton_jagged_attention_configs as launch_configs
     from kernels.triton import triton_jagged_attention_kernels as device_code
@@ -604,7 +606,9 @@ def test_every_chosen_config_matches_reference_on_gpu(head_dim, activation, shor
         assert all(any(c is x for x in launch_configs.SHORT_QUERY_CONFIGS)
                    for options in configs for c in options[:-1])
         kv_lengths = _long_tail(4, 24, 200, 1500)
-        case = Case(tuple(1 + i % 3 for i in range(len(kv_lengths))), kv_lengths, False, activation, 2, head_dim)
+        # a few queries per sequence, some of two query blocks: a pipelined loop then fills its second buffers
+        q_lengths = tuple((1, 2, 3, 21, 17)[i % 5] for i in range(len(kv_lengths)))
+        case = Case(q_lengths, kv_lengths, False, activation, 2, head_dim)
     else:
         case = Case(_long_tail(4, 16, 200, 1500), None, True, activation, 2, head_dim)
     for round_ in range(max(map(len, configs))):
@@ -887,9 +891,20 @@ def test_head_dims_above_256_are_refused_with_the_supported_range():
             triton_jagged_attention(q, k, v, offsets, offsets, False, "softmax", 0.1)
 
 
+TTGIR_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8}
+
+
+def _tma_copy_destinations(ttgir: str) -> list[int]:
+    """Bytes of each tensor-descriptor copy's shared-memory destination block in a compiled kernel's TTGIR."""
+    blocks = re.findall(r"async_tma_copy_global_to_local .*-> !ttg\.memdesc<((?:\d+x)+)(\w+)", ttgir)
+    return [math.prod(int(n) for n in shape.split("x") if n) * TTGIR_BYTES.get(kind, 1) for shape, kind in blocks]
+
+
 def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
     """Every chosen config (or the first) of each kernel at each (head dim, value dim, dtype, options), compiled for
-    sm_90a on the host: the compiler's shared memory within the estimate, the estimate within the H200's."""
+    sm_90a on the host: the compiler's shared memory within the estimate, the estimate within the H200's; and every
+    tensor-descriptor copy lands in a block of a multiple of 128 bytes, the alignment a bulk copy's destination
+    needs (a pipelined ring of 64-byte blocks faulted on the GPU with a misaligned address)."""
     from benchmarks.kernel_registers import compile_for_hopper
     from kernels.triton import triton_jagged_attention_configs as launch_configs
 
@@ -911,13 +926,17 @@ def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
                 row = dict(kernel=name, dim=dim, value_dim=value_dim, dtype=str(dtype), **options, **c.kwargs,
                            warps=c.num_warps, stages=c.num_stages, shared=compiled.metadata.shared, estimate=need)
                 assert compiled.metadata.shared <= need <= H200_SHARED_BYTES, row
+                copies = _tma_copy_destinations(compiled.asm["ttgir"])
+                assert all(size % 128 == 0 for size in copies), (row, copies)
                 rows.append(row)
     return rows
 
 
 @pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper instead")
-def test_first_chosen_configs_fit_hopper_shared_memory_at_head_dim_256():
-    _check_compiled_shared_memory([(256, 256, torch.bfloat16, {})], first_only=True)
+def test_first_chosen_configs_fit_hopper_shared_memory_at_head_dim_256_and_short_queries():
+    _check_compiled_shared_memory([(256, 256, torch.bfloat16, {}),
+                                   (128, 128, torch.bfloat16, {"short_queries": True, "causal": False})],
+                                  first_only=True)
 
 
 @pytest.mark.slow

@@ -23,6 +23,8 @@ _NEG_LARGE = tl.constexpr(NEG_LARGE)
 # has seen no valid key yet: masking needs only the subtraction.
 _RUNNING_MAX_START = tl.constexpr(NEG_LARGE / 2)
 _EMPTY_ROW_LSE = tl.constexpr(EMPTY_ROW_LSE)
+STATS_TMA_ROWS = 32  # 128 bytes of fp32: the alignment of a bulk copy's shared-memory destination
+_STATS_TMA_ROWS = tl.constexpr(STATS_TMA_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,16 +90,20 @@ def _load_block(desc, base, first, row0, col0, stride, limit, DIM: tl.constexpr,
 
 
 @triton.jit
-def _row_stats(stats_desc, stats_ptr, stats_row, delta_offset, first, rows, row_ok, TMA: tl.constexpr):
+def _row_stats(stats_desc, stats_ptr, stats_row, delta_offset, first, rows, row_ok, TMA: tl.constexpr,
+               BLOCK_M: tl.constexpr):
     """Logsumexp and delta of query rows `rows` (from `first`, at stats_row + first of the flat statistics): rows
     past the sequence get an empty-row logsumexp and delta 0, so their probabilities, and what they add to dk and
     dv, are exactly 0.
 
     TMA: one bulk copy each; the statistics' layout keeps every block 16-byte aligned for it. Pointer loads of these
     small vectors, which Triton pipelines through cp.async and a block-wide barrier, made the dk/dv kernel 40-50%
-    slower on the H200 (benchmarks/jagged_attention.py --overhead, before and after).
+    slower on the H200 (benchmarks/jagged_attention.py --overhead, before and after). Blocks of fewer than
+    STATS_TMA_ROWS rows (the short-query configs' 16) load through pointers: with 3 stages the pipeliner puts them
+    in a ring of 64-byte slots, and a bulk copy into the second, not 128-byte aligned, stopped the kernel with a
+    misaligned address (Triton 3.6; each 3-stage short-query config over sequences of two query blocks).
     """
-    if TMA:
+    if TMA and BLOCK_M >= _STATS_TMA_ROWS:
         lse = tl.where(row_ok, stats_desc.load([stats_row + first]), _EMPTY_ROW_LSE)
         delta = tl.where(row_ok, stats_desc.load([stats_row + delta_offset + first]), 0.0)
     else:
@@ -493,7 +499,8 @@ def _dkdv_blocks(dk, dk_b, dv, dv_b, k, k_b, v, v_b, q_desc, do_desc, qb_desc, d
             if DV_B > 0:
                 dv_b = tl.dot(w_t.to(do_b.dtype), do_b, dv_b)
         else:
-            lse, delta = _row_stats(stats_desc, stats_ptr, stats_row, delta_offset, m0, rows, row_ok, TMA)
+            lse, delta = _row_stats(stats_desc, stats_ptr, stats_row, delta_offset, m0, rows, row_ok, TMA,
+                                     BLOCK_M)
             s_t = s_t * (scale * _LOG2E)
             if MASKED:
                 s_t = s_t + tl.where(visible, 0.0, _NEG_LARGE)
