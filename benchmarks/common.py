@@ -36,7 +36,9 @@ def commit() -> dict:
     """The checkout's commit and whether tracked files differ from it, as when the benchmark started: taken on
     first use, and this module takes it when imported (a long run's tree may change before it saves)."""
     if os.environ.get("GEM_SOURCE_COMMIT"):  # a copied tree whose .git may be stale (the GPU machine)
-        return {"commit": os.environ["GEM_SOURCE_COMMIT"], "dirty": os.environ.get("GEM_SOURCE_DIRTY") == "1"}
+        # GEM_SOURCE_DIRTY "1" or "0"; unset, whether the tree matched the commit is not known (null), not clean
+        dirty = {"1": True, "0": False}.get(os.environ.get("GEM_SOURCE_DIRTY", ""))
+        return {"commit": os.environ["GEM_SOURCE_COMMIT"], "dirty": dirty}
     root = Path(__file__).resolve().parents[1]
     run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
     return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
