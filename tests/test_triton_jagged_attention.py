@@ -928,7 +928,8 @@ def _check_compiled_shared_memory(dims, first_only: bool) -> list[dict]:
                 assert compiled.metadata.shared <= need <= H200_SHARED_BYTES, row
                 copies = _tma_copy_destinations(compiled.asm["ttgir"])
                 assert all(size % 128 == 0 for size in copies), (row, copies)
-                rows.append(row)
+                rows.append(dict(row, tma_copies=len(copies)))
+    assert any(row["tma_copies"] for row in rows), "no descriptor copy found in the TTGIR: has its syntax changed?"
     return rows
 
 
