@@ -54,8 +54,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e
 # order). Off by default: on the H200 the atomics cost more than the recomputation they save (the
 # separate, deterministic dq kernel was 6-13% faster over the whole backward). JAGGED_ATTENTION_ATOMIC_DQ=short:
 # only for calls of few queries per sequence (SHORT_QUERY_LEN), whose dq kernel reads every key and value again for
-# a handful of queries: 0.98x a w0.5_L512 step's attention time on an H100 (head dim 96 padded, pointer atomics);
-# a gem_gpu timing of it beside the default stopped on a misaligned address (benchmarks/README.md, open).
+# a handful of queries: 0.98x a w0.5_L512 step's attention time on an H100 (head dim 96 padded, pointer atomics),
+# 0.994x gem_gpu's (head dim 128, one TMA reduce a block): within noise, so off (benchmarks/README.md).
 ATOMIC_DQ = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "1"
 ATOMIC_DQ_SHORT = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "short"
 # Tensor descriptors (TMA on Hopper and newer): the inner loops load their blocks of K, V (forward, dq) or
