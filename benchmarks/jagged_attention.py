@@ -128,10 +128,10 @@ def bench_case(lengths: list[int], heads: int, dim: int, causal: bool, methods: 
         **({"sdpa_padded": _padded_sdpa(offsets, causal)} if q_lengths is None else {}),
         **_flex(q_lengths or lengths, lengths, offsets, kv_offsets, causal),
     }
-    from kernels.triton.triton_jagged_attention import _dim_parts
+    from kernels.triton.triton_jagged_attention import dim_parts
 
     runners["triton_padded"] = runners["triton_cached"]  # run with the head dims padded (_variant_of)
-    methods = tuple(m for m in methods if m != "triton_padded" or _dim_parts(dim, split=True)[1])
+    methods = tuple(m for m in methods if m != "triton_padded" or dim_parts(dim, split=True)[1])
     if warm_only:
         for method in (m for m in methods if m != "triton_fp8"):
             prepare, call = runners[method]

@@ -46,10 +46,10 @@ def signature(fn, config: triton.Config, dim: int, value_dim: int | None = None,
     (default `dim`), inputs of Triton type `dtype`; tensor descriptors where the kernel would take them (tma None:
     where both dims are powers of two, as kernel._use_tma decides), pointers otherwise; atomic_dq: the dk/dv
     kernel adds dq (in fp32, one TMA reduce per block with descriptors); split: dims such as 96 in two column parts
-    (kernel._dim_parts), else padded."""
+    (kernel.dim_parts), else padded."""
     value_dim = value_dim or dim
-    d_pad, d_b = kernel._dim_parts(dim, split, smallest=32 if dtype == "fp8e4nv" else 16)
-    dv_pad, dv_b = kernel._dim_parts(value_dim, split)
+    d_pad, d_b = kernel.dim_parts(dim, split, smallest=32 if dtype == "fp8e4nv" else 16)
+    dv_pad, dv_b = kernel.dim_parts(value_dim, split)
     tma = (dim == d_pad + d_b and value_dim == dv_pad + dv_b) if tma is None else tma
     constexprs = dict(HEAD_DIM=dim, VALUE_DIM=value_dim, D_PAD=d_pad, DV_PAD=dv_pad, D_B=d_b, DV_B=dv_b, CAUSAL=causal,
                       SILU=silu, TMA=tma, FP8=dtype == "fp8e4nv", ADD_DQ=atomic_dq,
@@ -117,7 +117,7 @@ def main() -> None:
     results = []
     for name, tuner in KERNELS.items():
         for dim in args.head_dims:
-            parts = kernel._dim_parts(dim, split)
+            parts = kernel.dim_parts(dim, split)
             width = sum(parts)  # what the kernels compute at, as their pruner sees it: padded, or both parts
             for config in launch_configs.choose_configs(name, tuner.configs, width, width, torch.bfloat16,
                                                         H200_SHARED_BYTES):

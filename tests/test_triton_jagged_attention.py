@@ -243,7 +243,7 @@ def test_split_head_dims_match_reference_on_cpu_interpreter(case, monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
 
     monkeypatch.setattr(kernel, "SPLIT_HEAD", True)
-    assert kernel._dim_parts(case.head_dim)[1] or kernel._dim_parts(case.value_dim or case.head_dim)[1]
+    assert kernel.dim_parts(case.head_dim)[1] or kernel.dim_parts(case.value_dim or case.head_dim)[1]
     check_against_reference(case, "cpu", torch.float32, tolerance=1e-5)
 
 
@@ -334,14 +334,14 @@ def test_a_call_of_few_queries_per_sequence_gets_16_row_tiles_and_its_own_tuning
 
 
 def test_dims_of_two_powers_of_two_split_into_their_parts():
-    from kernels.triton.triton_jagged_attention import _dim_parts
+    from kernels.triton.triton_jagged_attention import dim_parts
 
-    split = {dim: _dim_parts(dim, split=True) for dim in (8, 24, 48, 64, 80, 96, 112, 160, 192, 256)}
+    split = {dim: dim_parts(dim, split=True) for dim in (8, 24, 48, 64, 80, 96, 112, 160, 192, 256)}
     assert split == {8: (16, 0), 24: (32, 0), 48: (32, 16), 64: (64, 0), 80: (64, 16), 96: (64, 32), 112: (128, 0),
                      160: (128, 32), 192: (128, 64), 256: (256, 0)}
-    assert [_dim_parts(dim, split=False) for dim in (48, 96, 192)] == [(64, 0), (128, 0), (256, 0)]
+    assert [dim_parts(dim, split=False) for dim in (48, 96, 192)] == [(64, 0), (128, 0), (256, 0)]
     # FP8 contractions take 32 or more: 48 and 80 stay padded there
-    assert [_dim_parts(dim, split=True, smallest=32) for dim in (48, 80, 96)] == [(64, 0), (128, 0), (64, 32)]
+    assert [dim_parts(dim, split=True, smallest=32) for dim in (48, 80, 96)] == [(64, 0), (128, 0), (64, 32)]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")

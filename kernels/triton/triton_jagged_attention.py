@@ -67,7 +67,7 @@ ATOMIC_DQ_SHORT = os.environ.get("JAGGED_ATTENTION_ATOMIC_DQ") == "short"
 TMA = os.environ.get("JAGGED_ATTENTION_TMA") != "0"
 # A head or value dim that is the sum of two powers of two (96 = 64 + 32, 48, 80, 160, 192) runs as those two column
 # parts, each a matmul of its own width, instead of padded to the next power of two (128, 64, ..., 256), whose
-# padding is a quarter to a third of the matmuls' work (_dim_parts), each part through a descriptor of its own
+# padding is a quarter to a third of the matmuls' work (dim_parts), each part through a descriptor of its own
 # (*b_desc): at head dim 96 a GEM step's attention in 0.79x the padded kernels' time (benchmarks/README.md).
 # JAGGED_ATTENTION_SPLIT_HEAD=0 pads them.
 SPLIT_HEAD = os.environ.get("JAGGED_ATTENTION_SPLIT_HEAD") != "0"
@@ -95,7 +95,7 @@ class _Problem:
         self.causal, self.silu, self.scale = causal, silu, scale
         fp8 = q.dtype == torch.float8_e4m3fn
         # fixed for the forward and backward
-        self.parts = _dim_parts(self.head_dim, smallest=32 if fp8 else 16), _dim_parts(self.value_dim)
+        self.parts = dim_parts(self.head_dim, smallest=32 if fp8 else 16), dim_parts(self.value_dim)
         mean_length = max(self.total_q, self.total_kv) // max(self.num_seqs, 1)
         self.length_bucket = triton.next_power_of_2(max(mean_length, 16))
         self.stats_stride = stats_stride(self.total_q, self.num_seqs)
@@ -146,12 +146,12 @@ def padded_dim(dim: int) -> int:
 
 
 def computed_dim(dim: int, split: bool | None = None, smallest: int = 16) -> int:
-    """The width the kernels compute a head dim at, as their pruner sees it: the sum of its column parts (_dim_parts;
+    """The width the kernels compute a head dim at, as their pruner sees it: the sum of its column parts (dim_parts;
     smallest 32 for an FP8 head dim), 128 for 96 padded."""
-    return sum(_dim_parts(dim, split, smallest))
+    return sum(dim_parts(dim, split, smallest))
 
 
-def _dim_parts(dim: int, split: bool | None = None, smallest: int = 16) -> tuple[int, int]:
+def dim_parts(dim: int, split: bool | None = None, smallest: int = 16) -> tuple[int, int]:
     """The column parts the kernels compute a head (or value) dim in: (its padded width, 0), or with `split` (default
     SPLIT_HEAD) a dim of two powers of two of at least `smallest`, such as 96, as (64, 32): each part a matmul of its
     own width, nothing padded. (An FP8 head dim's parts are contractions of FP8 matmuls, which take 32 or more.)"""
@@ -236,7 +236,7 @@ def _forward(p: _Problem, q, k, v, descale=None):
 
 def _use_tma(p: _Problem, *tensors) -> bool:
     """Whether the kernels may read these [tokens, heads, dim] tensors through descriptors (see TMA): dims computed
-    unpadded (powers of two, or split in two, _dim_parts), so that no block reaches into the next head."""
+    unpadded (powers of two, or split in two, dim_parts), so that no block reaches into the next head."""
     if not TMA or sum(p.parts[0]) != p.head_dim or sum(p.parts[1]) != p.value_dim:
         return False
     if max(p.num_heads * max(p.total_q, p.total_kv), 2 * p.num_heads * p.stats_stride) >= 2**31:

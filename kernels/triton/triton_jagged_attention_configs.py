@@ -38,7 +38,7 @@ def _block_shapes(*descriptors: tuple[str, str, str]):
     return hook
 
 
-# (the *b_desc ones read a head dim's second column part, triton_jagged_attention._dim_parts)
+# (the *b_desc ones read a head dim's second column part, triton_jagged_attention.dim_parts)
 KV_DESCRIPTORS = (("k_desc", "BLOCK_N", "D_PAD"), ("v_desc", "BLOCK_N", "DV_PAD"), ("kb_desc", "BLOCK_N", "D_B"),
                   ("vb_desc", "BLOCK_N", "DV_B"))
 Q_DESCRIPTORS = (("q_desc", "BLOCK_M", "D_PAD"), ("do_desc", "BLOCK_M", "DV_PAD"), ("qb_desc", "BLOCK_M", "D_B"),
@@ -170,7 +170,7 @@ def pruner(kernel: str):
 
     def prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
         q = nargs["q_ptr"]
-        widths = kwargs["D_PAD"] + kwargs["D_B"], kwargs["DV_PAD"] + kwargs["DV_B"]  # both parts (_dim_parts)
+        widths = kwargs["D_PAD"] + kwargs["D_B"], kwargs["DV_PAD"] + kwargs["DV_B"]  # both parts (dim_parts)
         return choose_configs(kernel, configs, *widths, q.dtype, shared_memory_limit(q.device.index or 0),
                               kwargs.get("ADD_DQ", False), nargs["query_bucket"] <= SHORT_QUERY_LEN)
 

@@ -118,7 +118,7 @@ def _store_rows(base, x, rows, stride, row_ok, DIM: tl.constexpr, DIM_PAD: tl.co
     tl.store(base + rows[:, None] * stride + cols[None, :], x, mask=row_ok[:, None] & (cols[None, :] < DIM))
 
 
-# A head (or value) dim is computed in up to two column parts (triton_jagged_attention._dim_parts): the first padded
+# A head (or value) dim is computed in up to two column parts (triton_jagged_attention.dim_parts): the first padded
 # to PAD, and, where the dim has one (REST > 0), a second of REST columns. Without a second part, the helpers below
 # hand back the first in its place, which the callers never read.
 
@@ -209,7 +209,7 @@ def _block_parts(a_desc, a_rest_desc, b_desc, b_rest_desc, a_base, b_base, first
                  B_PAD: tl.constexpr, A_REST: tl.constexpr, B_REST: tl.constexpr, BLOCK: tl.constexpr,
                  CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
     """Rows [first, first + BLOCK) of two tensors (K and V, or Q and dO), each in its column parts
-    (triton_jagged_attention._dim_parts): the padded first part and, where the dim has one (A_REST, B_REST > 0), the
+    (triton_jagged_attention.dim_parts): the padded first part and, where the dim has one (A_REST, B_REST > 0), the
     second; without it the first again."""
     a = _load_block(a_desc, a_base, first, row0, a_col, stride_a, limit, A_DIM - A_REST, A_PAD, BLOCK, CHECK_ROWS, TMA)
     b = _load_block(b_desc, b_base, first, row0, b_col, stride_b, limit, B_DIM - B_REST, B_PAD, BLOCK, CHECK_ROWS, TMA)
