@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.source_tree import source_tree
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -33,15 +35,19 @@ def machine() -> dict:
 
 @functools.cache
 def commit() -> dict:
-    """The checkout's commit and whether tracked files differ from it, as when the benchmark started: taken on
-    first use, and this module takes it when imported (a long run's tree may change before it saves)."""
+    """The checkout's commit, whether tracked files differ from it, and the tree id of its files (source_tree:
+    `git rev-parse <commit>^{tree}` equals it where the run's files were that commit's), as when the benchmark
+    started: taken on first use, and this module takes it when imported (a long run's tree may change before it
+    saves)."""
+    root = Path(__file__).resolve().parents[1]
+    tree = source_tree(root)
     if os.environ.get("GEM_SOURCE_COMMIT"):  # a copied tree whose .git may be stale (the GPU machine)
         # GEM_SOURCE_DIRTY "1" or "0"; unset, whether the tree matched the commit is not known (null), not clean
         dirty = {"1": True, "0": False}.get(os.environ.get("GEM_SOURCE_DIRTY", ""))
-        return {"commit": os.environ["GEM_SOURCE_COMMIT"], "dirty": dirty}
-    root = Path(__file__).resolve().parents[1]
+        return {"commit": os.environ["GEM_SOURCE_COMMIT"], "dirty": dirty, "tree": tree}
     run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no")),
+            "tree": tree}
 
 
 def save(name: str, settings: dict, results: dict) -> Path:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 from benchmarks import common
+from benchmarks.source_tree import source_tree
 
 
 def test_a_copied_trees_commit_is_clean_only_when_said_so(monkeypatch):
@@ -12,5 +16,49 @@ def test_a_copied_trees_commit_is_clean_only_when_said_so(monkeypatch):
             monkeypatch.delenv("GEM_SOURCE_DIRTY", raising=False)
         else:
             monkeypatch.setenv("GEM_SOURCE_DIRTY", said)
-        assert common.commit.__wrapped__() == {"commit": "abc1234", "dirty": dirty}
+        said_commit = common.commit.__wrapped__()
+        assert {k: said_commit[k] for k in ("commit", "dirty")} == {"commit": "abc1234", "dirty": dirty}
+        assert len(said_commit["tree"]) == 40  # the files themselves, whatever the caller says
 
+
+
+def _git(repo, *args, **env):
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True,
+                          env={**os.environ, **env}).stdout.strip()
+
+
+def _tree_of_every_file(repo, tmp_path):
+    """What git itself stores for the files as they are: `git add -A` into an index of its own."""
+    index = str(tmp_path / "index")
+    _git(repo, "add", "-A", GIT_INDEX_FILE=index)
+    return _git(repo, "write-tree", GIT_INDEX_FILE=index)
+
+
+def test_the_source_tree_id_is_gits_own_for_the_files_as_they_are(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "a").mkdir(parents=True)
+    (repo / "a" / "inner.py").write_text("x = 1\n")
+    (repo / "a.txt").write_text("a file named like the folder, sorted before it\n")  # git's "a/" > "a.txt"
+    (repo / "a-b").write_text("")
+    (repo / "run.sh").write_text("#!/bin/sh\n")
+    (repo / "run.sh").chmod(0o755)
+    (repo / "link").symlink_to("a.txt")
+    (repo / ".gitignore").write_text("ignored/\n")
+    (repo / "ignored").mkdir()
+    (repo / "ignored" / "big.bin").write_bytes(b"\0" * 100)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    assert source_tree(repo) == _git(repo, "rev-parse", "HEAD^{tree}")
+
+    # changed, added and deleted files since the index was written (a copied tree beside a stale .git)
+    (repo / "a" / "inner.py").write_text("x = 2\n")
+    (repo / "new.py").write_text("")
+    (repo / "a-b").unlink()
+    changed = source_tree(repo)
+    assert changed != _git(repo, "rev-parse", "HEAD^{tree}")
+    assert changed == _tree_of_every_file(repo, tmp_path)
+
+
+def test_no_tree_id_without_a_checkout(tmp_path):
+    assert source_tree(tmp_path) is None
