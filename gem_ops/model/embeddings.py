@@ -159,23 +159,32 @@ class _SummedRows(torch.autograd.Function):
     scattered adds into a few rows contend."""
 
     @staticmethod
-    def forward(ctx, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, ids: torch.Tensor, table: torch.Tensor, product_dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(ids)
-        ctx.rows, ctx.dtype = table.shape[0], table.dtype
+        ctx.rows, ctx.dtype, ctx.product_dtype = table.shape[0], table.dtype, product_dtype
         return sum(table[ids[:, j]] for j in range(ids.shape[1]))  # no [N, k, d] gather left eager
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (ids,) = ctx.saved_tensors
+        dtype, rows = ctx.product_dtype, ctx.rows
+        if dtype != grad.dtype:
+            # As a linear layer's weight gradient under autocast: a tensor-core product, where fp32 over ~100 rows ran
+            # as a SIMT sgemm; rows padded to a multiple of 8, the 16-byte alignment those kernels read.
+            rows = -(-rows // 8) * 8
         with torch.autocast(grad.device.type, enabled=False):
-            counts = grad.new_zeros(ids.shape[0], ctx.rows).scatter_add_(1, ids, grad.new_ones(ids.shape))
-            return None, (counts.t() @ grad).to(ctx.dtype)
+            counts = grad.new_zeros(ids.shape[0], rows, dtype=dtype).scatter_add_(1, ids, grad.new_ones(ids.shape,
+                                                                                                      dtype=dtype))
+            return None, (counts.t() @ grad.to(dtype))[:ctx.rows].to(ctx.dtype), None
 
 
 def summed_rows(ids: list[torch.Tensor], tables: list[torch.Tensor]) -> torch.Tensor:
-    """[N, d]: Σ_j tables[j][ids[j]], the tables stacked as one (their gradients are its rows)."""
+    """[N, d]: Σ_j tables[j][ids[j]], the tables stacked as one (their gradients are its rows; the product that
+    gives them runs in the autocast dtype under autocast)."""
     first_rows = [0]
     for table in tables[:-1]:
         first_rows.append(first_rows[-1] + table.shape[0])
     stacked = torch.stack([i + first for i, first in zip(ids, first_rows)], dim=1)
-    return _SummedRows.apply(stacked, torch.cat(tables))
+    device = stacked.device.type
+    product_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tables[0].dtype
+    return _SummedRows.apply(stacked, torch.cat(tables), product_dtype)
