@@ -21,7 +21,6 @@ def test_a_copied_trees_commit_is_clean_only_when_said_so(monkeypatch):
         assert len(said_commit["tree"]) == 40  # the files themselves, whatever the caller says
 
 
-
 def _git(repo, *args, **env):
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True,
                           env={**os.environ, **env}).stdout.strip()
@@ -48,7 +47,7 @@ def test_the_source_tree_id_is_gits_own_for_the_files_as_they_are(tmp_path):
     (repo / "ignored" / "big.bin").write_bytes(b"\0" * 100)
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit", "-qm", "c")
     assert source_tree(repo) == _git(repo, "rev-parse", "HEAD^{tree}")
 
     # changed, added and deleted files since the index was written (a copied tree beside a stale .git)
@@ -60,5 +59,6 @@ def test_the_source_tree_id_is_gits_own_for_the_files_as_they_are(tmp_path):
     assert changed == _tree_of_every_file(repo, tmp_path)
 
 
-def test_no_tree_id_without_a_checkout(tmp_path):
+def test_no_tree_id_without_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # even where the temp folder sits in a checkout
     assert source_tree(tmp_path) is None
