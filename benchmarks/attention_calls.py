@@ -51,20 +51,20 @@ def recorded_calls(spec, config, batch) -> list[tuple[np.ndarray, np.ndarray, bo
     from gem_ops.train.model_state import seeded_model
 
     calls = []
-    attention = sequence_layers.jagged_attention
+    attention = sequence_layers.jagged_attention_packed
 
-    def recording(q, k, v, q_offsets, kv_offsets=None, causal=False, **kwargs):
+    def recording(packed, q_offsets, kv_offsets=None, causal=False, **kwargs):
         keys = q_offsets if kv_offsets is None else kv_offsets
         calls.append((np.diff(q_offsets.numpy()), np.diff(keys.numpy()), causal))
-        return attention(q, k, v, q_offsets, kv_offsets, causal=causal, **kwargs)
+        return attention(packed, q_offsets, kv_offsets, causal=causal, **kwargs)
 
     model = seeded_model(spec, config)
-    sequence_layers.jagged_attention = recording
+    sequence_layers.jagged_attention_packed = recording
     try:
         with torch.no_grad():
             model(model_input(batch, spec, config, with_level_sizes=True))
     finally:
-        sequence_layers.jagged_attention = attention
+        sequence_layers.jagged_attention_packed = attention
     return calls
 
 

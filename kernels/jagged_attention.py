@@ -13,7 +13,8 @@ from collections.abc import Callable
 import torch
 
 from kernels.fp8_cast import cast_to_fp8
-from kernels.jagged_attention_op import OpBackend, has_op_backend, jagged_attention_op, register_op_backend
+from kernels.jagged_attention_op import (OpBackend, has_op_backend, jagged_attention_op, jagged_attention_packed_op,
+                                         register_op_backend, split_packed)
 from kernels.pytorch.pt_jagged_attention import pt_jagged_attention
 
 ACTIVATIONS = ("softmax", "silu")
@@ -77,6 +78,35 @@ def jagged_attention(
         # Traced by torch.compile: one custom op node (and one for its backward), no graph break.
         return jagged_attention_op(q, k, v, q_offsets, kv_offsets, causal, activation, scale, name)[0]
     return _eager(q, k, v, q_offsets, kv_offsets, causal, activation, scale, descale, backend)
+
+
+def jagged_attention_packed(
+    packed: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor | None = None,
+    *,
+    q: torch.Tensor | None = None,
+    causal: bool = False,
+    activation: str = "softmax",
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """jagged_attention over q, k, v packed as one fused projection's output: `packed` [tokens, 3 x heads, d]
+    holds q, k, v side by side per token (self attention), or [tokens, 2 x heads, d] holds k, v beside a separate
+    `q` [total_q, heads, d] (cross attention). The same result; under torch.compile the backward writes the
+    three gradients into one tensor, packed's gradient, where three separate inputs would have autograd copy
+    them into it (not FP8: train in bf16)."""
+    parts = 3 if q is None else 2
+    if packed.dim() != 3 or packed.shape[1] % parts:
+        raise ValueError(f"packed must be [tokens, {parts} x heads, dim] ({'q, k, v' if q is None else 'k, v'}); "
+                         f"got {tuple(packed.shape)}")
+    q_, k, v = split_packed(packed, q)
+    kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+    _check(q_, k, v, q_offsets, kv_offsets, activation)
+    scale = 1.0 / math.sqrt(k.shape[-1]) if scale is None else scale
+    if torch.compiler.is_compiling() and packed.dtype != FP8 and has_op_backend(name := _pick_name(backend, k)):
+        return jagged_attention_packed_op(packed, q, q_offsets, kv_offsets, causal, activation, scale, name)[0]
+    return _eager(q_, k, v, q_offsets, kv_offsets, causal, activation, scale, None, backend)
 
 
 # Opaque to torch.compile (FP8 inference): the kernels' tile tables are cached per offsets tensor on the host.

@@ -49,6 +49,31 @@ def test_jagged_transformer_layer_keeps_sequences_apart():
     torch.testing.assert_close(together, alone)
 
 
+def test_compiled_attention_layers_take_the_projections_gradient_whole():
+    """Compiled, the self attention's qkv and the cross attention's kv gradients come from the attention's backward
+    in one tensor: Inductor's code joins no q, k, v gradients (with q, k, v as three inputs it runs a `cat` kernel
+    per layer), and every gradient is eager's."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    offsets = torch.tensor([0, 5, 5, 28, 37])
+    history, query = torch.randn(37, 32), torch.randn(4, 2, 24)
+    layers = (JaggedTransformerLayer(32, 2, 2, "softmax"), JaggedCrossAttention(24, 32, 2, 8, "silu"))
+    calls = (lambda layer, x: layer(x[0], offsets), lambda layer, x: layer(x[1], x[0], offsets))
+    for layer, call in zip(layers, calls):
+        grads = []
+        for fn in (layer, torch.compile(layer, backend="inductor", fullgraph=True)):
+            layer.zero_grad()
+            inputs = [history.clone().requires_grad_(), query.clone().requires_grad_()]
+            out, codes = run_and_get_code(lambda: call(fn, inputs).pow(2).sum().backward())
+            grads.append([inputs[0].grad, *(p.grad.clone() for p in layer.parameters())])
+        assert len(codes) == 2 and not any(re.search(r"\bcat\b|fused_cat|aten\.cat", code) for code in codes)
+        for want, got in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_cross_attention_with_different_widths_and_empty_histories():
     torch.manual_seed(0)
     cross = JaggedCrossAttention(query_dim=12, kv_dim=8, heads=2, out_dim=6, activation="silu")

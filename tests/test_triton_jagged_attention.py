@@ -733,6 +733,49 @@ def test_forward_and_backward_replay_from_a_cuda_graph_on_new_batches(cross, cau
             assert error < 2e-3, f"{name}: relative error {error:.1e} after replay on batch {seed}"
 
 
+def check_packed_op(device: str, monkeypatch, tolerance: float) -> None:
+    """q, k, v as one fused projection's output (self attention), or k, v packed beside their own q (cross): the
+    packed op's output is the separate op's, and its backward writes the three gradients into one tensor, every
+    row of it (the buffer starts as NaN; rows no sequence owns at both ends must come out 0), with and without dq
+    summed atomically."""
+    from kernels import jagged_attention_op as ops
+    from kernels.triton import triton_jagged_attention as kernel
+
+    monkeypatch.setattr(ops, "_gradient_buffer", lambda packed: torch.full_like(packed, math.nan))
+    kv_offsets = torch.tensor([3, 8, 8, 30], device=device)  # 34 rows: 3 before the first sequence, 4 after
+    cross_offsets = torch.tensor([0, 2, 4, 6], device=device)
+    torch.manual_seed(0)
+    for atomic in (False, True):
+        monkeypatch.setattr(kernel, "ATOMIC_DQ", atomic)
+        for cross, causal, activation in ((False, True, "softmax"), (False, False, "silu"), (True, False, "softmax")):
+            q_offsets = cross_offsets if cross else kv_offsets
+            packed = torch.randn(34, (2 if cross else 3) * 2, 16, device=device)
+            q = torch.randn(6, 2, 16, device=device) if cross else None
+            d_out = torch.randn(6 if cross else 34, 2, 16, device=device)
+            inputs = [packed.clone().requires_grad_()] + ([q.clone().requires_grad_()] if cross else [])
+            out = ops.jagged_attention_packed_op(inputs[0], inputs[1] if cross else None, q_offsets, kv_offsets,
+                                                 causal, activation, 0.25, "triton")[0]
+            got = [out, *torch.autograd.grad(out, inputs, d_out)]
+            separate = [x.detach().contiguous().requires_grad_() for x in ops.split_packed(packed, q)]
+            want_out = ops.jagged_attention_op(*separate, q_offsets, kv_offsets, causal, activation, 0.25, "triton")[0]
+            dq, dk, dv = torch.autograd.grad(want_out, separate, d_out)
+            want = [want_out, torch.cat([dk, dv] if cross else [dq, dk, dv], 1)] + ([dq] if cross else [])
+            for name, a, b in zip(("out", "d_packed", "dq"), got, want):
+                torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, msg=f"{name} {cross} {atomic}")
+            assert (got[1][_outside_rows(34, kv_offsets).to(device)] == 0).all()
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_packed_op_writes_one_gradient_on_cpu_interpreter(monkeypatch):
+    check_packed_op("cpu", monkeypatch, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_op_writes_one_gradient_on_gpu(monkeypatch):
+    check_packed_op("cuda", monkeypatch, 2e-3)
+
+
 def check_compiled_caller(device: str, compiler: str) -> None:
     """A caller compiled whole (fullgraph: a graph break would raise) runs the kernels through the custom op, on
     batches of new lengths, with the eager kernels' outputs and gradients."""
@@ -786,14 +829,14 @@ def test_compiled_caller_runs_the_kernels_on_gpu():
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
                           + len(FP8_CASES) + len(TILE_TABLE_CASES) + 3 + _default_count(NAN_INTERPRETER_CASES)
-                          + _default_count(SPLIT_CASES) + 3)
+                          + _default_count(SPLIT_CASES) + 4)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_every_interpreter_case():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
-                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES) + len(SPLIT_CASES) + 3, markers="")
+                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES) + len(SPLIT_CASES) + 4, markers="")
 
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory on Hopper

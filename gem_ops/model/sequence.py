@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.jagged_attention import jagged_attention
+from kernels.jagged_attention import jagged_attention_packed
 
 
 class JaggedTransformerLayer(nn.Module):
@@ -24,9 +24,9 @@ class JaggedTransformerLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # x [N, dim]
-        # split, not unbind: a compiled step lowers unbind to views that guard on a level's token count being 1.
-        q, k, v = self.qkv(self.norm1(x)).view(x.shape[0], 3 * self.heads, self.head_dim).split(self.heads, dim=1)
-        attended = jagged_attention(q, k, v, offsets, activation=self.activation)
+        # q, k, v packed: compiled, the attention's backward writes the qkv layer's gradient in one piece.
+        qkv = self.qkv(self.norm1(x)).view(x.shape[0], 3 * self.heads, self.head_dim)
+        attended = jagged_attention_packed(qkv, offsets, activation=self.activation)
         x = x + self.dropout(self.proj(attended.reshape(x.shape[0], self.heads * self.head_dim)))
         return x + self.dropout(self.ffn(self.norm2(x)))
 
@@ -48,8 +48,7 @@ class JaggedCrossAttention(nn.Module):
         """query [B, Q, query_dim], history [N, kv_dim] -> [B, Q, out_dim]."""
         B, Q = query.shape[:2]
         q = self.q(query).view(B * Q, self.heads, self.head_dim)
-        k, v = (self.kv(self.norm(history)).view(history.shape[0], 2 * self.heads, self.head_dim)
-                .split(self.heads, dim=1))
+        kv = self.kv(self.norm(history)).view(history.shape[0], 2 * self.heads, self.head_dim)
         q_offsets = torch.arange(0, B * Q + 1, Q, device=offsets.device)
-        attended = jagged_attention(q, k, v, q_offsets, offsets, activation=self.activation)
+        attended = jagged_attention_packed(kv, q_offsets, offsets, q=q, activation=self.activation)
         return self.out(attended.reshape(B, Q, self.heads * self.head_dim))

@@ -301,7 +301,8 @@ def _backward_prologue(p: _Problem, out, d_out, stats, dq, dk, dv, zero_dq: bool
     block = min(size for direction, size in p.table.capacity if direction == 0)
     backward_prologue_kernel[(p.table.capacity[(0, block)], p.num_heads)](
         out, d_out, stats, dq, dk, dv, p.q_offsets, p.kv_offsets, p.table.tiles, p.table.index[0], out.stride(0),
-        out.stride(1), d_out.stride(0), d_out.stride(1), p.stats_stride, stats.stride(0), p.total_q, p.total_kv,
+        out.stride(1), d_out.stride(0), d_out.stride(1), dq.stride(0), dk.stride(0), dv.stride(0), p.stats_stride,
+        stats.stride(0), p.total_q, p.total_kv,
         p.num_seqs, HEAD_DIM=p.head_dim, VALUE_DIM=p.value_dim, DV_PAD=padded_dim(p.value_dim), SILU=p.silu,
         ZERO_DQ=zero_dq, BLOCK=block,
         num_warps=4 if padded_dim(p.value_dim) <= LARGE_HEAD_DIM else 8,  # O, dO in registers
@@ -313,15 +314,21 @@ def _has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def _backward(p: _Problem, q, k, v, out, stats, d_out):
+def _backward(p: _Problem, q, k, v, out, stats, d_out, grads=None):
     """dq, dk, dv; `stats` from the forward (softmax), whose delta half the prologue fills in. The kernels write
-    every row of the gradients, so these need no zero fill, except dq summed atomically."""
+    every row of the gradients, so these need no zero fill, except dq summed atomically. `grads`: three buffers
+    to write them into instead (any token stride, each token's heads side by side: e.g. views of one packed
+    gradient), returned."""
     atomic = ATOMIC_DQ or (ATOMIC_DQ_SHORT and p.short_queries)
+    if grads is None:
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if p.empty:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for x in grads:
+            x.zero_()
+        return grads
     # dq is summed over key blocks in fp32 when the dk/dv kernel adds into it atomically.
-    dq = torch.zeros_like(q, dtype=torch.float32) if atomic else torch.empty_like(q)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else grads[0]
+    dk, dv = grads[1:]
     d_out = _packed(d_out)
     stats = d_out if p.silu else stats  # never read when SILU
     stats_stride, delta_offset = (0, 0) if p.silu else (p.stats_stride, stats.stride(0))
@@ -357,7 +364,9 @@ def _backward(p: _Problem, q, k, v, out, stats, d_out):
             d_out.stride(0), d_out.stride(1), dq.stride(0), dq.stride(1), stats_stride, delta_offset, p.num_heads,
             p.scale, p.length_bucket, p.query_bucket, TMA=tma, **p.constexprs(),
         )
-    return dq.to(q.dtype), dk, dv
+    if atomic:
+        grads[0].copy_(dq)
+    return grads
 
 
 class JaggedAttentionFunction(torch.autograd.Function):
@@ -404,10 +413,10 @@ def op_forward(q, k, v, q_offsets, kv_offsets, causal, activation, scale):
     return out, q.new_empty(0, dtype=torch.float32) if stats is None else stats.view(-1)
 
 
-def op_backward(q, k, v, out, stats, d_out, q_offsets, kv_offsets, causal, activation, scale):
+def op_backward(q, k, v, out, stats, d_out, q_offsets, kv_offsets, causal, activation, scale, grads):
     problem = _Problem(q, k, v, q_offsets, kv_offsets, causal, activation == "silu", scale)
     stats = None if problem.silu else stats.view(2, problem.num_heads, problem.stats_stride)
-    return _backward(problem, q, k, v, out, stats, d_out)
+    _backward(problem, q, k, v, out, stats, d_out, grads)
 
 
 def op_stats_shape(total_q, num_heads, num_seqs, activation) -> tuple:

@@ -151,11 +151,11 @@ def _zero_parts(ROWS: tl.constexpr, PAD: tl.constexpr, REST: tl.constexpr):
 
 
 @triton.jit
-def _zero_outside(x_ptr, offsets_ptr, num_seqs, total_rows, row_width, program, programs,
+def _zero_outside(x_ptr, offsets_ptr, num_seqs, total_rows, row_width, row_stride, program, programs,
                   BLOCK: tl.constexpr = 1024):
-    """Zeros in the rows of a contiguous [tokens, heads, dim] output that no sequence owns (before the first
-    offset, from the last on): the kernels write every other row, so outputs need no zero fill first. The
-    calling kernel's `programs` programs share the rows, usually none."""
+    """Zeros in the rows of a [tokens, heads, dim] output (heads side by side, rows `row_stride` apart) that no
+    sequence owns (before the first offset, from the last on): the kernels write every other row, so outputs need
+    no zero fill first. The calling kernel's `programs` programs share the rows, usually none."""
     first = tl.load(offsets_ptr).to(tl.int64) * row_width
     last = tl.load(offsets_ptr + num_seqs).to(tl.int64) * row_width
     # tl.cast, not .to: an integer argument equal to 1 arrives as a constexpr
@@ -163,7 +163,9 @@ def _zero_outside(x_ptr, offsets_ptr, num_seqs, total_rows, row_width, program, 
     for start in range(program * BLOCK, outside, programs * BLOCK):
         i = start + tl.arange(0, BLOCK)
         where = tl.where(i < first, i, i - first + last)
-        tl.store(x_ptr + where, tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty), mask=i < outside)
+        row = where // row_width
+        tl.store(x_ptr + row * row_stride + (where - row * row_width), tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty),
+                 mask=i < outside)
 
 
 @triton.jit
@@ -333,8 +335,8 @@ def forward_kernel(
                 acc_b = acc_b * v_descale
         _store_row_parts(out_ptr + q_start * stride_ot + head * stride_oh, acc.to(out_ptr.dtype.element_ty),
                          acc_b.to(out_ptr.dtype.element_ty), rows, stride_ot, row_ok, VALUE_DIM, DV_PAD, DV_B)
-    _zero_outside(out_ptr, q_offsets_ptr, num_seqs, total_q, num_heads * VALUE_DIM, tl.program_id(0),
-                  tl.num_programs(0))
+    _zero_outside(out_ptr, q_offsets_ptr, num_seqs, total_q, num_heads * VALUE_DIM, num_heads * VALUE_DIM,
+                  tl.program_id(0), tl.num_programs(0))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -343,8 +345,9 @@ def forward_kernel(
 
 @jit_unspecialised
 def backward_prologue_kernel(out_ptr, do_ptr, stats_ptr, dq_ptr, dk_ptr, dv_ptr, q_offsets_ptr, kv_offsets_ptr,
-                             tiles_ptr, tile_index_ptr, stride_ot, stride_oh, stride_dot, stride_doh, stats_stride,
-                             delta_offset, total_q, total_kv, num_seqs, HEAD_DIM: tl.constexpr,
+                             tiles_ptr, tile_index_ptr, stride_ot, stride_oh, stride_dot, stride_doh, stride_dqt,
+                             stride_dkt, stride_dvt, stats_stride, delta_offset, total_q, total_kv, num_seqs,
+                             HEAD_DIM: tl.constexpr,
                              VALUE_DIM: tl.constexpr, DV_PAD: tl.constexpr, SILU: tl.constexpr,
                              ZERO_DQ: tl.constexpr, BLOCK: tl.constexpr):
     """What the backward's kernels need first. Softmax: delta = rowsum(dO * O) in fp32 of one query tile of one
@@ -368,9 +371,9 @@ def backward_prologue_kernel(out_ptr, do_ptr, stats_ptr, dq_ptr, dk_ptr, dv_ptr,
     program = tile * num_heads + tl.program_id(1)
     programs = tl.num_programs(0) * num_heads
     if ZERO_DQ:
-        _zero_outside(dq_ptr, q_offsets_ptr, num_seqs, total_q, num_heads * HEAD_DIM, program, programs)
-    _zero_outside(dk_ptr, kv_offsets_ptr, num_seqs, total_kv, num_heads * HEAD_DIM, program, programs)
-    _zero_outside(dv_ptr, kv_offsets_ptr, num_seqs, total_kv, num_heads * VALUE_DIM, program, programs)
+        _zero_outside(dq_ptr, q_offsets_ptr, num_seqs, total_q, num_heads * HEAD_DIM, stride_dqt, program, programs)
+    _zero_outside(dk_ptr, kv_offsets_ptr, num_seqs, total_kv, num_heads * HEAD_DIM, stride_dkt, program, programs)
+    _zero_outside(dv_ptr, kv_offsets_ptr, num_seqs, total_kv, num_heads * VALUE_DIM, stride_dvt, program, programs)
 
 
 # ---------------------------------------------------------------------------------------------------
