@@ -19,6 +19,7 @@ from gem_ops.metrics.flops import MODULES, attention_pairs, batch_flops, branch_
 from gem_ops.model.config import model_config
 from gem_ops.model.features import model_input
 from gem_ops.train.model_state import seeded_model
+from kernels.jagged_attention_op import split_packed
 from tests.model_inputs import SPEC, random_batch
 
 LENGTHS = [0, 1, 7, 30, 90, 3, 64, 12]
@@ -43,6 +44,10 @@ def unpadded_attention(q, k, v, q_offsets, kv_offsets=None, *, causal=False, act
     return torch.cat(out)
 
 
+def unpadded_attention_packed(packed, q_offsets, kv_offsets=None, *, q=None, **settings):
+    return unpadded_attention(*split_packed(packed, q), q_offsets, kv_offsets, **settings)
+
+
 SMALL_TABLES = {"embedding.item_buckets": 2048, "embedding.user_buckets": 2048}  # lookups cost no FLOPs
 CONFIGS = {
     "vertical": model_config("vertical", **SMALL_TABLES),
@@ -63,7 +68,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_analytic_count_matches_flop_counter(name, monkeypatch):
-    monkeypatch.setattr(sequence_module, "jagged_attention", unpadded_attention)
+    monkeypatch.setattr(sequence_module, "jagged_attention_packed", unpadded_attention_packed)
     config = CONFIGS[name]
     batch = random_batch(LENGTHS, seed=3)
     model = seeded_model(SPEC, config)
