@@ -339,7 +339,8 @@ def test_context_tables_looked_up_together_match_their_own_lookups(device, compi
 def test_context_tables_gradient_is_one_product_in_the_autocast_dtype_under_autocast():
     """Under bf16 autocast the stacked tables' gradient is a bf16 product (a tensor-core GEMM on a GPU, where fp32
     ran as a SIMT one), as a linear layer's weight gradient is, and matches the fp32 per-table gradient to bf16's
-    precision; without autocast it stays fp32."""
+    precision, its rows padded to a multiple of 8 (the alignment those kernels read); without autocast it stays
+    fp32 and unpadded."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Products(TorchDispatchMode):
@@ -349,13 +350,16 @@ def test_context_tables_gradient_is_one_product_in_the_autocast_dtype_under_auto
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten.mm.default:
-                self.dtypes.append((args[0].dtype, args[1].dtype))
+                self.dtypes.append((args[0].dtype, args[1].dtype, args[0].shape[0]))
             return func(*args, **(kwargs or {}))
 
     config = model_config("vertical", width=0.5, blocks=1)
     embeddings = GEMModel(SPEC, config).embeddings
     x = model_input(random_batch(LENGTHS), SPEC, config)
     d_out = torch.randn(sum(LENGTHS), config.embedding.sequence_dim, generator=torch.Generator().manual_seed(1))
+    rows = sum(embeddings.sequence.embeddings[embeddings.table_of[key]].num_embeddings
+               for key in embeddings.context_keys)
+    assert rows % 8, rows  # else padding would change nothing
     grads = {}
     for mode in ("fp32 per table", "fp32", "bf16"):
         embeddings.zero_grad()
@@ -367,7 +371,8 @@ def test_context_tables_gradient_is_one_product_in_the_autocast_dtype_under_auto
         grads[mode] = {n: p.grad.clone() for n, p in embeddings.sequence.named_parameters() if p.grad is not None}
         if mode != "fp32 per table":
             dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-            assert products.dtypes == [(dtype, dtype)], mode  # the one product: the stacked tables'
+            padded = -(-rows // 8) * 8 if mode == "bf16" else rows
+            assert products.dtypes == [(dtype, dtype, padded)], mode  # the one product: the stacked tables'
     for name, want in grads["fp32 per table"].items():
         torch.testing.assert_close(grads["fp32"][name], want, rtol=1e-5, atol=1e-5, msg=name)
         torch.testing.assert_close(grads["bf16"][name], want, rtol=2e-2, atol=1e-2 * want.abs().max().item(), msg=name)
