@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.jagged_attention import jagged_attention
+from kernels.jagged_attention import jagged_attention, jagged_attention_packed
 
 
 def random_offsets(lengths: list[int]) -> torch.Tensor:
@@ -100,6 +100,10 @@ def test_bad_arguments_name_the_problem():
         jagged_attention(q, q, q, offsets, backend="nope")
     with pytest.raises(ValueError, match="shape mismatch"):
         jagged_attention(q, torch.randn(4, 3, 8), q, offsets)
+    with pytest.raises(ValueError, match=r"packed must be \[tokens, 3 x heads, dim\] \(q, k, v\); got \(4, 4, 8\)"):
+        jagged_attention_packed(torch.randn(4, 4, 8), offsets)
+    with pytest.raises(ValueError, match="shape mismatch"):  # k, v of 2 heads beside a q of 3
+        jagged_attention_packed(torch.randn(4, 4, 8), offsets, q=torch.randn(4, 3, 8))
 
 
 def _assert_same_gradients(got, want, inputs):
@@ -183,6 +187,42 @@ def test_compiled_callers_get_one_graph_and_the_eager_gradients(activation):
         for want, got in zip(*grads):
             torch.testing.assert_close(got, want)
     assert counter.frame_count <= 2  # the first shapes, then one dynamic graph for every later batch
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_compiled_packed_callers_get_one_graph_and_the_eager_gradients(cross):
+    """q, k, v handed over as one fused projection (or k, v beside their own q): eager, the same result as three
+    tensors; compiled whole on batches of new lengths, one dynamic graph with eager's loss and gradients."""
+    import torch._dynamo.testing
+
+    def layer(x, w, offsets):
+        if not cross:
+            out = jagged_attention_packed((x @ w).view(x.shape[0], 6, 4), offsets, causal=True)
+            return (out.flatten(1) * x).sum()
+        q_offsets = torch.arange(0, 2 * (offsets.numel() - 1) + 1, 2)
+        q = x[:1].expand(2 * (offsets.numel() - 1), 8).reshape(-1, 2, 4)
+        return jagged_attention_packed((x @ w[:, 8:]).view(x.shape[0], 4, 4), q_offsets, offsets, q=q).sum()
+
+    def three_tensors(x, w, offsets):
+        q, k, v = (x @ w).view(x.shape[0], 3, 2, 4).unbind(1)
+        return (jagged_attention(q, k, v, offsets, causal=True).flatten(1) * x).sum()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    torch.manual_seed(0)
+    w = torch.randn(8, 24, dtype=torch.float64)
+    for lengths in ([3, 0, 7, 1], [5, 2, 9, 4, 1], [1, 30, 2]):
+        offsets = random_offsets(lengths)
+        x = torch.randn(int(offsets[-1]), 8, dtype=torch.float64)
+        results = []
+        for fn in (layer, compiled) + (() if cross else (three_tensors,)):
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = fn(xs, ws, offsets)
+            results.append((loss.detach(), *torch.autograd.grad(loss, (xs, ws))))
+        for want, *got in zip(*results):
+            for g in got:
+                torch.testing.assert_close(g, want)
+    assert counter.frame_count <= 2
 
 
 def test_every_op_backend_hands_its_saved_tensor_over_flat():
