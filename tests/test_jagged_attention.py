@@ -165,11 +165,18 @@ def test_a_nan_in_one_sequence_never_reaches_another(causal, activation):
 def test_compiled_callers_get_one_graph_and_the_eager_gradients(activation):
     """Under torch.compile the attention is a custom op with a known output shape: the caller compiles whole
     (fullgraph: a graph break would raise), through fake tensors and AOT autograd, on batches of new lengths."""
-    import torch._dynamo.testing
 
     def layer(x, w, offsets):
         q, k, v = (x @ w).view(x.shape[0], 3, 2, 4).unbind(1)
         return (jagged_attention(q, k, v, offsets, causal=True, activation=activation).flatten(1) * x).sum()
+
+    _check_compiled_against_eager(layer)
+
+
+def _check_compiled_against_eager(layer, *others) -> None:
+    """`layer(x [N, 8], w [8, 24], offsets) -> loss` compiled whole (aot_eager), on batches of new lengths: eager's
+    loss and gradients (and those of `others`, the same computation written otherwise), in one dynamic graph."""
+    import torch._dynamo.testing
 
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(layer, backend=counter, fullgraph=True)
@@ -178,14 +185,14 @@ def test_compiled_callers_get_one_graph_and_the_eager_gradients(activation):
     for lengths in ([3, 0, 7, 1], [5, 2, 9, 4, 1], [1, 30, 2]):
         offsets = random_offsets(lengths)
         x = torch.randn(int(offsets[-1]), 8, dtype=torch.float64)
-        grads = []
-        for fn in (layer, compiled):
+        results = []
+        for fn in (layer, compiled, *others):
             xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
             loss = fn(xs, ws, offsets)
-            loss.backward()
-            grads.append((loss.detach(), xs.grad, ws.grad))
-        for want, got in zip(*grads):
-            torch.testing.assert_close(got, want)
+            results.append((loss.detach(), *torch.autograd.grad(loss, (xs, ws))))
+        for want, *got in zip(*results):
+            for g in got:
+                torch.testing.assert_close(g, want)
     assert counter.frame_count <= 2  # the first shapes, then one dynamic graph for every later batch
 
 
@@ -193,7 +200,6 @@ def test_compiled_callers_get_one_graph_and_the_eager_gradients(activation):
 def test_compiled_packed_callers_get_one_graph_and_the_eager_gradients(cross):
     """q, k, v handed over as one fused projection (or k, v beside their own q): eager, the same result as three
     tensors; compiled whole on batches of new lengths, one dynamic graph with eager's loss and gradients."""
-    import torch._dynamo.testing
 
     def layer(x, w, offsets):
         if not cross:
@@ -207,22 +213,7 @@ def test_compiled_packed_callers_get_one_graph_and_the_eager_gradients(cross):
         q, k, v = (x @ w).view(x.shape[0], 3, 2, 4).unbind(1)
         return (jagged_attention(q, k, v, offsets, causal=True).flatten(1) * x).sum()
 
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(layer, backend=counter, fullgraph=True)
-    torch.manual_seed(0)
-    w = torch.randn(8, 24, dtype=torch.float64)
-    for lengths in ([3, 0, 7, 1], [5, 2, 9, 4, 1], [1, 30, 2]):
-        offsets = random_offsets(lengths)
-        x = torch.randn(int(offsets[-1]), 8, dtype=torch.float64)
-        results = []
-        for fn in (layer, compiled) + (() if cross else (three_tensors,)):
-            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-            loss = fn(xs, ws, offsets)
-            results.append((loss.detach(), *torch.autograd.grad(loss, (xs, ws))))
-        for want, *got in zip(*results):
-            for g in got:
-                torch.testing.assert_close(g, want)
-    assert counter.frame_count <= 2
+    _check_compiled_against_eager(layer, *(() if cross else (three_tensors,)))
 
 
 def test_every_op_backend_hands_its_saved_tensor_over_flat():
