@@ -331,7 +331,7 @@ def test_compile_model_names_the_setting_for_a_model_without_a_step():
 @pytest.mark.slow
 def test_checkpointed_compiled_layers_give_eager_gradients():
     """prepare_for_training compiles first, then checkpoints: a checkpointed layer recomputes its
-    compiled forward (the graph break at the attention stays outside the checkpoint region)."""
+    compiled forward."""
     config = model_config("gem", width=0.5, blocks=2, **SMALL_TABLES)
     x = model_input(random_batch([0, 1, 40, 9, 70]), SPEC, config)
     grads = []

@@ -108,8 +108,8 @@ def convert_to_fp8(model: nn.Module, recipe: str = "tensorwise_triton", *, emula
 def dense_blocks(model: nn.Module) -> dict[str, nn.Module]:
     """The blocks that torch.compile takes one by one: each Wukong layer, the trunk and towers, each
     jagged transformer layer and each cross attention whole. The jagged attention inside the last two
-    stays out of the compiled graphs (kernels.jagged_attention is opaque to torch.compile): compiled are
-    the norms, projections, FFN and residual adds around it, fused with their dtype casts."""
+    enters their graphs as a custom op (kernels/jagged_attention_op.py), no graph break; the norms,
+    projections, FFN and residual adds around it fuse with their dtype casts."""
     pattern = re.compile(r"interaction\.\d+|trunk|towers|distillation_towers|branches\.\d+\.(layers|cross)\.\d+")
     return {name: module for name, module in model.named_modules() if pattern.fullmatch(name)}
 
@@ -118,8 +118,8 @@ def compile_dense_blocks(model: nn.Module) -> list[str]:
     """torch.compile of each dense block's forward (dynamic in the token dimension after the first
     recompile, as Inductor's automatic dynamic shapes do)."""
     blocks = dense_blocks(model)
-    # Blocks share forward code objects (every layer of a kind), and a graph break at the attention
-    # splits each sequence layer in two: every piece gets its own graphs, static then dynamic.
+    # Blocks share forward code objects (every layer of a kind): each block gets its own graphs, static
+    # then dynamic.
     _allow_recompiles(max(64, 8 * len(blocks)))
     for module in blocks.values():
         module.forward = torch.compile(module.forward)
@@ -205,8 +205,7 @@ def prepare_for_training(model: nn.Module, config, device: torch.device | str) -
     if config.precision == "fp8":
         check_fp8_device(device)
         applied["fp8"] = convert_to_fp8(model, config.fp8_recipe)
-    # Compiled first, so that a checkpointed layer recomputes its compiled forward (a checkpoint
-    # region cannot hold the graph break at the attention).
+    # Compiled first, so that a checkpointed layer recomputes its compiled forward.
     if config.compile in ("dense", "model"):
         applied["compile"] = compile_dense_blocks(model) if config.compile == "dense" else compile_model_step(model)
     if config.activation_checkpointing == "sequence":
