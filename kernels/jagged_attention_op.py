@@ -109,9 +109,9 @@ jagged_attention_op.register_autograd(_backward, setup_context=_setup_context)
 def split_packed(packed: Tensor, q: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v as views of `packed` ([tokens, 3 x heads, dim]: q, k, v; or [tokens, 2 x heads, dim]: k, v beside
     the separate `q`)."""
-    heads = packed.shape[1] // (3 if q is None else 2)
-    k, v = packed[:, -2 * heads:-heads], packed[:, -heads:]
-    return (packed[:, :heads] if q is None else q), k, v
+    # split, not slices: eager autograd joins split's gradients in one cat (slices: a zero-filled tensor each).
+    parts = packed.split(packed.shape[1] // (3 if q is None else 2), dim=1)
+    return parts if q is None else (q, *parts)
 
 
 @torch.library.custom_op("gem_kernels::jagged_attention_packed", mutates_args=())
