@@ -7,54 +7,31 @@ files themselves: `git rev-parse <commit>^{tree}` equals it exactly when the run
 
 from __future__ import annotations
 
-import hashlib
 import os
-import stat
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 
 def source_tree(root: Path) -> str | None:
-    """The tree id of every file git would add at `root` (tracked or untracked, not ignored); None without git."""
+    """The tree id of every file git would add at `root` (`git add -A`, then `git write-tree`), git writing into a
+    copy of the index and a scratch object directory (the checkout's objects read as an alternate); None without
+    git or a checkout."""
+
+    def git(*args: str, env: dict | None = None) -> str:
+        return subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, check=True,
+                              text=True).stdout.strip()
+
     try:
-        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                                capture_output=True, check=True).stdout
+        objects, index = (Path(root, git("rev-parse", "--git-path", name)) for name in ("objects", "index"))
+        with tempfile.TemporaryDirectory() as scratch:
+            env = {**os.environ, "GIT_INDEX_FILE": f"{scratch}/index", "GIT_OBJECT_DIRECTORY": f"{scratch}/objects",
+                   "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(objects.resolve())}
+            os.mkdir(env["GIT_OBJECT_DIRECTORY"])  # git takes a missing one for no repository
+            if index.exists():  # unchanged files are not hashed again; tracked files stay in even where ignored
+                shutil.copyfile(index, env["GIT_INDEX_FILE"])
+            git("add", "-A", env=env)
+            return git("write-tree", env=env)
     except (OSError, subprocess.CalledProcessError):
         return None
-    tree: dict = {}
-    for name in sorted(set(filter(None, listed.decode().split("\0")))):
-        entry = _blob(root / name)
-        if entry is None:  # listed by a stale index, gone from the tree
-            continue
-        *folders, file = name.split("/")
-        node = tree
-        for folder in folders:
-            node = node.setdefault(folder, {})
-        node[file] = entry
-    return _tree_id(tree)
-
-
-def _object_id(kind: str, body: bytes) -> str:
-    return hashlib.sha1(f"{kind} {len(body)}\0".encode() + body).hexdigest()
-
-
-def _blob(path: Path) -> tuple[str, str] | None:
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(mode):
-        return "120000", _object_id("blob", os.readlink(path).encode())
-    if stat.S_ISDIR(mode):  # a nested repository (gitlink): its own tree, not this one's
-        return None
-    return ("100755" if mode & stat.S_IXUSR else "100644"), _object_id("blob", path.read_bytes())
-
-
-def _tree_id(node: dict) -> str:
-    # git orders a tree's entries by name, a subtree's name compared as if it ended in "/"
-    entries = sorted(node.items(), key=lambda item: item[0] + "/" if isinstance(item[1], dict) else item[0])
-    body = b""
-    for name, value in entries:
-        mode, object_id = ("40000", _tree_id(value)) if isinstance(value, dict) else value
-        body += f"{mode} {name}\0".encode() + bytes.fromhex(object_id)
-    return _object_id("tree", body)
