@@ -154,19 +154,16 @@ def _(packed, q, out, saved, d_out, q_offsets, kv_offsets, causal, activation, s
 def _setup_packed_context(ctx, inputs, output) -> None:
     packed, q, q_offsets, kv_offsets, causal, activation, scale, backend = inputs
     out, saved = output
-    ctx.separate_q = q is not None
-    ctx.save_for_backward(packed, *((q,) if ctx.separate_q else ()), out, saved, q_offsets, kv_offsets)
+    ctx.save_for_backward(packed, q, out, saved, q_offsets, kv_offsets)  # q None where packed holds it
     ctx.settings = (causal, activation, scale, backend)
     ctx.mark_non_differentiable(saved)
 
 
 def _packed_backward(ctx, d_out, _d_saved):
-    packed, *rest = ctx.saved_tensors
-    q = rest.pop(0) if ctx.separate_q else None
-    out, saved, q_offsets, kv_offsets = rest
+    packed, q, out, saved, q_offsets, kv_offsets = ctx.saved_tensors
     d_packed, dq = jagged_attention_packed_backward_op(packed, q, out, saved, d_out.contiguous(), q_offsets,
                                                        kv_offsets, *ctx.settings)
-    return d_packed, (dq if ctx.separate_q else None), None, None, None, None, None, None
+    return d_packed, (None if q is None else dq), None, None, None, None, None, None
 
 
 jagged_attention_packed_op.register_autograd(_packed_backward, setup_context=_setup_packed_context)
