@@ -265,7 +265,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
                                      "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds", "communication",
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
-                                     "step_stalls", "top_kernels", "eager_operators")
+                                     "rank_measures", "step_stalls", "top_kernels", "eager_operators")
                   if k in report}}
     if run.get("top_kernels"):  # where the profiled steps' device time went, by kind of kernel
         from gem_ops.metrics.kernels import time_by_kind
@@ -284,6 +284,15 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                                      measures["attention_cost"]).to_dict()
         except ValueError as error:
             run["forward_step_cost"] = f"not fitted: {error}"
+    ranks = report.get("rank_measures") or {}
+    if run["world_size"] > 1 and ranks.get("compute_seconds"):  # each rank's planned cost against its observed
+        from gem_ops.data.step_cost import planned_against_observed
+
+        try:
+            run["rank_balance"] = planned_against_observed(ranks["compute_seconds"], ranks["tokens"],
+                                                           ranks["attention_cost"])
+        except ValueError as error:
+            run["rank_balance"] = f"not fitted: {error}"
     fp8_peak = f", {100 * run['mfu_vs_fp8_peak']:.1f}% against the FP8 peak" if "mfu_vs_fp8_peak" in run else ""
     print(f"{shape_name}/{variant}: MFU {100 * run['mfu_window_mean']:.1f}% over the window{fp8_peak} (median step "
           f"{100 * run['mfu_median_step']:.1f}%), {run['model_tflops']:.0f} model TFLOP/s, "

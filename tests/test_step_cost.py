@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from gem_ops.data.batch_shuffling import ShufflingConfig, imbalance, plan_base_batch_shuffling, plan_random, sample_cost
-from gem_ops.data.step_cost import StepCostModel, fit_step_cost
+from gem_ops.data.step_cost import StepCostModel, fit_step_cost, load_imbalance, planned_against_observed
 
 WORLD = 4
 TRUE = StepCostModel(fixed=0.02, per_token=4e-6, per_pair=2e-9)  # dense layers dominate up to L ~ 2000
@@ -84,3 +84,41 @@ def test_bad_settings_and_measurements_are_refused_naming_them():
         fit_step_cost([0.1, 0.2, 0.3], [10, 20], [100, 400, 900])
     with pytest.raises(ValueError, match="positive, finite seconds"):
         fit_step_cost([0.1, float("nan"), 0.3], [10, 20, 30], [100, 400, 900])
+
+
+def test_each_rank_is_planned_from_its_own_tokens_and_pairs_and_set_against_what_it_took():
+    """A balanced plan of 4 ranks timed under TRUE, rank 2 slower by 10% in every step (what no batch explains): the
+    fit over every (step, rank) plans each rank from its own figures; observed and planned imbalance part by what
+    rank 2 adds."""
+    lengths = _lengths(seed=4, n=8_000)
+    plan = plan_base_batch_shuffling(lengths, WORLD, ShufflingConfig(sub_batch_size=64, sub_batches_per_rank=2,
+                                                                     seed=4))
+    t = lengths[plan.examples].astype(np.float64) + 1
+    tokens, pairs = t.sum(-1), (t * t).sum(-1)  # [steps, ranks]
+    seconds = TRUE.seconds(tokens, pairs) * np.where(np.arange(WORLD) == 2, 1.1, 1.0)
+    report = planned_against_observed(seconds.tolist(), tokens.tolist(), pairs.tolist())
+    assert report["steps"] == tokens.shape[0] and report["cost_model"]["steps"] == tokens.size
+    cost = StepCostModel(**{k: report["cost_model"][k] for k in ("fixed", "per_token", "per_pair")})
+    ranks = report["per_rank"]
+    assert [r["rank"] for r in ranks] == list(range(WORLD))
+    for r, figures in enumerate(ranks):
+        assert figures["observed_seconds"] == pytest.approx(seconds[:, r].sum())
+        assert figures["planned_seconds"] == pytest.approx(cost.seconds(tokens[:, r], pairs[:, r]).sum())
+        assert figures["tokens"] == tokens[:, r].sum() and figures["pairs"] == pairs[:, r].sum()
+    observed = ranks[2]["observed_seconds"] / ranks[2]["planned_seconds"]
+    others = [r["observed_seconds"] / r["planned_seconds"] for i, r in enumerate(ranks) if i != 2]
+    assert observed > 1.05 > max(others)  # the slow rank stands out against its own plan
+    planned_true = TRUE.seconds(tokens, pairs)
+    assert report["imbalance"]["planned"] == pytest.approx(load_imbalance(planned_true), rel=0.02)
+    assert report["imbalance"]["observed"] == pytest.approx(load_imbalance(seconds))
+    assert report["imbalance"]["planned"] < 1.01 and report["imbalance"]["observed"] > 1.05
+    assert report["imbalance"]["tokens"] == pytest.approx(load_imbalance(tokens))
+
+
+def test_planned_against_observed_skips_steps_without_ranks_and_names_bad_shapes():
+    seconds, tokens, pairs = [[], [0.1, 0.2], [0.3, 0.3], [0.2, 0.1]], [[], [1, 2], [3, 3], [2, 1]], \
+        [[], [1, 4], [9, 9], [4, 1]]
+    assert planned_against_observed(seconds, tokens, pairs)["steps"] == 3
+    with pytest.raises(ValueError, match=r"\[steps, ranks\] of one shape"):
+        planned_against_observed([[0.1, 0.2], [0.3, 0.3]], [[1, 2], [3, 3]], [[1], [9]])
+    assert load_imbalance(np.array([[1.0, 3.0], [2.0, 2.0]])) == pytest.approx(5 / 4)

@@ -130,6 +130,8 @@ class MFUReport:
     # per timed step, the ranks' mean forward compute seconds, tokens and attention cost ((L + 1)^2 summed): what
     # the batch planner's cost model is fitted to (linear, so it holds for the means as for each rank)
     step_measures: dict[str, list[float]] = field(default_factory=dict)
+    # the same per timed step and rank ([steps][ranks]): what each rank's planned cost is set against
+    rank_measures: dict[str, list[list[float]]] = field(default_factory=dict)
     # per timed step, what stalled it from the host: seconds in garbage collection, graphs that torch.compile
     # compiled, attention-kernel tunings (gem_ops.train.mfu_window)
     step_stalls: dict[str, list[float]] = field(default_factory=dict)

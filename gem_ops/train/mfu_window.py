@@ -96,6 +96,7 @@ class MFUWindow:
             step_seconds=result.step_seconds[first:last], step_flops=step_flops, losses=list(result.losses),
             all_step_seconds=list(result.step_seconds), world_size=result.world_size,
             step_measures={m: list(v[first:last]) for m, v in result.balance.mean.items()},
+            rank_measures={m: list(v[first:last]) for m, v in result.balance.ranks.items()},
             settings={"model": model_config.to_dict(), "train": train_config.to_dict(),
                       "window": dataclasses.asdict(self), "world_size": result.world_size})
         report.step_stalls = observer.step_stalls(first, last)

@@ -85,11 +85,12 @@ def gather_rows(values: Sequence[float], device: torch.device) -> np.ndarray:
 
 @dataclass
 class BalanceLog:
-    """Per step, each measure's max and mean over ranks."""
+    """Per step, each measure's max and mean over ranks, and every rank's own figure."""
 
     steps: list[int] = field(default_factory=list)
     max: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MEASURES})
     mean: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MEASURES})
+    ranks: dict[str, list[list[float]]] = field(default_factory=lambda: {m: [] for m in MEASURES})
 
     def add(self, step: int, per_rank: np.ndarray) -> dict[str, float]:
         """per_rank [world_size, len(MEASURES)] -> this step's max/mean per measure."""
@@ -99,6 +100,7 @@ class BalanceLog:
             hi, mean = float(per_rank[:, i].max()), float(per_rank[:, i].mean())
             self.max[measure].append(hi)
             self.mean[measure].append(mean)
+            self.ranks[measure].append([float(v) for v in per_rank[:, i]])
             ratios[measure] = hi / mean if mean > 0 else 1.0
         return ratios
 
@@ -107,9 +109,11 @@ class BalanceLog:
         return {m: (sum(self.max[m]) / sum(self.mean[m]) if sum(self.mean[m]) > 0 else float("nan")) for m in MEASURES}
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps, "max": self.max, "mean": self.mean}
+        return {"steps": self.steps, "max": self.max, "mean": self.mean, "ranks": self.ranks}
 
     @classmethod
     def from_dict(cls, data: dict) -> BalanceLog:
+        # a checkpoint written before per-rank figures were kept resumes without its earlier steps' ranks
+        ranks = data.get("ranks") or {m: [[] for _ in data["steps"]] for m in MEASURES}
         return cls(list(data["steps"]), {m: list(v) for m, v in data["max"].items()},
-                   {m: list(v) for m, v in data["mean"].items()})
+                   {m: list(v) for m, v in data["mean"].items()}, {m: [list(r) for r in v] for m, v in ranks.items()})
