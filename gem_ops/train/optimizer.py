@@ -10,6 +10,7 @@ from torch import nn
 from torchrec.optim import CombinedOptimizer, KeyedOptimizerWrapper, RowWiseAdagrad
 
 from gem_ops.train.config import TrainConfig
+from kernels.rowwise_adagrad import rowwise_adagrad_
 
 
 def split_parameters(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
@@ -64,13 +65,11 @@ class SparseRowWiseAdagrad(RowWiseAdagrad):
             values = -values
         if group["weight_decay"]:
             values = values + group["weight_decay"] * (param if rows is None else param[rows])
-        square = values.pow(2).mean(1, keepdim=True)
-        if rows is None:
-            state["sum"] += square
-            param.addcdiv_(values, state["sum"].sqrt().add_(group["eps"]), value=-lr)
-        else:
-            state["sum"].index_add_(0, rows, square)
-            param.index_add_(0, rows, values / state["sum"][rows].sqrt().add_(group["eps"]), alpha=-lr)
+        if rows is None:  # the whole table: one pass over gradient and table (kernels.rowwise_adagrad)
+            rowwise_adagrad_(param, values, state["sum"], lr, group["eps"])
+            return
+        state["sum"].index_add_(0, rows, values.pow(2).mean(1, keepdim=True))
+        param.index_add_(0, rows, values / state["sum"][rows].sqrt().add_(group["eps"]), alpha=-lr)
 
 
 def sparse_table_gradients(model: nn.Module) -> list[str]:
