@@ -26,10 +26,10 @@ def _rowwise_adagrad_kernel(param_ptr, grad_ptr, sum_ptr, rows, dim, param_strid
     g = tl.load(grad_ptr + row[:, None] * grad_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
     total = tl.load(sum_ptr + row, mask=row_ok, other=0.0) + tl.sum(g * g, 1) / dim
     tl.store(sum_ptr + row, total, mask=row_ok)
-    step = lr / (tl.sqrt(total) + eps)
+    denominator = tl.sqrt_rn(total) + eps  # IEEE square root and division, as PyTorch's addcdiv rounds
     p_ptrs = param_ptr + row[:, None] * param_stride + col[None, :]
     p = tl.load(p_ptrs, mask=mask, other=0.0)
-    tl.store(p_ptrs, p - step[:, None] * g, mask=mask)
+    tl.store(p_ptrs, p - lr * tl.div_rn(g, denominator[:, None]), mask=mask)
 
 
 def supports(param: torch.Tensor, grad: torch.Tensor, state_sum: torch.Tensor) -> bool:
