@@ -193,6 +193,11 @@ def compiled_variants() -> int:
     return _triton_kernels.compiled_variants() if _triton_kernels is not None else 0
 
 
+def chosen_configs() -> dict[str, dict[str, str]]:
+    """The Triton kernels' configs per tuning key chosen in this process ({} without Triton)."""
+    return _triton_kernels.chosen_configs() if _triton_kernels is not None else {}
+
+
 def _register_kernels() -> None:
     global _triton_kernels
     try:

@@ -466,6 +466,20 @@ def test_views_off_the_16_byte_line_compile_no_new_kernel_variant_on_gpu():
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_the_configs_chosen_per_key_are_reported_on_cpu_interpreter():
+    """What an MFU report records (`attention_configs`): each kernel's config for every key it tuned."""
+    from kernels.jagged_attention import chosen_configs
+
+    offsets = _offsets([5, 0, 17], "cpu")
+    q, k, v = (torch.randn(int(offsets[-1]), 2, 16, requires_grad=True) for _ in range(3))
+    jagged_attention(q, k, v, offsets, offsets, causal=True, activation="softmax", backend="triton").sum().backward()
+    configs = chosen_configs()
+    assert set(configs) == {"forward", "dq", "dkdv"}
+    for name, chosen in configs.items():  # at least this call's key (an earlier case may have tuned it first)
+        assert chosen and all("BLOCK_M" in c and "num_warps" in c for c in chosen.values()), (name, chosen)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
 def test_tile_cache_is_never_stale_on_cpu_interpreter():
     """Cached tile lists serve the same unmodified offsets tensor only: not one edited in place, nor another."""
     from kernels.triton import triton_jagged_attention as kernel
@@ -829,14 +843,14 @@ def test_compiled_caller_runs_the_kernels_on_gpu():
 def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
                           + len(FP8_CASES) + len(TILE_TABLE_CASES) + 3 + _default_count(NAN_INTERPRETER_CASES)
-                          + _default_count(SPLIT_CASES) + 4)
+                          + _default_count(SPLIT_CASES) + 5)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_every_interpreter_case():
     run_interpreter_cases(__file__, expected_passed=len(CPU_CASES) + 2 * len(SAMPLE_CASES) + len(FP8_CASES)
-                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES) + len(SPLIT_CASES) + 4, markers="")
+                          + len(TILE_TABLE_CASES) + 3 + len(NAN_CASES) + len(SPLIT_CASES) + 5, markers="")
 
 
 H200_SHARED_BYTES = 232448  # the opt-in maximum of one program's shared memory on Hopper

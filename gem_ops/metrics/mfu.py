@@ -132,6 +132,8 @@ class MFUReport:
     step_measures: dict[str, list[float]] = field(default_factory=dict)
     # the same per timed step and rank ([steps][ranks]): what each rank's planned cost is set against
     rank_measures: dict[str, list[list[float]]] = field(default_factory=dict)
+    # the attention kernels' configs chosen per tuning key (kernel -> key -> config): what a side-by-side run ran
+    attention_configs: dict[str, dict[str, str]] = field(default_factory=dict)
     # per timed step, what stalled it from the host: seconds in garbage collection, graphs that torch.compile
     # compiled, attention-kernel tunings (gem_ops.train.mfu_window)
     step_stalls: dict[str, list[float]] = field(default_factory=dict)

@@ -211,6 +211,12 @@ _launch_dq = _TunedLaunch(dq_kernel, KV_DESCRIPTORS)
 _launch_dkdv = _TunedLaunch(dkdv_kernel, Q_DESCRIPTORS)
 
 
+def chosen_configs() -> dict[str, dict[str, str]]:
+    """Each kernel's config per tuning key in this process: what two runs set side by side each ran."""
+    return {name: {repr(key): str(config) for key, config in launch.chosen.items()}
+            for name, launch in (("forward", _launch_forward), ("dq", _launch_dq), ("dkdv", _launch_dkdv))}
+
+
 def _forward(p: _Problem, q, k, v, descale=None):
     """The output and (softmax) the statistics (_query_stats) with the logsumexp filled in."""
     fp8 = q.dtype == torch.float8_e4m3fn
