@@ -138,6 +138,13 @@ def plan_random(
     return BatchPlan(world_size, ids[order].reshape(shape), costs[order].reshape(shape).sum(-1), dropped)
 
 
+def max_over_mean(cost: np.ndarray) -> float:
+    """cost [steps, ranks] -> the sum over steps of the slowest rank's cost over the sum of the mean rank's: how
+    much slower the steps run than with perfect balance (1.0), every rank waiting for the slowest."""
+    mean = cost.mean(1).sum()
+    return float(cost.max(1).sum() / mean) if mean > 0 else float("nan")
+
+
 def imbalance(plan: BatchPlan) -> dict[str, float]:
     """How much slower steps run than with perfect balance (every rank waits for the slowest).
 
@@ -148,7 +155,7 @@ def imbalance(plan: BatchPlan) -> dict[str, float]:
     step_max, step_mean = plan.cost.max(1), plan.cost.mean(1)
     ratio = np.divide(step_max, step_mean, out=np.ones_like(step_max), where=step_mean > 0)
     return {
-        "max_over_mean": float(step_max.sum() / step_mean.sum()),
+        "max_over_mean": max_over_mean(plan.cost),
         "worst_step": float(ratio.max()),
         "p99_step": float(np.quantile(ratio, 0.99)),
         "steps": plan.steps,

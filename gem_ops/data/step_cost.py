@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from gem_ops.data.batch_shuffling import max_over_mean
+
 TERMS = ("fixed", "per_token", "per_pair")
 
 
@@ -66,13 +68,6 @@ def fit_step_cost(seconds, tokens, pairs) -> StepCostModel:
     return StepCostModel(*coefficients, steps=int(seconds.size), relative_error=float(np.sqrt(np.mean(error**2))))
 
 
-def load_imbalance(per_step_rank: np.ndarray) -> float:
-    """The sum over steps of the busiest rank's figure over the sum of the mean rank's (1.0: balanced); a rank that
-    waits for the busiest each step makes the step as long as the busiest's."""
-    mean = per_step_rank.mean(1).sum()
-    return float(per_step_rank.max(1).sum() / mean) if mean > 0 else float("nan")
-
-
 def planned_against_observed(seconds, tokens, pairs) -> dict:
     """Per rank: the forward seconds observed against those a step cost fitted to every (step, rank) plans from the
     rank's own tokens and pairs, and both sides' imbalance. Arguments are [steps, ranks]; steps with a rank's figure
@@ -86,8 +81,8 @@ def planned_against_observed(seconds, tokens, pairs) -> dict:
     planned = cost.seconds(tokens, pairs)
     return {
         "steps": int(seconds.shape[0]), "cost_model": cost.to_dict(),
-        "imbalance": {"observed": load_imbalance(seconds), "planned": load_imbalance(planned),
-                      "tokens": load_imbalance(tokens), "pairs": load_imbalance(pairs)},
+        "imbalance": {"observed": max_over_mean(seconds), "planned": max_over_mean(planned),
+                      "tokens": max_over_mean(tokens), "pairs": max_over_mean(pairs)},
         "per_rank": [{"rank": r, "observed_seconds": float(seconds[:, r].sum()),
                       "planned_seconds": float(planned[:, r].sum()), "tokens": float(tokens[:, r].sum()),
                       "pairs": float(pairs[:, r].sum())} for r in range(seconds.shape[1])],
