@@ -188,6 +188,11 @@ def tuning_runs() -> int:
     return _triton_kernels.tuning_runs() if _triton_kernels is not None else 0
 
 
+def stored_tunings_used() -> int:
+    """How often a kernel took its config for a new key from the tuning store instead of tuning: 0 without Triton."""
+    return _triton_kernels.stored_tunings_used() if _triton_kernels is not None else 0
+
+
 def compiled_variants() -> int:
     """Kernel binaries (specialisations) the attention's Triton kernels hold in this process: 0 without Triton."""
     return _triton_kernels.compiled_variants() if _triton_kernels is not None else 0

@@ -95,6 +95,7 @@ def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
     stalls = report["step_stalls"]
     assert stalls == {"gc_seconds": [0.0] * STEPS, "compiled_graphs": [0.0] * STEPS,
                       "attention_tunings": [0.0] * STEPS, "attention_compiles": [0.0] * STEPS}
+    assert report["attention_key_sources"] == {"tuned": 0, "from_store": 0}  # keys tuned here or taken from disk
     # MFU over the window's wall time (the mean step), which holds every step's own time and what runs
     # between steps; the median step's figure beside it.
     assert report["seconds"] >= sum(report["step_seconds"])

@@ -134,6 +134,8 @@ class MFUReport:
     rank_measures: dict[str, list[list[float]]] = field(default_factory=dict)
     # the attention kernels' configs chosen per tuning key (kernel -> key -> config): what a side-by-side run ran
     attention_configs: dict[str, dict[str, str]] = field(default_factory=dict)
+    # new tuning keys in this process: tuned here, or their config taken from the tuning store of earlier runs
+    attention_key_sources: dict[str, int] = field(default_factory=dict)
     # per timed step, what stalled it from the host: seconds in garbage collection, graphs that torch.compile
     # compiled, attention-kernel tunings (gem_ops.train.mfu_window)
     step_stalls: dict[str, list[float]] = field(default_factory=dict)

@@ -24,7 +24,7 @@ from gem_ops.metrics.overlap import communication_overlap, device_kernels
 from gem_ops.model.config import ModelConfig
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.gc_schedule import CollectionPauses
-from kernels.jagged_attention import chosen_configs, compiled_variants, tuning_runs
+from kernels.jagged_attention import chosen_configs, compiled_variants, stored_tunings_used, tuning_runs
 
 # What the CUDA profiler lists with device time that is no GPU work: a kernel launch that waited for
 # room in a full launch queue. Left out of every phase, module and busy figure.
@@ -101,6 +101,7 @@ class MFUWindow:
                       "window": dataclasses.asdict(self), "world_size": result.world_size})
         report.step_stalls = observer.step_stalls(first, last)
         report.attention_configs = chosen_configs()
+        report.attention_key_sources = {"tuned": tuning_runs(), "from_store": stored_tunings_used()}
         if observer.alloc_retries:
             report.settings["allocator_retries_in_window"] = observer.alloc_retries[last - 1] - (
                 observer.alloc_retries[first - 1] if first else 0)

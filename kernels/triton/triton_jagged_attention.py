@@ -40,12 +40,14 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.triton import triton_jagged_attention_kernels, triton_tile_table
-from kernels.triton.triton_jagged_attention_configs import (DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, INTERPRETING,
-                                                            KV_DESCRIPTORS, LARGE_HEAD_DIM, MAX_HEAD_DIM,
-                                                            Q_DESCRIPTORS, SHORT_QUERY_CONFIGS, SHORT_QUERY_LEN)
+from kernels.triton.triton_jagged_attention_configs import (AUTOTUNE, DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS,
+                                                            INTERPRETING, KV_DESCRIPTORS, LARGE_HEAD_DIM,
+                                                            MAX_HEAD_DIM, Q_DESCRIPTORS, SHORT_QUERY_CONFIGS,
+                                                            SHORT_QUERY_LEN)
 from kernels.triton.triton_jagged_attention_kernels import (backward_prologue_kernel, dkdv_kernel, dq_kernel,
                                                             forward_kernel)
 from kernels.triton.triton_tile_table import persistent_grid, tile_cache
+from kernels.triton.tuning_store import TuningStore, default_folder, kernel_identity
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)  # FP8: forward only
 
@@ -170,6 +172,8 @@ class _TunedLaunch:
     kernels take little longer, pay on every step (benchmarks/jagged_attention.py --overhead, host columns)."""
 
     runs = 0  # autotuner runs in this process, every kernel: tuning_runs()
+    # choices of earlier processes (tuning_store); none kept without autotuning (the first config is the choice)
+    store = TuningStore(default_folder() if AUTOTUNE else None)
 
     def __init__(self, tuner, descriptors: tuple[tuple[str, str, str | None], ...]):
         self.tuner, self.descriptors = tuner, descriptors
@@ -179,10 +183,15 @@ class _TunedLaunch:
         config = self.chosen.get(key)
         # (the configs may be swapped, e.g. by a test that runs each one)
         if config is None or not any(config is c for c in self.tuner.configs):
-            _TunedLaunch.runs += 1
-            self.tuner[grid](*args, **constexprs)
-            self.chosen[key] = self.tuner.best_config
-            return
+            identity = kernel_identity(self.tuner, _device_name(args[0].device))
+            config = self.store.get(identity, key, self.tuner.configs)
+            if config is None:
+                _TunedLaunch.runs += 1
+                self.tuner[grid](*args, **constexprs)
+                self.chosen[key] = self.tuner.best_config
+                self.store.put(identity, key, self.tuner.best_config)
+                return
+            self.chosen[key] = config
         sizes = {**constexprs, **config.kwargs}
         for name, rows, cols in self.descriptors:  # what the config's pre-hook does
             if isinstance(descriptors.get(name), TensorDescriptor):
@@ -191,8 +200,19 @@ class _TunedLaunch:
 
 
 def tuning_runs() -> int:
-    """The attention kernels' autotuner runs so far in this process (a new key's first launch each)."""
+    """The attention kernels' autotuner runs so far in this process (a new key's first launch each, unless its
+    config came from the tuning store)."""
     return _TunedLaunch.runs
+
+
+def stored_tunings_used() -> int:
+    """New keys whose config came from the tuning store in this process instead of an autotuner run."""
+    return _TunedLaunch.store.loaded
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def compiled_variants() -> int:
