@@ -3,7 +3,7 @@ rank on the host) launches the config an earlier one chose instead of timing the
 
 Why not Triton's own `cache_results`: it refuses configs with pre-hooks, and the attention kernels' configs carry one
 (they set their tensor descriptors' block shapes). Timing configs of near-equal speed for tens of milliseconds picks
-differently from run to run (two runs of one tree on one H100 chose other configs for 3 of 12 keys of a kernel), and
+differently from run to run (of three runs on one H100, every two differed in 1 to 5 of a kernel's 12 keys), and
 each pick stays for the whole process: kept on disk, runs compare the same kernels.
 
 A store is a folder of one JSON file per kernel identity: the kernel's name, a hash of its source (Triton's
