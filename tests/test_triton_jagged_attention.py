@@ -1074,14 +1074,18 @@ def test_kernels_compile_no_variant_per_batch_size():
             assert stride % 16 == 0 and stride >= ((total_q + 3) // 4) * 4 + 4 * num_seqs + 4
 
 
-def test_tuned_launch_tunes_once_per_key_then_calls_the_chosen_config():
+def test_tuned_launch_tunes_once_per_key_then_calls_the_chosen_config(monkeypatch):
     """The autotuner runs on a new key (or when its configs are swapped); later launches with that key call the
-    kernel with the chosen config directly, with the descriptors' blocks set as the config's pre-hook sets them."""
+    kernel with the chosen config directly, with the descriptors' blocks set as the config's pre-hook sets them.
+    (No tuning store: tests/test_tuning_store.py.)"""
     import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from kernels.triton import triton_jagged_attention as kernel
     from kernels.triton import triton_jagged_attention_configs as launch_configs
+    from kernels.triton.tuning_store import TuningStore
+
+    monkeypatch.setattr(kernel._TunedLaunch, "store", TuningStore(None))
 
     class Recorder:
         def __init__(self, log, what):

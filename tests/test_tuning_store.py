@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,23 +133,65 @@ def test_interpreter_cases():
     run_interpreter_cases(__file__, expected_passed=3)
 
 
-def _folder(setting: str | None, interpret: bool) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAGGED_ATTENTION_TUNING_CACHE", "TRITON_INTERPRET")}
-    env.update({"TRITON_CACHE_DIR": "/tmp/triton-cache-for-test"}, **({"TRITON_INTERPRET": "1"} if interpret else {}))
-    if setting is not None:
-        env["JAGGED_ATTENTION_TUNING_CACHE"] = setting
-    code = "from kernels.triton.tuning_store import default_folder; print(default_folder())"
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+@pytest.mark.parametrize("setting, interpret, folder", [
+    (None, False, "/tmp/triton-cache-for-test/jagged_attention_tuning"),
+    ("/data/tuning", False, "/data/tuning"),
+    ("0", False, None),
+    (None, True, None),  # one config per kernel there
+    ("/data/tuning", True, "/data/tuning"),
+])
+def test_the_store_folder_follows_its_setting(monkeypatch, setting, interpret, folder):
+    from kernels.triton.tuning_store import default_folder
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/triton-cache-for-test")
+    for name, value in (("JAGGED_ATTENTION_TUNING_CACHE", setting), ("TRITON_INTERPRET", "1" if interpret else None)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert default_folder() == (None if folder is None else Path(folder))
 
 
-@pytest.mark.skipif(INTERPRETING, reason="runs outside the interpreter")
-def test_the_store_folder_follows_its_setting():
-    assert _folder(None, interpret=False) == "/tmp/triton-cache-for-test/jagged_attention_tuning"
-    assert _folder("/data/tuning", interpret=False) == "/data/tuning"
-    assert _folder("0", interpret=False) == "None"
-    assert _folder(None, interpret=True) == "None"  # one config per kernel there
-    assert _folder("/data/tuning", interpret=True) == "/data/tuning"
+RANK_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+import torch
+from kernels.jagged_attention import jagged_attention, stored_tunings_used, tuning_runs
+from kernels.triton.tuning_store import TuningStore
+
+put = TuningStore.put
+def slow_put(self, *args):  # a tuning that takes a while: the other process arrives while it runs
+    time.sleep(1.0)
+    put(self, *args)
+TuningStore.put = slow_put
+go = Path(sys.argv[1])
+go.with_name(f"ready-{os.getpid()}").touch()  # imported: what follows is the step alone
+while not go.exists():
+    time.sleep(0.005)
+offsets = torch.tensor([0, 9, 9, 30, 41])
+q, k, v = (torch.randn(41, 2, 16, requires_grad=True) for _ in range(3))
+jagged_attention(q, k, v, offsets, offsets, causal=True, activation="softmax", backend="triton").sum().backward()
+print(json.dumps({"tuned": tuning_runs(), "from_store": stored_tunings_used()}))
+"""
+
+
+@pytest.mark.skipif(INTERPRETING, reason="starts interpreter processes of its own")
+def test_two_ranks_meeting_a_key_at_once_run_one_tuning(tmp_path):
+    """Two processes on one host (the ranks of a job) reach the same new keys together: one tunes each key, the
+    other waits for it and launches its choice."""
+    go = tmp_path / "go"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "JAGGED_ATTENTION_TUNING_CACHE": str(tmp_path / "store")}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(go)], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    deadline = time.monotonic() + 240
+    while len(list(tmp_path.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
+    counts = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert sum(c["tuned"] for c in counts) == 3, counts  # forward, dq, dk/dv: each tuned once on the host
+    assert sum(c["from_store"] for c in counts) == 3, counts
 
 
 GPU_SCRIPT = """

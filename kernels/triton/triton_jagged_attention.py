@@ -183,20 +183,32 @@ class _TunedLaunch:
         config = self.chosen.get(key)
         # (the configs may be swapped, e.g. by a test that runs each one)
         if config is None or not any(config is c for c in self.tuner.configs):
-            identity = kernel_identity(self.tuner, _device_name(args[0].device))
-            config = self.store.get(identity, key, self.tuner.configs)
-            if config is None:
-                _TunedLaunch.runs += 1
-                self.tuner[grid](*args, **constexprs)
-                self.chosen[key] = self.tuner.best_config
-                self.store.put(identity, key, self.tuner.best_config)
+            config = self._new_key(grid, key, args, constexprs)
+            if config is None:  # tuned: the autotuner has launched it
                 return
-            self.chosen[key] = config
         sizes = {**constexprs, **config.kwargs}
         for name, rows, cols in self.descriptors:  # what the config's pre-hook does
             if isinstance(descriptors.get(name), TensorDescriptor):
                 descriptors[name].block_shape = [sizes[rows]] if cols is None else [sizes[rows], sizes[cols]]
         self.tuner.fn[grid](*args, **constexprs, **config.all_kwargs())
+
+    def _new_key(self, grid, key: tuple, args: tuple, constexprs: dict) -> triton.Config | None:
+        """A new key's config from the tuning store, or None once the autotuner has tuned the key and launched the
+        kernel. Tuned under the store's claim on the key: a rank that meets the key meanwhile waits for this choice."""
+        store = self.store
+        identity = kernel_identity(self.tuner, _device_name(args[0].device)) if store.folder else ""
+        config = store.get(identity, key, self.tuner.configs)
+        if config is None:
+            with store.claim(identity, key):
+                config = store.get(identity, key, self.tuner.configs)  # chosen by another process meanwhile?
+                if config is None:
+                    _TunedLaunch.runs += 1
+                    self.tuner[grid](*args, **constexprs)
+                    self.chosen[key] = self.tuner.best_config
+                    store.put(identity, key, self.tuner.best_config)
+                    return None
+        self.chosen[key] = config
+        return config
 
 
 def tuning_runs() -> int:

@@ -8,22 +8,29 @@ each pick stays for the whole process: kept on disk, runs compare the same kerne
 
 A store is a folder of one JSON file per kernel identity: the kernel's name, a hash of its source (Triton's
 `cache_key`), of its whole config list, of the Triton version and of the device's name, so that a changed kernel, list,
-compiler or GPU model starts empty. Each file maps a tuning key's repr to the chosen config's repr. Files are
-replaced whole (written aside, then renamed); two processes tuning at once may drop each other's newest key, which
-costs that key one more tuning, never a wrong config. JAGGED_ATTENTION_TUNING_CACHE: a folder, or 0 for none;
-default Triton's cache folder (TRITON_CACHE_DIR, ~/.triton/cache) / jagged_attention_tuning. None is kept under the
-interpreter or with JAGGED_ATTENTION_AUTOTUNE=0 (one config per kernel: nothing to choose). A stored config is
-launched without the pruner that cut the list by shared memory: the identity's device name stands for that limit.
+compiler or GPU model starts empty. Each file maps a tuning key's repr to the chosen config's repr, and is replaced
+whole under a lock (read, written aside, renamed). A process tunes a key under a lock of that key (`claim`): on one
+host the ranks of a job meet the same keys at about the same time, and the ones behind wait and launch the first
+one's choice instead of timing configs of their own (which would differ by rank). Locks are the operating system's
+(flock), released if their holder dies.
+
+JAGGED_ATTENTION_TUNING_CACHE: a folder, or 0 for none; default Triton's cache folder (TRITON_CACHE_DIR,
+~/.triton/cache) / jagged_attention_tuning. None is kept under the interpreter or with JAGGED_ATTENTION_AUTOTUNE=0 (one
+config per kernel: nothing to choose). A stored config is launched without the pruner that cut the list by shared
+memory: the identity's device name stands for that limit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import inspect
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import triton
@@ -78,14 +85,36 @@ class TuningStore:
         self.loaded += config is not None
         return config
 
+    @contextlib.contextmanager
+    def claim(self, identity: str, key: tuple) -> Iterator[None]:
+        """Held while this process tunes `key`: a process on the host that needs the same key meanwhile (another
+        rank of the job) waits, then finds the choice in the store, so the ranks run the same kernels."""
+        with contextlib.ExitStack() as held:
+            if self.folder is not None:
+                try:
+                    held.enter_context(self._locked(f"{identity}-{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}"))
+                except OSError as error:  # no lock (a read-only folder): tune alone, as without a store
+                    log.warning("jagged attention tuning store %s: no lock taken: %s", self.folder, error)
+            yield
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / f"{name}.lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
     def put(self, identity: str, key: tuple, config: triton.Config) -> None:
         if self.folder is None:
             return
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            entries = {**self._read(identity), repr(key): str(config)}
-            with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False) as aside:
-                json.dump(entries, aside, indent=1, sort_keys=True)
-            os.replace(aside.name, self._path(identity))
+            with self._locked(identity):  # another process adding a key between this read and write would lose it
+                entries = {**self._read(identity), repr(key): str(config)}
+                with tempfile.NamedTemporaryFile("w", dir=self.folder, suffix=".tmp", delete=False) as aside:
+                    json.dump(entries, aside, indent=1, sort_keys=True)
+                os.replace(aside.name, self._path(identity))
         except OSError as error:  # a read-only or full disk costs later runs a tuning, not this one its step
             log.warning("jagged attention tuning store %s not written: %s", self.folder, error)
