@@ -14,7 +14,7 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("compiled_other", ("triton_",)),
     ("embedding", ("embedding", "grad_weight", "gather", "index_select", "indexselect", "index_put", "scatter", "sort",
                    "scan", "radix", "segment", "unique")),
-    ("optimizer", ("adam", "foreach", "multi_tensor_apply", "addcdiv", "lerp", "sqrt")),
+    ("optimizer", ("adam", "adagrad", "foreach", "multi_tensor_apply", "addcdiv", "lerp", "sqrt")),
     ("copy_and_fill", ("copy", "fill", "memset", "memcpy", "cat")),
     ("eager_elementwise", ("elementwise",)),
     ("eager_norm", ("layer_norm", "gammabeta")),
