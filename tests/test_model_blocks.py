@@ -336,6 +336,43 @@ def test_context_tables_looked_up_together_match_their_own_lookups(device, compi
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_candidate_and_history_items_are_one_lookup_of_their_table():
+    """The item table is read once a forward for the candidate and the history items together (its dense gradient
+    built once), with the rows and the table gradient of TorchRec's lookup per key."""
+    config = model_config("vertical", width=0.5, blocks=1)
+    embeddings = GEMModel(SPEC, config).embeddings
+    assert embeddings._context_tables() is not None  # the path that reads the tables itself
+    x = model_input(random_batch(LENGTHS), SPEC, config)
+    item = embeddings.sequence.embeddings[ITEM_TABLE]
+    calls = []
+    hook = item.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    try:
+        embeddings(x)
+    finally:
+        hook.remove()
+    assert calls == [len(LENGTHS) + sum(LENGTHS)]  # one lookup: every candidate, then every history event
+
+    def per_key():
+        seq = embeddings.sequence(x.sequence)
+        return seq[CANDIDATE_ITEM].values(), seq[HISTORY_ITEM].values()
+
+    def together():
+        rows = embeddings._sequence_lookups(x.sequence, looked_up_here=True)
+        return rows[CANDIDATE_ITEM], rows[HISTORY_ITEM]
+
+    generator = torch.Generator().manual_seed(0)
+    d_candidate = torch.randn(len(LENGTHS), config.embedding.sequence_dim, generator=generator)
+    d_history = torch.randn(sum(LENGTHS), config.embedding.sequence_dim, generator=generator)
+    results = []
+    for lookups in (per_key, together):
+        item.zero_grad()
+        candidate, history = lookups()
+        ((candidate * d_candidate).sum() + (history * d_history).sum()).backward()
+        results.append((candidate.detach(), history.detach(), item.weight.grad.clone()))
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want)
+
+
 def test_context_tables_gradient_is_one_product_in_the_autocast_dtype_under_autocast():
     """Under bf16 autocast the stacked tables' gradient is a bf16 product (a tensor-core GEMM on a GPU, where fp32
     ran as a SIMT one), as a linear layer's weight gradient is, and matches the fp32 per-table gradient to bf16's

@@ -134,12 +134,25 @@ class GEMEmbeddings(nn.Module):
             return {key: jt.values() for key, jt in self.sequence(kjt).items()}
         ids = kjt.to_dict() if ids is None else ids
         if looked_up_here:
-            out = {key: self.sequence.embeddings[self.table_of[key]](ids[key].values())
-                   for key in self.sequence_keys if key not in self.context_keys}
+            out = self._lookups_by_table([key for key in self.sequence_keys if key not in self.context_keys], ids)
         else:
             out = self._collection_lookups(self.sequence, ids)
         for collection in self.sequence_other.values():
             out.update(self._collection_lookups(collection, ids))
+        return out
+
+    def _lookups_by_table(self, keys: list[str], ids: dict) -> dict[str, torch.Tensor]:
+        """Key -> its rows, one lookup per table of the main collection: keys that share a table (the candidate and
+        the history items) are looked up together, so that the table's dense gradient is built once, not once per
+        key and then added (a second table-sized fill and an add over three: 4.4 GB a step at `w0.5_L512`)."""
+        by_table: dict[str, list[str]] = {}
+        for key in keys:
+            by_table.setdefault(self.table_of[key], []).append(key)
+        out = {}
+        for table, names in by_table.items():
+            values = [ids[key].values() for key in names]
+            rows = self.sequence.embeddings[table](values[0] if len(values) == 1 else torch.cat(values))
+            out.update(zip(names, rows.split([v.shape[0] for v in values])))
         return out
 
     @staticmethod
