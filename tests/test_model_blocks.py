@@ -373,6 +373,31 @@ def test_candidate_and_history_items_are_one_lookup_of_their_table():
         torch.testing.assert_close(got, want)
 
 
+def test_the_item_tables_gradient_is_built_once_in_the_compiled_backward():
+    """What the one lookup is for: in the backward graph that torch.compile traces, one table-sized gradient of the
+    item table (two lookups build two, then add them)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    config = model_config("vertical", width=0.5, blocks=1)
+    embeddings = GEMModel(SPEC, config).embeddings
+    x = model_input(random_batch(LENGTHS), SPEC, config)
+    graphs = []
+
+    def keep(graph, _):
+        graphs.append(graph)
+        return make_boxed_func(graph.forward)
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: sum(t.sum() for t in embeddings(x)), backend=aot_autograd(fw_compiler=keep,
+                                                                                              bw_compiler=keep))
+    step(x).backward()
+    table = tuple(embeddings.sequence.embeddings[ITEM_TABLE].weight.shape)
+    table_sized = [node for node in graphs[-1].graph.nodes if node.op == "call_function"
+                   and tuple(getattr(node.meta.get("val"), "shape", ())) == table]
+    assert len(table_sized) == 1, [str(node.target) for node in table_sized]
+
+
 def test_context_tables_gradient_is_one_product_in_the_autocast_dtype_under_autocast():
     """Under bf16 autocast the stacked tables' gradient is a bf16 product (a tensor-core GEMM on a GPU, where fp32
     ran as a SIMT one), as a linear layer's weight gradient is, and matches the fp32 per-table gradient to bf16's
