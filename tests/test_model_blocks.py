@@ -388,7 +388,6 @@ def test_the_item_tables_gradient_is_built_once_in_the_compiled_backward():
         graphs.append(graph)
         return make_boxed_func(graph.forward)
 
-    torch._dynamo.reset()
     step = torch.compile(lambda x: sum(t.sum() for t in embeddings(x)), backend=aot_autograd(fw_compiler=keep,
                                                                                               bw_compiler=keep))
     step(x).backward()
