@@ -1,11 +1,13 @@
 """GEM blocks one by one: shapes, gradients to every parameter, jagged inputs with empty and length-1
 histories, and independence between the examples of a batch."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from gem_ops.model import jagged
-from gem_ops.model.config import ModelConfig, model_config
+from gem_ops.model.config import PRESETS, ModelConfig, model_config
 from gem_ops.model.embeddings import ITEM_TABLE
 from gem_ops.model.features import CANDIDATE_ITEM, HISTORY_ITEM, model_input
 from gem_ops.model.gem import GEMModel
@@ -267,6 +269,27 @@ def test_presets_scale_from_the_config_alone():
     count = lambda m: sum(p.numel() for n, p in m.named_parameters() if "embedding" not in n)  # noqa: E731
     assert count(large) > 2 * count(small)
     assert ModelConfig.from_dict(scaled.to_dict()) == scaled
+
+
+@pytest.mark.parametrize("width, heads, sequence_dim", [(0.5, 8, 1024), (0.25, 4, 512), (1.5, 24, 3072)])
+def test_the_gpu_preset_keeps_its_head_dim_when_scaled(width, heads, sequence_dim):
+    """gem_gpu scales its number of heads, never its head dim (128); the √width rule would give 11 heads of 96 at
+    half width."""
+    config = model_config("gem_gpu", width=width)
+    assert (config.sequence.heads, config.embedding.sequence_dim) == (heads, sequence_dim)
+    preset = PRESETS["gem_gpu"]
+    old_rule = replace(preset, sequence=replace(preset.sequence, keep_head_dim=False)).scaled(width=0.5)
+    assert (old_rule.sequence.heads, old_rule.embedding.sequence_dim) == (11, 1056)
+
+
+def test_sequence_layers_without_biases():
+    config = model_config("vertical", **{"sequence.bias": False})
+    model, with_biases = GEMModel(SPEC, config), GEMModel(SPEC, model_config("vertical"))
+    layer_biases = lambda m: [n for n, p in m.named_parameters()  # noqa: E731
+                              if n.startswith("branches.") and n.endswith(".bias") and ".norm" not in n]
+    assert layer_biases(model) == [n for n in layer_biases(with_biases) if ".summarize." in n or ".cls_out." in n]
+    assert len(layer_biases(with_biases)) > len(layer_biases(model)) > 0
+    model(model_input(random_batch(LENGTHS), SPEC, config)).sum().backward()
 
 
 def test_bad_settings_are_named():

@@ -88,6 +88,11 @@ class SequenceConfig:
     # and the history events both carry (e.g. its category: the hard search of SIM), for logs where users
     # rarely meet one item twice.
     retrieval_key: str = "item"
+    # Under ModelConfig.scaled: False keeps heads ∝ √width (the head dim shrinks too); True keeps the head dim and
+    # scales the number of heads with width, as a GPU preset wants: head dims of 64 or 128 are the attention
+    # kernels' and tensor cores' full-speed shapes, and the layers' widths stay multiples of them.
+    keep_head_dim: bool = False
+    bias: bool = True  # biases of the sequence layers' linear maps (qkv, output, feed-forward, cross attention)
 
     def level_tokens(self, block: int) -> int:
         return max(self.min_level_tokens, self.first_level_tokens // self.shrink**block)
@@ -152,15 +157,19 @@ class ModelConfig:
         if depth <= 0 or width <= 0:
             raise ValueError(f"depth and width must be > 0, got depth={depth}, width={width}")
         w = lambda n, multiple=8: max(multiple, int(round(n * width / multiple)) * multiple)  # noqa: E731
-        heads = max(1, int(round(self.sequence.heads * math.sqrt(width))))
+        if self.sequence.keep_head_dim:
+            heads = max(1, int(round(self.sequence.heads * width)))
+            sequence_dim = heads * (self.embedding.sequence_dim // self.sequence.heads)
+        else:
+            heads = max(1, int(round(self.sequence.heads * math.sqrt(width))))
+            sequence_dim = w(self.embedding.sequence_dim, 8 * heads)
         return replace(
             self,
             blocks=max(1, round(self.blocks * depth)),
             tower_layers=max(1, round(self.tower_layers * depth)),
             trunk_hidden=w(self.trunk_hidden),
             tower_hidden=w(self.tower_hidden),
-            embedding=replace(self.embedding, dim=w(self.embedding.dim),
-                              sequence_dim=w(self.embedding.sequence_dim, 8 * heads)),
+            embedding=replace(self.embedding, dim=w(self.embedding.dim), sequence_dim=sequence_dim),
             wukong=replace(self.wukong, mlp_hidden=w(self.wukong.mlp_hidden)),
             sequence=replace(self.sequence, heads=heads),
         )
@@ -175,11 +184,12 @@ PRESETS: dict[str, ModelConfig] = {
     # The width puts most of a step in large matrix products, where FP8 pays; 1024 examples per step
     # fit the H200 without activation checkpointing. About 300 GFLOP per example for forward + backward
     # at the synthetic log's mean history (~340 events). Every large linear layer's widths are multiples
-    # of 16, as FP8 (precision="fp8") needs.
+    # of 16, as FP8 (precision="fp8") needs; scaled, it keeps heads of 128 (width 0.5: 8 heads, 1024 wide).
     "gem_gpu": ModelConfig(
         embedding=EmbeddingConfig(dim=256, sequence_dim=2048, item_buckets=262_144, user_buckets=131_072),
         wukong=WukongConfig(n_fm=16, n_lcb=16, fm_rank=32, mlp_hidden=4096),
-        sequence=SequenceConfig(max_history_len=1024, first_level_tokens=1024, heads=16, ffn_mult=4, summary_tokens=4),
+        sequence=SequenceConfig(max_history_len=1024, first_level_tokens=1024, heads=16, ffn_mult=4, summary_tokens=4,
+                                keep_head_dim=True),
         blocks=4, trunk_hidden=1024, tower_hidden=256,
     ),
     # A domain foundation model: medium size, trained on one domain's data.

@@ -39,10 +39,12 @@ class SequenceBranch(nn.Module):
         check_branch(name, spec)
         self.summarize = nn.ModuleList(nn.Linear(n * d, self.k * ds) for n in n_tokens)
         self.layers = nn.ModuleList(
-            JaggedTransformerLayer(ds, seq.heads, seq.ffn_mult, seq.activation, config.dropout) for _ in n_tokens
+            JaggedTransformerLayer(ds, seq.heads, seq.ffn_mult, seq.activation, config.dropout, seq.bias)
+            for _ in n_tokens
         )
         self.cls_out = nn.ModuleList(nn.Linear(ds, d) for _ in n_tokens)
-        self.cross = nn.ModuleList(JaggedCrossAttention(d, ds, seq.heads, d, seq.activation) for _ in n_tokens)
+        self.cross = nn.ModuleList(JaggedCrossAttention(d, ds, seq.heads, d, seq.activation, seq.bias)
+                                   for _ in n_tokens)
 
     def select(self, history: torch.Tensor, x: ModelInput, keep: torch.Tensor | None, total: int,
                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
