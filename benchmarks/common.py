@@ -114,6 +114,23 @@ class Quiet:
 commit()  # the tree the benchmark starts from
 
 
+def setting(item: str) -> tuple[str, object]:
+    """KEY=VALUE, the value read as JSON where it parses (numbers, true/false), else as text."""
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"a setting takes KEY=VALUE, got {item!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def named_settings(item: str) -> tuple[str, dict]:
+    """NAME[:key=value,...]: a named variant of a run with its settings (dotted model keys and the like)."""
+    name, _, rest = item.partition(":")
+    return name, dict(setting(kv) for kv in rest.split(",") if kv)
+
+
 def mean_std(figure: dict) -> str:
     """A {"mean", "std"} figure as a table cell: 0.812 ± 0.004."""
     return f"{figure['mean']:.3f} ± {figure['std']:.3f}"

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import in_processes, save, saved_results  # noqa: E402
+from benchmarks.common import in_processes, named_settings, save, saved_results  # noqa: E402
 from gem_ops.data.loader import TrainingData  # noqa: E402
 
 END = date(2026, 11, 14)
@@ -73,6 +73,8 @@ def model_configs(args) -> dict[str, object]:
         "dcn": model_config("dcn"),
     }
     configs = {name: configs[name] for name in args.models}
+    for name, settings in map(named_settings, args.variants):  # ablations of GEM at the same width and history
+        configs[name] = model_config("gem", width=args.width, **history | settings)
     for width in args.budgets:  # FLOPs against quality: the same architectures narrower or wider
         configs[f"gem@{width:g}"] = model_config("gem", width=args.width * width, **history)
         configs[f"dlrm@{width:g}"] = model_config("dlrm", width=width)
@@ -155,6 +157,8 @@ def main() -> None:
     parser.add_argument("--datasets", nargs="+", default=["synthetic", "movielens"], choices=("synthetic", "movielens"))
     parser.add_argument("--models", nargs="+", default=["gem", "gem_no_sequence", "logistic_regression", "dlrm", "dcn"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="GEM with other model settings, e.g. gem_no_bias:sequence.bias=false")
     parser.add_argument("--budgets", nargs="*", type=float, default=[], help="extra widths of GEM and DLRM")
     parser.add_argument("--budget-datasets", nargs="*", default=None, help="datasets of the budgets (default: all)")
     parser.add_argument("--device", default="cpu")

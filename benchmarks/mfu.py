@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.common import save, saved_results
+from benchmarks.common import named_settings, save, saved_results, setting
 from gem_ops.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,13 +199,6 @@ def compare_runs(baseline: str, base: list[dict], runs: list[dict]) -> dict:
             "paired_ratios": [f / b for b, f in zip(base_speed, speed)]}
 
 
-def parse_shape(item: str) -> tuple[str, dict]:
-    """NAME[:key=value,...] with keys width, depth, max_history_len or dotted model settings; "preset": as is."""
-    name, _, rest = item.partition(":")
-    settings = dict(_setting(kv) for kv in rest.split(",") if kv)
-    return name, settings
-
-
 def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[str]:
     """The engine's torchrun job with an MFU window, built as the assets build theirs."""
     from gem_ops.train.launch import torchrun_command
@@ -213,7 +206,7 @@ def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[s
     precision, recipe, compile_setting = run_variant(variant)
     shape = dict(shape)
     width, depth = float(shape.pop("width", args.width)), float(shape.pop("depth", args.depth))
-    overrides = dict(_setting(item) for item in args.set)
+    overrides = dict(setting(item) for item in args.set)
     length = shape.pop("max_history_len", args.max_history_len)
     if length:
         overrides["sequence.max_history_len"] = int(length)
@@ -382,18 +375,8 @@ def model_config_of(args):
     from gem_ops.model.config import model_config
 
     overrides = {"sequence.max_history_len": args.max_history_len} if args.max_history_len else {}
-    overrides.update(_setting(item) for item in args.set)
+    overrides.update(setting(item) for item in args.set)
     return model_config(args.preset, args.depth, args.width, **overrides)
-
-
-def _setting(item: str) -> tuple[str, object]:
-    key, sep, value = item.partition("=")
-    if not sep:
-        raise SystemExit(f"a setting takes KEY=VALUE, got {item!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
 
 
 def spread(runs: list[dict], key: str) -> dict:
@@ -493,7 +476,7 @@ def main() -> None:
 
     runs = results["end_to_end"]
     summary = results.setdefault("summary", {})
-    for shape_name, shape in map(parse_shape, args.shapes):
+    for shape_name, shape in map(named_settings, args.shapes):
         for repeat in range(args.repeats):  # precisions alternate: a run cut short by the budget leaves pairs
             for variant in args.precisions:
                 key = f"{shape_name}/{variant}"
@@ -510,7 +493,7 @@ def main() -> None:
 
     comparisons = {}
     baseline = args.precisions[0] if args.precisions else None
-    for shape_name, _ in map(parse_shape, args.shapes):
+    for shape_name, _ in map(named_settings, args.shapes):
         done = {v: [r for r in runs[f"{shape_name}/{v}"] if "losses" in r] for v in args.precisions}
         for variant in (v for v in args.precisions[1:] if done[baseline] and done[v]):
             comparisons[f"{shape_name}/{variant}"] = compare_runs(baseline, done[baseline], done[variant])
