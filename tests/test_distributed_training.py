@@ -107,7 +107,9 @@ def run_job(data, tmp_path: Path, *extra: str, **kwargs) -> dict:
                   tmp_path / "result.json")
 
 
-@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "fsdp", "fsdp+unit_prefetch"])
+# TorchRec's row-wise sharding and FSDP2 in the default run; table-wise and FSDP2's prefetch order with the slow tests
+@pytest.mark.parametrize("sharding", [pytest.param("table_wise", marks=pytest.mark.slow), "row_wise", "fsdp",
+                                      pytest.param("fsdp+unit_prefetch", marks=pytest.mark.slow)])
 def test_two_ranks_match_one_process_on_the_same_batches(data, union_run, sharding, tmp_path):
     sharding, _, prefetch = sharding.partition("+")
     result = run_job(data, tmp_path, "--embedding-sharding", sharding, *(["--unit-prefetch"] if prefetch else []))
@@ -158,7 +160,7 @@ def test_torchrun_restarts_a_failed_rank_and_the_job_completes(data, union_run, 
     assert result["losses"] == pytest.approx(union_run.losses, rel=LOSS_RTOL)
 
 
-@pytest.mark.parametrize("sharding", ["row_wise", "fsdp"])
+@pytest.mark.parametrize("sharding", [pytest.param("row_wise", marks=pytest.mark.slow), "fsdp"])
 def test_two_ranks_keep_and_resume_the_weight_average_of_one_process(data, sharding, tmp_path):
     """Each rank averages its own shards (TorchRec's sharded tables, FSDP2's DTensors) and checkpoints them under
     its rank: a job whose rank fails after step 3 resumes at step 2 and keeps the average one process keeps."""

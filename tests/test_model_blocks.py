@@ -290,7 +290,6 @@ def test_sequence_layers_without_biases():
     assert layer_biases(model) == [n for n in layer_biases(with_biases) if ".summarize." in n or ".cls_out." in n]
     assert len(layer_biases(with_biases)) > len(layer_biases(model)) > 0
     model(model_input(random_batch(LENGTHS), SPEC, config)).sum().backward()
-    assert not model_config("gem_gpu").sequence.bias and model_config("gem").sequence.bias
 
 
 def test_bad_settings_are_named():

@@ -24,7 +24,7 @@ from tests.postgres_server import INSTALL_HINT, running_postgres, server_bin_dir
 pytestmark = pytest.mark.server
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-END, DAYS = "2026-11-03", 3
+END, DAYS = "2026-11-03", 2
 # The smallest models and budgets that still run every asset; no validation day, so no early stopping.
 _SMALL = {"eval_every": 0, "eval_max_examples": 256, "validation_days": 0, "early_stopping_patience": 0,
           "calibrate": False, "model_overrides": {"sequence.max_history_len": "16"}}

@@ -92,7 +92,10 @@ class SequenceConfig:
     # scales the number of heads with width, as a GPU preset wants: head dims of 64 or 128 are the attention
     # kernels' and tensor cores' full-speed shapes, and the layers' widths stay multiples of them.
     keep_head_dim: bool = False
-    bias: bool = True  # biases of the sequence layers' linear maps (qkv, output, feed-forward, cross attention)
+    # Biases of the sequence layers' linear maps (qkv, output, feed-forward, cross attention). Without them a step
+    # skips their gradients' column sums over every history token (memory-bound: 1.06x the samples/s at gem_gpu's
+    # width 0.5), but one seed in three of the gem preset trained far worse without them (benchmarks/README.md).
+    bias: bool = True
 
     def level_tokens(self, block: int) -> int:
         return max(self.min_level_tokens, self.first_level_tokens // self.shrink**block)
@@ -185,13 +188,11 @@ PRESETS: dict[str, ModelConfig] = {
     # fit the H200 without activation checkpointing. About 300 GFLOP per example for forward + backward
     # at the synthetic log's mean history (~340 events). Every large linear layer's widths are multiples
     # of 16, as FP8 (precision="fp8") needs; scaled, it keeps heads of 128 (width 0.5: 8 heads, 1024 wide).
-    # The sequence layers' linear maps have no biases, as in most large transformers: their gradients are
-    # column sums over every history token, memory-bound (8 ms of a 170 ms step at width 0.5).
     "gem_gpu": ModelConfig(
         embedding=EmbeddingConfig(dim=256, sequence_dim=2048, item_buckets=262_144, user_buckets=131_072),
         wukong=WukongConfig(n_fm=16, n_lcb=16, fm_rank=32, mlp_hidden=4096),
         sequence=SequenceConfig(max_history_len=1024, first_level_tokens=1024, heads=16, ffn_mult=4, summary_tokens=4,
-                                keep_head_dim=True, bias=False),
+                                keep_head_dim=True),
         blocks=4, trunk_hidden=1024, tower_hidden=256,
     ),
     # A domain foundation model: medium size, trained on one domain's data.
