@@ -94,7 +94,7 @@ class SequenceConfig:
     keep_head_dim: bool = False
     # Biases of the sequence layers' linear maps (qkv, output, feed-forward, cross attention). Without them a step
     # skips their gradients' column sums over every history token (memory-bound: 1.06x the samples/s at gem_gpu's
-    # width 0.5), but one seed in three of the gem preset trained far worse without them (benchmarks/README.md).
+    # width 0.5), but two seeds in five of the gem preset trained far worse without them (benchmarks/README.md).
     bias: bool = True
 
     def level_tokens(self, block: int) -> int:
