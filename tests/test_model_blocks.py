@@ -273,13 +273,15 @@ def test_presets_scale_from_the_config_alone():
 
 @pytest.mark.parametrize("width, heads, sequence_dim", [(0.5, 8, 1024), (0.25, 4, 512), (1.5, 24, 3072)])
 def test_the_gpu_preset_keeps_its_head_dim_when_scaled(width, heads, sequence_dim):
-    """gem_gpu scales its number of heads, never its head dim (128); the √width rule would give 11 heads of 96 at
-    half width."""
+    """gem_gpu scales its number of heads, never its head dim (128)."""
     config = model_config("gem_gpu", width=width)
     assert (config.sequence.heads, config.embedding.sequence_dim) == (heads, sequence_dim)
+
+
+def test_without_keep_head_dim_heads_scale_by_the_square_root_of_width():
     preset = PRESETS["gem_gpu"]
-    old_rule = replace(preset, sequence=replace(preset.sequence, keep_head_dim=False)).scaled(width=0.5)
-    assert (old_rule.sequence.heads, old_rule.embedding.sequence_dim) == (11, 1056)
+    sqrt_rule = replace(preset, sequence=replace(preset.sequence, keep_head_dim=False)).scaled(width=0.5)
+    assert (sqrt_rule.sequence.heads, sqrt_rule.embedding.sequence_dim) == (11, 1056)  # 11 heads of 96
 
 
 def test_sequence_layers_without_biases():
