@@ -294,6 +294,54 @@ def test_sequence_layers_without_biases():
     model(model_input(random_batch(LENGTHS), SPEC, config)).sum().backward()
 
 
+def test_qkv_biases_only_need_the_sequence_layers_biases_on():
+    config = model_config("vertical", **{"sequence.qkv_bias": False})
+    names = [n for n, _ in GEMModel(SPEC, config).named_parameters() if n.startswith("branches.")]
+    assert not [n for n in names if n.endswith((".qkv.bias", ".kv.bias"))]
+    assert [n for n in names if n.endswith(".proj.bias")] and [n for n in names if n.endswith(".cross.0.q.bias")]
+
+
+def _self_attention_without_qkv_bias(biased: JaggedTransformerLayer) -> dict[str, torch.Tensor]:
+    """The key bias dropped, the query bias moved into the norm's shift (through the query map), the value
+    bias (less what that shift adds to the values) into the output map's bias."""
+    (wq, _, wv), (bq, _, bv) = biased.qkv.weight.chunk(3), biased.qkv.bias.chunk(3)
+    shift = torch.linalg.solve(wq, bq)
+    state = {k: v for k, v in biased.state_dict().items() if k != "qkv.bias"}
+    state["norm1.bias"] = biased.norm1.bias + shift
+    state["proj.bias"] = biased.proj.bias + biased.proj.weight @ (bv - wv @ shift)
+    return state
+
+
+def _cross_attention_without_kv_bias(biased: JaggedCrossAttention) -> dict[str, torch.Tensor]:
+    state = {k: v for k, v in biased.state_dict().items() if k != "kv.bias"}
+    state["out.bias"] = biased.out.bias + biased.out.weight @ biased.kv.bias.chunk(2)[1]
+    return state
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_qkv_biases_are_redundant_under_softmax(activation):
+    """What the self attention's qkv biases and the cross attention's kv biases compute, the layers' other
+    parameters compute without them, under softmax (and only there: silu's scores are not shift-invariant,
+    nor its weights a sum of one)."""
+    torch.manual_seed(0)
+    dim, heads, lengths = 8, 2, [1, 5, 7, 3]
+    x = torch.randn(sum(lengths), dim, dtype=torch.float64)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    query = torch.randn(len(lengths), 2, 6, dtype=torch.float64)
+    biased_layer = JaggedTransformerLayer(dim, heads, 2, activation).double()
+    plain_layer = JaggedTransformerLayer(dim, heads, 2, activation, qkv_bias=False).double()
+    biased_cross = JaggedCrossAttention(6, dim, heads, 6, activation).double()
+    plain_cross = JaggedCrossAttention(6, dim, heads, 6, activation, kv_bias=False).double()
+    with torch.no_grad():
+        for p in [*biased_layer.parameters(), *biased_cross.parameters()]:
+            p.normal_()
+        plain_layer.load_state_dict(_self_attention_without_qkv_bias(biased_layer))
+        plain_cross.load_state_dict(_cross_attention_without_kv_bias(biased_cross))
+        same_layer = torch.allclose(plain_layer(x, offsets), biased_layer(x, offsets))
+        same_cross = torch.allclose(plain_cross(query, x, offsets), biased_cross(query, x, offsets))
+    assert (same_layer, same_cross) == ((True, True) if activation == "softmax" else (False, False))
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         model_config("huge")

@@ -96,6 +96,13 @@ class SequenceConfig:
     # skips their gradients' column sums over every history token (memory-bound: 1.06x the samples/s at gem_gpu's
     # width 0.5), but two seeds in five of the gem preset trained far worse without them (benchmarks/README.md).
     bias: bool = True
+    # With biases on, whether the maps into the attention keep theirs: the self attention's qkv and the cross
+    # attention's kv (each right after a LayerNorm). Under softmax attention they add nothing the model lacks:
+    # a key bias shifts a query's every score alike (softmax ignores it), a value bias passes through the
+    # attention's weights, which sum to one, into the output map's own bias (the cross attention's: for every
+    # non-empty history), and a query bias is the norm's shift through an invertible query map. False skips
+    # their gradients' column sums over every history token.
+    qkv_bias: bool = True
 
     def level_tokens(self, block: int) -> int:
         return max(self.min_level_tokens, self.first_level_tokens // self.shrink**block)

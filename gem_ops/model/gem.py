@@ -39,11 +39,11 @@ class SequenceBranch(nn.Module):
         check_branch(name, spec)
         self.summarize = nn.ModuleList(nn.Linear(n * d, self.k * ds) for n in n_tokens)
         self.layers = nn.ModuleList(
-            JaggedTransformerLayer(ds, seq.heads, seq.ffn_mult, seq.activation, config.dropout, seq.bias)
+            JaggedTransformerLayer(ds, seq.heads, seq.ffn_mult, seq.activation, config.dropout, seq.bias, seq.qkv_bias)
             for _ in n_tokens
         )
         self.cls_out = nn.ModuleList(nn.Linear(ds, d) for _ in n_tokens)
-        self.cross = nn.ModuleList(JaggedCrossAttention(d, ds, seq.heads, d, seq.activation, seq.bias)
+        self.cross = nn.ModuleList(JaggedCrossAttention(d, ds, seq.heads, d, seq.activation, seq.bias, seq.qkv_bias)
                                    for _ in n_tokens)
 
     def select(self, history: torch.Tensor, x: ModelInput, keep: torch.Tensor | None, total: int,

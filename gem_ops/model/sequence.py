@@ -11,13 +11,14 @@ from kernels.jagged_attention import jagged_attention_packed
 class JaggedTransformerLayer(nn.Module):
     """Pre-norm self attention over each sequence's tokens, then a feed-forward network."""
 
-    def __init__(self, dim: int, heads: int, ffn_mult: int, activation: str, dropout: float = 0.0, bias: bool = True):
+    def __init__(self, dim: int, heads: int, ffn_mult: int, activation: str, dropout: float = 0.0, bias: bool = True,
+                 qkv_bias: bool = True):
         super().__init__()
         if dim % heads:
             raise ValueError(f"sequence_dim {dim} must be a multiple of heads {heads}")
         self.heads, self.head_dim, self.activation = heads, dim // heads, activation
         self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias and qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.norm2 = nn.LayerNorm(dim)
         self.ffn = nn.Sequential(nn.Linear(dim, ffn_mult * dim, bias=bias), nn.GELU(),
@@ -35,13 +36,14 @@ class JaggedTransformerLayer(nn.Module):
 class JaggedCrossAttention(nn.Module):
     """Each sample's query tokens (width query_dim) attend over its jagged history (width kv_dim)."""
 
-    def __init__(self, query_dim: int, kv_dim: int, heads: int, out_dim: int, activation: str, bias: bool = True):
+    def __init__(self, query_dim: int, kv_dim: int, heads: int, out_dim: int, activation: str, bias: bool = True,
+                 kv_bias: bool = True):
         super().__init__()
         if kv_dim % heads:
             raise ValueError(f"sequence_dim {kv_dim} must be a multiple of heads {heads}")
         self.heads, self.head_dim, self.activation = heads, kv_dim // heads, activation
         self.q = nn.Linear(query_dim, kv_dim, bias=bias)
-        self.kv = nn.Linear(kv_dim, 2 * kv_dim, bias=bias)
+        self.kv = nn.Linear(kv_dim, 2 * kv_dim, bias=bias and kv_bias)
         self.norm = nn.LayerNorm(kv_dim)
         self.out = nn.Linear(kv_dim, out_dim, bias=bias)
 
