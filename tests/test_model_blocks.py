@@ -278,6 +278,11 @@ def test_the_gpu_preset_keeps_its_head_dim_when_scaled(width, heads, sequence_di
     assert (config.sequence.heads, config.embedding.sequence_dim) == (heads, sequence_dim)
 
 
+def test_keep_head_dim_names_a_width_that_heads_do_not_divide():
+    with pytest.raises(ValueError, match=r"embedding.sequence_dim \(2048\) to be a multiple of sequence.heads \(3\)"):
+        replace(PRESETS["gem_gpu"], sequence=replace(PRESETS["gem_gpu"].sequence, heads=3)).scaled(width=0.5)
+
+
 def test_without_keep_head_dim_heads_scale_by_the_square_root_of_width():
     preset = PRESETS["gem_gpu"]
     sqrt_rule = replace(preset, sequence=replace(preset.sequence, keep_head_dim=False)).scaled(width=0.5)

@@ -170,6 +170,9 @@ class ModelConfig:
             raise ValueError(f"depth and width must be > 0, got depth={depth}, width={width}")
         w = lambda n, multiple=8: max(multiple, int(round(n * width / multiple)) * multiple)  # noqa: E731
         if self.sequence.keep_head_dim:
+            if self.embedding.sequence_dim % self.sequence.heads:
+                raise ValueError(f"sequence.keep_head_dim needs embedding.sequence_dim ({self.embedding.sequence_dim}) "
+                                 f"to be a multiple of sequence.heads ({self.sequence.heads})")
             heads = max(1, int(round(self.sequence.heads * width)))
             sequence_dim = heads * (self.embedding.sequence_dim // self.sequence.heads)
         else:
