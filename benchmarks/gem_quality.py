@@ -87,8 +87,9 @@ def run(logs, plan, config, args, seed: int) -> dict:
     from gem_ops.train.engine import train
 
     train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
-                               lr_schedule="cosine", validation_days=1, eval_every=args.eval_every,
-                               early_stopping_patience=args.patience, eval_max_examples=1_000_000, seed=seed,
+                               warmup_steps=args.warmup_steps, lr_schedule="cosine", validation_days=1,
+                               eval_every=args.eval_every, early_stopping_patience=args.patience,
+                               eval_max_examples=1_000_000, seed=seed,
                                early_stopping_min_steps=int(args.min_epochs * read_plan(plan).shape[0]),
                                weight_average_decay=args.weight_average_decay)
     began = time.perf_counter()
@@ -169,6 +170,7 @@ def main() -> None:
     parser.add_argument("--patience", type=int, default=3)
     parser.add_argument("--min-epochs", type=float, default=1.0, help="epochs before early stopping may stop a run")
     parser.add_argument("--lr-dense", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up of the dense learning rate")
     parser.add_argument("--weight-average-decay", type=float, default=0.998,
                         help="every model keeps an exponential moving average of its weights (0: off)")
     parser.add_argument("--width", type=float, default=0.5)
