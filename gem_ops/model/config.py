@@ -94,7 +94,8 @@ class SequenceConfig:
     keep_head_dim: bool = False
     # Biases of the sequence layers' linear maps (qkv, output, feed-forward, cross attention). Without them a step
     # skips their gradients' column sums over every history token (memory-bound: 1.06x the samples/s at gem_gpu's
-    # width 0.5), but two seeds in five of the gem preset trained far worse without them (benchmarks/README.md).
+    # width 0.5), but two seeds in five of the gem preset trained far worse without them after a 20-step warm-up
+    # (with 100 steps those two trained as with them: benchmarks/README.md).
     bias: bool = True
     # With biases on, whether the maps into the attention keep theirs: the self attention's qkv and the cross
     # attention's kv (each right after a LayerNorm). Under softmax attention they add nothing the model lacks:
@@ -102,8 +103,8 @@ class SequenceConfig:
     # attention's weights, which sum to one, into the output map's own bias (the cross attention's: for every
     # non-empty history), and a query bias is the norm's shift through an invertible query map. False skips
     # their gradients' column sums over every history token (1.016x the samples/s at gem_gpu's width 0.5), but
-    # the same two seeds in five of the gem preset that trained far worse without any bias did so without
-    # these alone (benchmarks/README.md): what they change is the optimiser's path, not what the model can compute.
+    # the two seeds that trained far worse without any bias did so without these alone: what they change is the
+    # optimiser's path, not what the model can compute.
     qkv_bias: bool = True
 
     def level_tokens(self, block: int) -> int:
