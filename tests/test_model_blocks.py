@@ -299,7 +299,7 @@ def test_sequence_layers_without_biases():
     model(model_input(random_batch(LENGTHS), SPEC, config)).sum().backward()
 
 
-def test_qkv_biases_only_need_the_sequence_layers_biases_on():
+def test_without_qkv_biases_the_other_sequence_biases_stay():
     config = model_config("vertical", **{"sequence.qkv_bias": False})
     names = [n for n, _ in GEMModel(SPEC, config).named_parameters() if n.startswith("branches.")]
     assert not [n for n in names if n.endswith((".qkv.bias", ".kv.bias"))]
