@@ -37,6 +37,14 @@ def test_resumed_run_matches_the_uninterrupted_run(data, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+def test_resuming_into_another_model_names_the_settings_that_differ(data, tmp_path):
+    train(data.open(), data.plans[1], TINY, dataclasses.replace(CONFIG, max_steps=1), checkpoint_dir=tmp_path)
+    # No weight changes shape (a warm start would take it), but the training resumed would not be this one.
+    other = dataclasses.replace(TINY, sequence=dataclasses.replace(TINY.sequence, qkv_bias=False))
+    with pytest.raises(ValueError, match=r"cannot resume from .*model\.sequence\.qkv_bias: True there, False here"):
+        train(data.open(), data.plans[1], other, CONFIG, checkpoint_dir=tmp_path)
+
+
 def test_periodic_eval_and_pruned_checkpoints(data, tmp_path):
     config = dataclasses.replace(CONFIG, eval_every=2, checkpoint_every=2, keep_checkpoints=2)
     _, result = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)

@@ -64,7 +64,7 @@ from gem_ops.train.unit_prefetch import UnitPrefetch
 from gem_ops.train.warm_up import warm_up_inputs
 from gem_ops.train.weight_average import CHECKPOINT_KEY as AVERAGE_KEY
 from gem_ops.train.weight_average import WeightAverage
-from gem_ops.train.warm_start import warm_start_conflict
+from gem_ops.train.warm_start import resume_conflict, warm_start_conflict
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,11 @@ class Trainer:
     def restore(self, warm_start: str | os.PathLike | None) -> None:
         """Weights before sharding (a warm start's, or the label rates as output biases), then the model
         sharded, then a checkpoint of this run resumed into the shards."""
-        if self.latest is None and warm_start is not None:
+        if self.latest is not None:
+            conflict = resume_conflict(self.latest, self.model_config, self.spec)
+            if conflict is not None:
+                raise ValueError(conflict)
+        elif warm_start is not None:
             conflict = warm_start_conflict(warm_start, self.model_config)
             if conflict is not None:
                 raise ValueError(conflict)
@@ -245,7 +249,7 @@ class Trainer:
                      f"unexpected {unexpected}")
             self.tracker.set_tags({"gem.warm_start": str(ckpt.path)})
             reset_calibration(self.model)  # refitted after this training
-        elif self.latest is None:
+        else:
             # From the whole plan (but the validation examples): the same on every rank.
             init_output_biases(self.model, self.logs, self.plan_path, self.validation)
         parameters = {kind: sum(p.numel() for p in group.values())

@@ -1,9 +1,10 @@
-"""Whether a checkpoint can warm-start a model: the weights' shapes compared on the meta device (nothing
-allocated), and the model settings that make them differ named."""
+"""Whether a checkpoint can warm-start a model (the weights' shapes compared on the meta device, nothing
+allocated) or resume its training (the same model settings and features), and the settings at fault named."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -17,9 +18,7 @@ def warm_start_conflict(checkpoint: str | os.PathLike, config: ModelConfig) -> s
     """None when `checkpoint` (a checkpoint folder or a folder of them) fits a model of `config`; otherwise
     what differs: the mismatched weights and the settings behind them."""
     path = checkpoint_folder(checkpoint)
-    progress = read_progress(path)
-    spec = FeatureSpec(**{k: tuple(v) for k, v in progress["spec"].items()})
-    theirs = ModelConfig.from_dict(progress["model_config"])
+    spec, theirs = _saved_model(read_progress(path))
     shapes = [{k: tuple(v.shape) for k, v in build_model(spec, c, torch.device("meta")).state_dict().items()}
               for c in (theirs, config)]
     mismatched = [k for k in shapes[1] if k in shapes[0] and shapes[0][k] != shapes[1][k]]
@@ -30,6 +29,25 @@ def warm_start_conflict(checkpoint: str | os.PathLike, config: ModelConfig) -> s
     return (f"cannot warm-start from {Path(path)}: {len(mismatched)} weights differ in shape (e.g. {first} "
             f"{shapes[0][first]} there, {shapes[1][first]} here), since the model settings differ ("
             + "; ".join(settings) + "). Train with the checkpoint's settings, or turn warm_start off.")
+
+
+def resume_conflict(checkpoint: str | os.PathLike, config: ModelConfig, spec: FeatureSpec) -> str | None:
+    """None when the training saved at `checkpoint` is of a model with `config` and `spec`; otherwise what
+    differs. Resuming restores the optimizer and the step too, so any other model is a different training."""
+    path = checkpoint_folder(checkpoint)
+    theirs_spec, theirs_config = _saved_model(read_progress(path))  # settings added since read at their defaults
+    differences = _differences({"model": theirs_config.to_dict(), "features": asdict(theirs_spec)},
+                               {"model": config.to_dict(), "features": asdict(spec)})
+    if not differences:
+        return None
+    settings = "; ".join(f"{k}: {a} there, {b} here" for k, (a, b) in differences.items())
+    return (f"cannot resume from {Path(path)}: it trained another model ({settings}). Give this training a new "
+            f"checkpoint directory, or resume with the checkpoint's settings.")
+
+
+def _saved_model(progress: dict) -> tuple[FeatureSpec, ModelConfig]:
+    return (FeatureSpec(**{k: tuple(v) for k, v in progress["spec"].items()}),
+            ModelConfig.from_dict(progress["model_config"]))
 
 
 def _differences(a: dict, b: dict, prefix: str = "") -> dict[str, tuple]:
