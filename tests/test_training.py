@@ -2,13 +2,16 @@
 and survive, evaluation runs periodically, warm start loads weights, bad losses stop the run."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from gem_ops.model.config import model_config
+from gem_ops.model.config import FeatureSpec, model_config
 from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
 from gem_ops.train.config import TrainConfig
+from gem_ops.train import warm_start
 from gem_ops.train.engine import train
 from gem_ops.data.synthetic import STRONG_SIGNAL
 from tests.training_data import learnable_data
@@ -43,6 +46,18 @@ def test_resuming_into_another_model_names_the_settings_that_differ(data, tmp_pa
     other = dataclasses.replace(TINY, sequence=dataclasses.replace(TINY.sequence, qkv_bias=False))
     with pytest.raises(ValueError, match=r"cannot resume from .*model\.sequence\.qkv_bias: True there, False here"):
         train(data.open(), data.plans[1], other, CONFIG, checkpoint_dir=tmp_path)
+
+
+def test_a_checkpoint_of_the_same_model_resumes_whatever_json_made_of_its_settings(tmp_path, monkeypatch):
+    # A student whose tables are shared through projections: its nested tuples are saved as lists of lists.
+    config = dataclasses.replace(TINY, embedding=dataclasses.replace(TINY.embedding, table_widths=(("item", 16),)))
+    spec = FeatureSpec(surfaces=("feed",), event_types=("click",), objectives=("click",), sparse_features=("item",),
+                       dense_features=(), history_item_features=("item",))
+    saved = json.loads(json.dumps({"model_config": config.to_dict(), "spec": dataclasses.asdict(spec)}))
+    monkeypatch.setattr(warm_start, "checkpoint_folder", Path)
+    monkeypatch.setattr(warm_start, "read_progress", lambda path: saved)
+    assert warm_start.resume_conflict(tmp_path, config, spec) is None
+    assert "embedding.table_widths" in warm_start.resume_conflict(tmp_path, TINY, spec)
 
 
 def test_periodic_eval_and_pruned_checkpoints(data, tmp_path):
