@@ -95,7 +95,7 @@ class SequenceConfig:
     # Biases of the sequence layers' linear maps (qkv, output, feed-forward, cross attention). Without them a step
     # skips their gradients' column sums over every history token (memory-bound: 1.06x the samples/s at gem_gpu's
     # width 0.5), but two seeds in five of the gem preset trained far worse without them after a 20-step warm-up
-    # (with 100 steps all five trained as with them: benchmarks/README.md).
+    # (with 100 steps all five trained as with them, but that warm-up costs GEM on MovieLens: benchmarks/README.md).
     bias: bool = True
     # With biases on, whether the maps into the attention keep theirs: the self attention's qkv and the cross
     # attention's kv (each right after a LayerNorm). Under softmax attention they add nothing the model lacks:
