@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gem_ops.model.config import FeatureSpec, model_config
+from gem_ops.model.config import FeatureSpec, ModelConfig, model_config
 from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train import warm_start
@@ -48,7 +48,7 @@ def test_resuming_into_another_model_names_the_settings_that_differ(data, tmp_pa
         train(data.open(), data.plans[1], other, CONFIG, checkpoint_dir=tmp_path)
 
 
-def test_a_checkpoint_of_the_same_model_resumes_whatever_json_made_of_its_settings(tmp_path, monkeypatch):
+def test_settings_read_back_from_json_equal_the_saved_ones_and_resume(tmp_path, monkeypatch):
     # A student whose tables are shared through projections: its nested tuples are saved as lists of lists.
     config = dataclasses.replace(TINY, embedding=dataclasses.replace(TINY.embedding, table_widths=(("item", 16),)))
     spec = FeatureSpec(surfaces=("feed",), event_types=("click",), objectives=("click",), sparse_features=("item",),
@@ -56,6 +56,7 @@ def test_a_checkpoint_of_the_same_model_resumes_whatever_json_made_of_its_settin
     saved = json.loads(json.dumps({"model_config": config.to_dict(), "spec": dataclasses.asdict(spec)}))
     monkeypatch.setattr(warm_start, "checkpoint_folder", Path)
     monkeypatch.setattr(warm_start, "read_progress", lambda path: saved)
+    assert ModelConfig.from_dict(saved["model_config"]) == config
     assert warm_start.resume_conflict(tmp_path, config, spec) is None
     assert "embedding.table_widths" in warm_start.resume_conflict(tmp_path, TINY, spec)
 

@@ -274,6 +274,11 @@ def _from_dict(cls: type, data: dict[str, Any]):
         if is_dataclass(default) and isinstance(value, dict):
             value = _from_dict(type(default), value)
         elif isinstance(value, list):
-            value = tuple(value)
+            value = _as_tuples(value)
         values[name] = value
     return cls(**values)
+
+
+def _as_tuples(value: Any) -> Any:
+    """JSON's lists back to the tuples they were saved from, nested ones too (table_widths' pairs)."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value

@@ -3,7 +3,6 @@ allocated) or resume its training (the same model settings and features), and th
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -37,9 +36,8 @@ def resume_conflict(checkpoint: str | os.PathLike, config: ModelConfig, spec: Fe
     differs. Resuming restores the optimizer and the step too, so any other model is a different training."""
     path = checkpoint_folder(checkpoint)
     theirs_spec, theirs_config = _saved_model(read_progress(path))  # settings added since read at their defaults
-    # Compared as saved (JSON): nested tuples come back as lists.
-    as_saved = lambda c, s: json.loads(json.dumps({"model": c.to_dict(), "features": asdict(s)}))  # noqa: E731
-    differences = _differences(as_saved(theirs_config, theirs_spec), as_saved(config, spec))
+    differences = _differences({"model": theirs_config.to_dict(), "features": asdict(theirs_spec)},
+                               {"model": config.to_dict(), "features": asdict(spec)})
     if not differences:
         return None
     settings = "; ".join(f"{k}: {a} there, {b} here" for k, (a, b) in differences.items())
