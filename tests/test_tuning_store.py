@@ -152,6 +152,21 @@ def test_the_store_folder_follows_its_setting(monkeypatch, setting, interpret, f
     assert default_folder() == (None if folder is None else Path(folder))
 
 
+def test_the_claim_locks_stay_bounded_however_many_keys_are_tuned(tmp_path):
+    """Each key's claim takes one of a kernel's CLAIM_STRIPES lock files, the same one in every process: a long run
+    meeting many length buckets leaves a bounded folder, not one empty lock file per key."""
+    from kernels.triton.tuning_store import CLAIM_STRIPES, TuningStore, claim_stripe
+
+    store = TuningStore(tmp_path)
+    keys = [(length, 128, "softmax") for length in range(200)]
+    for key in keys:
+        with store.claim("forward-abc", key):
+            pass
+    locks = sorted(p.name for p in tmp_path.iterdir())
+    assert locks == sorted({f"forward-abc-claim{claim_stripe(k)}.lock" for k in keys}) and len(locks) == CLAIM_STRIPES
+    assert claim_stripe(keys[7]) == claim_stripe((7, 128, "softmax"))  # a digest of the key, not Python's hash()
+
+
 RANK_SCRIPT = """
 import json, os, sys, time
 from pathlib import Path

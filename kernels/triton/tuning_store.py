@@ -9,10 +9,10 @@ each pick stays for the whole process: kept on disk, runs compare the same kerne
 A store is a folder of one JSON file per kernel identity: the kernel's name, a hash of its source (Triton's
 `cache_key`), of its whole config list, of the Triton version and of the device's name, so that a changed kernel, list,
 compiler or GPU model starts empty. Each file maps a tuning key's repr to the chosen config's repr, and is replaced
-whole under a lock (read, written aside, renamed). A process tunes a key under a lock of that key (`claim`): on one
-host the ranks of a job meet the same keys at about the same time, and the ones behind wait and launch the first
-one's choice instead of timing configs of their own (which would differ by rank). Locks are the operating system's
-(flock), released if their holder dies.
+whole under a lock (read, written aside, renamed). A process tunes a key under a lock of that key (`claim`, one of
+CLAIM_STRIPES lock files per kernel): on one host the ranks of a job meet the same keys at about the same time, and
+the ones behind wait and launch the first one's choice instead of timing configs of their own (which would differ by
+rank). Locks are the operating system's (flock), released if their holder dies.
 
 JAGGED_ATTENTION_TUNING_CACHE: a folder, or 0 for none; default Triton's cache folder (TRITON_CACHE_DIR,
 ~/.triton/cache) / jagged_attention_tuning. None is kept under the interpreter or with JAGGED_ATTENTION_AUTOTUNE=0 (one
@@ -37,6 +37,10 @@ import triton
 
 log = logging.getLogger(__name__)
 
+# Keys share this many lock files per kernel identity: the folder stays bounded however many keys a run meets,
+# and two keys of one stripe are tuned one after the other, which costs only when processes meet both at once.
+CLAIM_STRIPES = 16
+
 
 def default_folder() -> Path | None:
     setting = os.environ.get("JAGGED_ATTENTION_TUNING_CACHE")
@@ -53,6 +57,11 @@ def kernel_identity(tuner: triton.runtime.Autotuner, device_name: str) -> str:
     source = getattr(fn, "cache_key", None) or hashlib.sha256(inspect.getsource(fn.fn).encode()).hexdigest()
     parts = [source, triton.__version__, device_name, *(str(c) for c in tuner.configs)]
     return f"{fn.__name__}-{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:24]}"
+
+
+def claim_stripe(key: tuple) -> int:
+    """Which of the identity's claim locks `key` takes: the same in every process (a digest, not hash())."""
+    return int(hashlib.sha256(repr(key).encode()).hexdigest()[:8], 16) % CLAIM_STRIPES
 
 
 class TuningStore:
@@ -92,7 +101,7 @@ class TuningStore:
         with contextlib.ExitStack() as held:
             if self.folder is not None:
                 try:
-                    held.enter_context(self._locked(f"{identity}-{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}"))
+                    held.enter_context(self._locked(f"{identity}-claim{claim_stripe(key)}"))
                 except OSError as error:  # no lock (a read-only folder): tune alone, as without a store
                     log.warning("jagged attention tuning store %s: no lock taken: %s", self.folder, error)
             yield
