@@ -61,6 +61,13 @@ def prepare(dataset: str, root: Path, max_history_len: int, synthetic_users: int
     return prepare_training_data(source, END, DAYS, root / dataset, sequences, ShufflingConfig(128, 4))
 
 
+def data_root(dataset: str, args, tmp: Path) -> Path:
+    """The dataset's prepared folder: under --data, or prepared into `tmp`."""
+    if args.data is not None:
+        return args.data / dataset
+    return prepare(dataset, tmp, args.max_history_len, args.synthetic_users).sequence_logs.parent
+
+
 def model_configs(args) -> dict[str, object]:
     from gem_ops.model.config import model_config
 
@@ -81,19 +88,24 @@ def model_configs(args) -> dict[str, object]:
     return configs
 
 
-def run(logs, plan, config, args, seed: int) -> dict:
+def train_settings(args, plan, seed: int, **changes):
+    """The training settings every model here shares (`changes`: TrainConfig fields set otherwise)."""
     from gem_ops.data.batch_shuffling import read_plan
     from gem_ops.train.config import TrainConfig
+
+    return TrainConfig(**{"epochs": args.epochs, "max_steps": args.max_steps, "lr_dense": args.lr_dense,
+                          "warmup_steps": args.warmup_steps, "lr_schedule": "cosine", "validation_days": 1,
+                          "eval_every": args.eval_every, "early_stopping_patience": args.patience,
+                          "eval_max_examples": 1_000_000, "seed": seed,
+                          "early_stopping_min_steps": int(args.min_epochs * read_plan(plan).shape[0]),
+                          "weight_average_decay": args.weight_average_decay} | changes)
+
+
+def run(logs, plan, config, args, seed: int) -> dict:
     from gem_ops.train.engine import train
 
-    train_config = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, lr_dense=args.lr_dense,
-                               warmup_steps=args.warmup_steps, lr_schedule="cosine", validation_days=1,
-                               eval_every=args.eval_every, early_stopping_patience=args.patience,
-                               eval_max_examples=1_000_000, seed=seed,
-                               early_stopping_min_steps=int(args.min_epochs * read_plan(plan).shape[0]),
-                               weight_average_decay=args.weight_average_decay)
     began = time.perf_counter()
-    _, result = train(logs, plan, config, train_config, device=args.device)
+    _, result = train(logs, plan, config, train_settings(args, plan, seed), device=args.device)
     report = result.final_report
     return {"steps": result.steps, "best_step": result.best_step, "stopped_early": result.stopped_early,
             "train_seconds": round(time.perf_counter() - began, 1), "train_flops": float(sum(result.step_flops)),
@@ -153,15 +165,8 @@ def _spread(values: list[float]) -> dict:
             "max": max(values), "seeds": len(values)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--datasets", nargs="+", default=["synthetic", "movielens"], choices=("synthetic", "movielens"))
-    parser.add_argument("--models", nargs="+", default=["gem", "gem_no_sequence", "logistic_regression", "dlrm", "dcn"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
-                        help="GEM with other model settings, e.g. gem_no_bias:sequence.bias=false")
-    parser.add_argument("--budgets", nargs="*", type=float, default=[], help="extra widths of GEM and DLRM")
-    parser.add_argument("--budget-datasets", nargs="*", default=None, help="datasets of the budgets (default: all)")
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data and training settings (train_settings) shared with the benchmarks that train as this one does."""
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--jobs", type=int, default=1, help="trainings at once (processes sharing the device)")
     parser.add_argument("--epochs", type=int, default=3)
@@ -176,9 +181,21 @@ def main() -> None:
     parser.add_argument("--width", type=float, default=0.5)
     parser.add_argument("--max-history-len", type=int, default=256)
     parser.add_argument("--synthetic-users", type=int, default=10_000)
-    parser.add_argument("--min-positives", type=int, default=200)
     parser.add_argument("--data", type=Path, default=None,
                         help="prepared data (<dataset>/sequence_logs, plans) to reuse")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--datasets", nargs="+", default=["synthetic", "movielens"], choices=("synthetic", "movielens"))
+    parser.add_argument("--models", nargs="+", default=["gem", "gem_no_sequence", "logistic_regression", "dlrm", "dcn"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="GEM with other model settings, e.g. gem_no_bias:sequence.bias=false")
+    parser.add_argument("--budgets", nargs="*", type=float, default=[], help="extra widths of GEM and DLRM")
+    parser.add_argument("--budget-datasets", nargs="*", default=None, help="datasets of the budgets (default: all)")
+    add_training_arguments(parser)
+    parser.add_argument("--min-positives", type=int, default=200)
     parser.add_argument("--prepare-to", type=Path, default=None, help="only prepare the datasets under this folder")
     parser.add_argument("--output-name", default="gem_quality")
     parser.add_argument("--resume", action="store_true", help="keep the trainings saved under --output-name")
@@ -190,9 +207,7 @@ def main() -> None:
         return
     configs = model_configs(args)
     with tempfile.TemporaryDirectory() as tmp:
-        roots = {d: args.data / d if args.data is not None
-                    else prepare(d, Path(tmp), args.max_history_len, args.synthetic_users).sequence_logs.parent
-                 for d in args.datasets}
+        roots = {d: data_root(d, args, Path(tmp)) for d in args.datasets}
         budget_sets = set(args.budget_datasets if args.budget_datasets is not None else args.datasets)
         jobs = [(d, name, seed) for d in args.datasets for name in configs
                 if "@" not in name or d in budget_sets for seed in args.seeds]
