@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--dataset", default="synthetic", choices=("synthetic", "movielens"))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 2, 4])
     parser.add_argument("--variants", nargs="+", default=["gem"], metavar="NAME:KEY=VALUE,...")
-    parser.add_argument("--steps", type=int, default=200, help="steps traced from the start of each run")
+    parser.add_argument("--steps", type=int, default=250, help="steps traced from the start of each run")
     parser.add_argument("--record-every", type=int, default=5)
     add_training_arguments(parser)
     parser.add_argument("--output-name", default="representation_spread")
