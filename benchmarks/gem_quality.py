@@ -38,6 +38,7 @@ from benchmarks.common import in_processes, named_settings, save, saved_results 
 from gem_ops.data.loader import TrainingData  # noqa: E402
 
 END = date(2026, 11, 14)
+TRAIN = "train."  # a variant's settings with this prefix are TrainConfig fields, the others the model's
 DAYS = 14
 METRICS = ("auc", "ne", "calibration", "calibration_stderr")
 
@@ -81,7 +82,7 @@ def model_configs(args) -> dict[str, object]:
     }
     configs = {name: configs[name] for name in args.models}
     for name, settings in map(named_settings, args.variants):  # ablations of GEM at the same width and history
-        configs[name] = model_config("gem", width=args.width, **history | settings)
+        configs[name] = model_config("gem", width=args.width, **history | model_settings(settings))
     for width in args.budgets:  # FLOPs against quality: the same architectures narrower or wider
         configs[f"gem@{width:g}"] = model_config("gem", width=args.width * width, **history)
         configs[f"dlrm@{width:g}"] = model_config("dlrm", width=width)
@@ -101,11 +102,21 @@ def train_settings(args, plan, seed: int, **changes):
                           "weight_average_decay": args.weight_average_decay} | changes)
 
 
-def run(logs, plan, config, args, seed: int) -> dict:
+def model_settings(settings: dict) -> dict:
+    """A variant's model settings (dotted ModelConfig keys)."""
+    return {k: v for k, v in settings.items() if not k.startswith(TRAIN)}
+
+
+def train_changes(settings: dict) -> dict:
+    """A variant's training settings: `train.<TrainConfig field>` keys, the prefix dropped."""
+    return {k[len(TRAIN):]: v for k, v in settings.items() if k.startswith(TRAIN)}
+
+
+def run(logs, plan, config, args, seed: int, changes: dict | None = None) -> dict:
     from gem_ops.train.engine import train
 
     began = time.perf_counter()
-    _, result = train(logs, plan, config, train_settings(args, plan, seed), device=args.device)
+    _, result = train(logs, plan, config, train_settings(args, plan, seed, **(changes or {})), device=args.device)
     report = result.final_report
     return {"steps": result.steps, "best_step": result.best_step, "stopped_early": result.stopped_early,
             "train_seconds": round(time.perf_counter() - began, 1), "train_flops": float(sum(result.step_flops)),
@@ -191,7 +202,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gem", "gem_no_sequence", "logistic_regression", "dlrm", "dcn"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
-                        help="GEM with other model settings, e.g. gem_no_bias:sequence.bias=false")
+                        help="GEM with other settings, e.g. gem_no_bias:sequence.bias=false (model) or "
+                             "gem_radam:train.dense_optimizer=radam (training)")
     parser.add_argument("--budgets", nargs="*", type=float, default=[], help="extra widths of GEM and DLRM")
     parser.add_argument("--budget-datasets", nargs="*", default=None, help="datasets of the budgets (default: all)")
     add_training_arguments(parser)
@@ -217,7 +229,8 @@ def main() -> None:
                 if d in runs:
                     runs[d] = {n: r for n, r in saved["runs"].items() if n in configs}
             jobs = [(d, n, s) for d, n, s in jobs if s not in {r["seed"] for r in runs[d].get(n, [])}]
-        calls = {(d, n, s): (str(roots[d]), configs[n], args, s) for d, n, s in jobs}
+        changes = {name: train_changes(settings) for name, settings in map(named_settings, args.variants)}
+        calls = {(d, n, s): (str(roots[d]), configs[n], args, s, changes.get(n)) for d, n, s in jobs}
         for (dataset, name, seed), figures in in_processes(_train_one, calls, args.jobs):
             runs[dataset].setdefault(name, []).append(figures)
             print(f"{dataset} {name} seed {seed}: " + ", ".join(
@@ -238,12 +251,12 @@ def main() -> None:
 _OPENED: dict = {}  # per process: root -> (logs, plan), read once
 
 
-def _train_one(root: str, config, args, seed: int) -> dict:
+def _train_one(root: str, config, args, seed: int, changes: dict | None) -> dict:
     if root not in _OPENED:
         data = TrainingData.at(root)
         _OPENED[root] = data.open(), data.plans[1]
     logs, plan = _OPENED[root]
-    return {"seed": seed, **run(logs, plan, config, args, seed)}
+    return {"seed": seed, **run(logs, plan, config, args, seed, changes)}
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.common import in_processes, named_settings, save, saved_results  # noqa: E402
-from benchmarks.gem_quality import add_training_arguments, data_root, train_settings  # noqa: E402
+from benchmarks.gem_quality import (add_training_arguments, data_root, model_settings, train_changes,  # noqa: E402
+                                    train_settings)
 
-TRAIN = "train."
 COLLAPSED = 0.02  # the trunk's spread below which the model has been seen to predict base rates only
 RECOVERED = 0.1  # ... and above which it is taken to have come back (its spread starts near 0.3)
 
@@ -71,11 +71,9 @@ def trace(root: str, name: str, settings: dict, args, seed: int) -> dict:
 
     data = TrainingData.at(root)
     logs, plan = data.open(), data.plans[1]
-    model_settings = {k: v for k, v in settings.items() if not k.startswith(TRAIN)}
-    train_changes = {k[len(TRAIN):]: v for k, v in settings.items() if k.startswith(TRAIN)}
     config = model_config("gem", width=args.width, **{"sequence.max_history_len": args.max_history_len}
-                          | model_settings)
-    train_config = train_settings(args, plan, seed, eval_every=0, early_stopping_patience=0, **train_changes)
+                          | model_settings(settings))
+    train_config = train_settings(args, plan, seed, **train_changes(settings), eval_every=0, early_stopping_patience=0)
     model = seeded_model(FeatureSpec.from_logs(logs), config, args.device, seed)
     latest: dict = {}
     layer_hooks(model, latest)

@@ -83,6 +83,18 @@ def test_adamw_is_fused_on_a_gpu_only_and_skips_decay_on_biases_and_norms():
     assert len(not_decayed["params"]) == 3 and not_decayed["weight_decay"] == 0.0
 
 
+def test_radam_when_asked_keeps_the_groups_and_decouples_their_decay():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Embedding(10, 4))
+    optimizer = build_optimizer(model, TrainConfig(dense_optimizer="radam"))
+    (radam,) = [o._optimizer for _, o in optimizer.optimizers if isinstance(o._optimizer, torch.optim.RAdam)]
+    decayed, not_decayed = radam.param_groups
+    assert [p.shape for p in decayed["params"]] == [(4, 4)] and decayed["weight_decay"] == 0.01
+    assert len(not_decayed["params"]) == 3 and not_decayed["weight_decay"] == 0.0
+    assert radam.defaults["decoupled_weight_decay"] is True
+    with pytest.raises(ValueError, match="dense_optimizer must be one of"):
+        TrainConfig(dense_optimizer="sgd")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_adamw_is_fused_on_a_gpu():

@@ -14,7 +14,11 @@ CALIBRATION_RATES = ("newest_day", "backtested")
 class TrainConfig:
     epochs: int = 1  # passes over the plan's steps (each pass in its own seeded order)
     max_steps: int | None = None  # stop early after this many steps in all
-    lr_dense: float = 1e-3  # AdamW on dense parameters
+    lr_dense: float = 1e-3  # the dense optimizer's rate
+    # adamw; radam: torch's RAdam with decoupled weight decay, whose rectified steps keep the first full-rate steps
+    # from collapsing every example's representation onto one vector (benchmarks/README, the bias-free stall), at
+    # under half the rate over a run of a few hundred steps
+    dense_optimizer: Literal["adamw", "radam"] = "adamw"
     lr_sparse: float = 0.05  # row-wise Adagrad on embedding tables
     weight_decay: float = 0.01  # dense parameters only
     warmup_steps: int = 20  # linear warm-up of the dense learning rate
@@ -88,7 +92,8 @@ class TrainConfig:
         for name in ("epochs", "eval_max_examples", "eval_batch_size", "keep_checkpoints", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("precision", "fp8_recipe", "compile", "activation_checkpointing", "lr_schedule"):
+        for name in ("precision", "fp8_recipe", "compile", "activation_checkpointing", "lr_schedule",
+                     "dense_optimizer"):
             allowed = self.choices(name)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

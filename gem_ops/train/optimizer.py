@@ -26,19 +26,19 @@ def split_parameters(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[st
 
 
 def dense_optimizer(dense: dict[str, nn.Parameter], config: TrainConfig) -> KeyedOptimizerWrapper:
-    """AdamW; no weight decay on biases and norms."""
+    """AdamW (or RAdam, config.dense_optimizer) with decoupled weight decay; none on biases and norms."""
     no_decay = {id(p) for name, p in dense.items() if p.dim() < 2 or "norm" in name}
 
-    def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": config.weight_decay},
-             {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}],
-            lr=config.lr_dense,
-            # One kernel over all parameters on a GPU (the default, foreach, takes several per step).
-            fused=bool(params) and all(p.is_cuda for p in params) or None,
-        )
+    def build(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        groups = [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": config.weight_decay},
+                  {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}]
+        if config.dense_optimizer == "radam":  # no fused kernel: foreach on a GPU
+            return torch.optim.RAdam(groups, lr=config.lr_dense, decoupled_weight_decay=True)
+        # One kernel over all parameters on a GPU (the default, foreach, takes several per step).
+        fused = bool(params) and all(p.is_cuda for p in params) or None
+        return torch.optim.AdamW(groups, lr=config.lr_dense, fused=fused)
 
-    return KeyedOptimizerWrapper(dense, adamw)
+    return KeyedOptimizerWrapper(dense, build)
 
 
 class SparseRowWiseAdagrad(RowWiseAdagrad):
