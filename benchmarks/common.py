@@ -72,7 +72,9 @@ def saved_results(name: str) -> dict:
 def in_processes(work, calls: dict, processes: int):
     """Yields (key, work(*calls[key])) as each call ends, `processes` spawned processes at a time, each with
     its share of the CPU threads (small trainings leave a GPU mostly idle one at a time). A call that fails
-    is reported and skipped: the others' figures are kept."""
+    is reported and skipped: the others' figures are kept. The processes end with this one, however it ends (a
+    `timeout` or `kill` reaches only this process: left running, they would train on and share the device
+    with the next command)."""
     if processes <= 1:
         for key, call in calls.items():
             yield key, work(*call)
@@ -92,9 +94,23 @@ def in_processes(work, calls: dict, processes: int):
 
 
 def _set_threads(threads: int) -> None:
+    _end_with_parent()
     import torch
 
     torch.set_num_threads(threads)
+
+
+def _end_with_parent() -> None:
+    """Linux sends this process SIGTERM when its parent ends (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass(frozen=True)
