@@ -1,7 +1,7 @@
 """Offline quality of GEM against the models users would pick instead, on the same data, split, training
 budget and engine, over several seeds: the default synthetic log and the bundled MovieLens sample.
 
-The models (`--models`):
+The models (`--models`; none: only the `--variants`, set against a baseline that a run before trained):
     gem                  the GEM preset (pyramid sequence arm, InterFormer, Wukong), `--width`, `--max-history-len`
     gem_no_sequence      the same model without its sequence arm
     logistic_regression  per-task logistic regression on the same hashed ids
@@ -199,7 +199,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", nargs="+", default=["synthetic", "movielens"], choices=("synthetic", "movielens"))
-    parser.add_argument("--models", nargs="+", default=["gem", "gem_no_sequence", "logistic_regression", "dlrm", "dcn"])
+    parser.add_argument("--models", nargs="*", default=["gem", "gem_no_sequence", "logistic_regression", "dlrm", "dcn"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                         help="GEM with other settings, e.g. gem_no_bias:sequence.bias=false (model) or "
