@@ -84,7 +84,7 @@ def in_processes(work, calls: dict, processes: int):
 
     threads = max(1, (os.cpu_count() or 1) // processes)
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_set_threads, initargs=(threads,)) as pool:
+                             initializer=_start_worker, initargs=(threads,)) as pool:
         futures = {pool.submit(work, *call): key for key, call in calls.items()}
         for future in as_completed(futures):
             if future.exception() is not None:
@@ -93,7 +93,7 @@ def in_processes(work, calls: dict, processes: int):
             yield futures[future], future.result()
 
 
-def _set_threads(threads: int) -> None:
+def _start_worker(threads: int) -> None:
     _end_with_parent()
     import torch
 

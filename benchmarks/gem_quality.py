@@ -38,8 +38,8 @@ from benchmarks.common import in_processes, named_settings, save, saved_results 
 from gem_ops.data.loader import TrainingData  # noqa: E402
 
 END = date(2026, 11, 14)
-TRAIN = "train."  # a variant's settings with this prefix are TrainConfig fields, the others the model's
 DAYS = 14
+TRAIN = "train."  # a variant's settings with this prefix are TrainConfig fields, the others the model's
 METRICS = ("auc", "ne", "calibration", "calibration_stderr")
 
 
@@ -69,7 +69,7 @@ def data_root(dataset: str, args, tmp: Path) -> Path:
     return prepare(dataset, tmp, args.max_history_len, args.synthetic_users).sequence_logs.parent
 
 
-def model_configs(args) -> dict[str, object]:
+def model_configs(args, variants: dict[str, dict]) -> dict[str, object]:
     from gem_ops.model.config import model_config
 
     history = {"sequence.max_history_len": args.max_history_len}
@@ -81,7 +81,7 @@ def model_configs(args) -> dict[str, object]:
         "dcn": model_config("dcn"),
     }
     configs = {name: configs[name] for name in args.models}
-    for name, settings in map(named_settings, args.variants):  # ablations of GEM at the same width and history
+    for name, settings in variants.items():  # ablations of GEM at the same width and history
         configs[name] = model_config("gem", width=args.width, **history | model_settings(settings))
     for width in args.budgets:  # FLOPs against quality: the same architectures narrower or wider
         configs[f"gem@{width:g}"] = model_config("gem", width=args.width * width, **history)
@@ -217,7 +217,8 @@ def main() -> None:
         for dataset in args.datasets:
             prepare(dataset, args.prepare_to, args.max_history_len, args.synthetic_users)
         return
-    configs = model_configs(args)
+    variants = dict(map(named_settings, args.variants))
+    configs = model_configs(args, variants)
     with tempfile.TemporaryDirectory() as tmp:
         roots = {d: data_root(d, args, Path(tmp)) for d in args.datasets}
         budget_sets = set(args.budget_datasets if args.budget_datasets is not None else args.datasets)
@@ -229,7 +230,7 @@ def main() -> None:
                 if d in runs:
                     runs[d] = {n: r for n, r in saved["runs"].items() if n in configs}
             jobs = [(d, n, s) for d, n, s in jobs if s not in {r["seed"] for r in runs[d].get(n, [])}]
-        changes = {name: train_changes(settings) for name, settings in map(named_settings, args.variants)}
+        changes = {name: train_changes(settings) for name, settings in variants.items()}
         calls = {(d, n, s): (str(roots[d]), configs[n], args, s, changes.get(n)) for d, n, s in jobs}
         for (dataset, name, seed), figures in in_processes(_train_one, calls, args.jobs):
             runs[dataset].setdefault(name, []).append(figures)

@@ -16,8 +16,8 @@ class TrainConfig:
     max_steps: int | None = None  # stop early after this many steps in all
     lr_dense: float = 1e-3  # the dense optimizer's rate
     # adamw; radam: torch's RAdam with decoupled weight decay, whose rectified steps keep the first full-rate steps
-    # from collapsing every example's representation onto one vector (benchmarks/README, the bias-free stall), at
-    # under half the rate over a run of a few hundred steps (which costs GEM on MovieLens: AdamW stays the default)
+    # from collapsing every example's representation onto one vector (benchmarks/README, the bias-free stall), by
+    # scaling the early steps well below the rate (which costs GEM on MovieLens: AdamW stays the default)
     dense_optimizer: Literal["adamw", "radam"] = "adamw"
     lr_sparse: float = 0.05  # row-wise Adagrad on embedding tables
     weight_decay: float = 0.01  # dense parameters only
