@@ -30,6 +30,7 @@ from benchmarks.gem_quality import (add_training_arguments, data_root, model_set
 
 COLLAPSED = 0.02  # the trunk's spread below which the model has been seen to predict base rates only
 RECOVERED = 0.1  # ... and above which it is taken to have come back (its spread starts near 0.3)
+UNEVALUATED = {"eval_every": 0, "early_stopping_patience": 0}  # runs are traced, never evaluated nor stopped
 
 
 class _Enough(Exception):
@@ -73,7 +74,7 @@ def trace(root: str, name: str, settings: dict, args, seed: int) -> dict:
     logs, plan = data.open(), data.plans[1]
     config = model_config("gem", width=args.width, **{"sequence.max_history_len": args.max_history_len}
                           | model_settings(settings))
-    train_config = train_settings(args, plan, seed, **train_changes(settings), eval_every=0, early_stopping_patience=0)
+    train_config = train_settings(args, plan, seed, **train_changes(settings) | UNEVALUATED)
     model = seeded_model(FeatureSpec.from_logs(logs), config, args.device, seed)
     latest: dict = {}
     layer_hooks(model, latest)
@@ -117,6 +118,10 @@ def main() -> None:
     args = parser.parse_args()
 
     variants = dict(map(named_settings, args.variants))
+    for name, settings in variants.items():
+        if fixed := sorted(set(train_changes(settings)) & set(UNEVALUATED)):
+            parser.error(f"--variants {name}: train.{', train.'.join(fixed)} cannot be set here: each run is traced "
+                         "for --steps steps without evaluation")
     with tempfile.TemporaryDirectory() as tmp:
         root = str(data_root(args.dataset, args, Path(tmp)))
         calls = {(name, seed): (root, name, settings, args, seed) for name, settings in variants.items()

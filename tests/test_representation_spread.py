@@ -1,6 +1,10 @@
 """The representation-spread benchmark's measure: 0 for a layer that hands every example the same vector, about 1
 for examples as different as the output is large, and one figure per watched layer after a forward."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -45,3 +49,11 @@ def test_the_trunks_course_names_when_it_collapsed_and_when_it_came_back():
     stuck = trunk_course(steps([0.3, 0.01, 0.008]))  # never back within the trace: counted to its end
     assert (stuck["recovered_at"], stuck["steps_collapsed"]) == (None, 6)
     assert trunk_course(steps([0.3, 0.2]))["collapsed_at"] is None
+
+
+def test_a_variant_that_sets_what_the_trace_fixes_is_refused_by_name():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "representation_spread.py"
+    done = subprocess.run([sys.executable, str(script), "--variants", "fast:train.eval_every=10"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--variants fast: train.eval_every cannot be set here" in done.stderr

@@ -85,6 +85,18 @@ def test_warm_start_loads_the_earlier_weights(data, tmp_path):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("bias_there", [True, False])
+def test_a_warm_start_between_models_with_and_without_biases_is_refused_by_name(data, tmp_path, bias_there):
+    # Same shapes wherever both have a weight: loaded, the biases would be dropped or left at their start.
+    models = [dataclasses.replace(TINY, sequence=dataclasses.replace(TINY.sequence, qkv_bias=b))
+              for b in (bias_there, not bias_there)]
+    one_step = dataclasses.replace(CONFIG, max_steps=1)
+    train(data.open(), data.plans[1], models[0], one_step, checkpoint_dir=tmp_path / "a")
+    weights = "of its weights have no place here" if bias_there else "weights are not in it"
+    with pytest.raises(ValueError, match=rf"cannot warm-start .*{weights} .*sequence.qkv_bias: {bias_there} there"):
+        train(data.open(), data.plans[1], models[1], CONFIG, checkpoint_dir=tmp_path / "b", warm_start=tmp_path / "a")
+
+
 def test_diverging_loss_stops_with_a_clear_error(data, tmp_path):
     with pytest.raises(FloatingPointError, match="lower lr_dense"):
         train(data.open(), data.plans[1], TINY,

@@ -22,12 +22,16 @@ def warm_start_conflict(checkpoint: str | os.PathLike, config: ModelConfig) -> s
     shapes = [{k: tuple(v.shape) for k, v in build_model(spec, c, torch.device("meta")).state_dict().items()}
               for c in (theirs, config)]
     mismatched = [k for k in shapes[1] if k in shapes[0] and shapes[0][k] != shapes[1][k]]
-    if not mismatched:
+    absent, extra = sorted(set(shapes[1]) - set(shapes[0])), sorted(set(shapes[0]) - set(shapes[1]))
+    if not (mismatched or absent or extra):
         return None
+    # A weight on one side only would be left at its initialisation (or dropped) without a word.
+    found = [f"{len(mismatched)} weights differ in shape (e.g. {mismatched[0]} {shapes[0][mismatched[0]]} there, "
+             f"{shapes[1][mismatched[0]]} here)"] if mismatched else []
+    found += [f"{len(absent)} weights are not in it (e.g. {absent[0]})"] if absent else []
+    found += [f"{len(extra)} of its weights have no place here (e.g. {extra[0]})"] if extra else []
     settings = [f"{k}: {a} there, {b} here" for k, (a, b) in _differences(theirs.to_dict(), config.to_dict()).items()]
-    first = mismatched[0]
-    return (f"cannot warm-start from {Path(path)}: {len(mismatched)} weights differ in shape (e.g. {first} "
-            f"{shapes[0][first]} there, {shapes[1][first]} here), since the model settings differ ("
+    return (f"cannot warm-start from {Path(path)}: " + "; ".join(found) + ", since the model settings differ ("
             + "; ".join(settings) + "). Train with the checkpoint's settings, or turn warm_start off.")
 
 
