@@ -20,6 +20,7 @@ meaningless, code checked).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS_STEPS = 5  # the loss compared between precisions: the mean over the last steps both ran
 
 COMPILE_SETTINGS = TrainConfig.choices("compile")
+TRAIN = "train."  # a run's name part that sets a TrainConfig field: +train.<field>=VALUE
 
 
 def _allocator_env() -> dict[str, str]:
@@ -179,10 +181,26 @@ def run_environment(name: str) -> dict[str, str]:
     settings read at import, compared side by side with the first run like any other variant."""
     settings = {}
     for part in name.split("+")[1:]:
+        if part.startswith(TRAIN):
+            continue
         key, equals, value = part.partition("=")
         if not equals or not key.isidentifier() or key.upper() != key:
-            raise ValueError(f"run {name}: {part!r} is not NAME=VALUE with an upper-case environment variable NAME")
+            raise ValueError(f"run {name}: {part!r} is neither NAME=VALUE with an upper-case environment variable "
+                             f"NAME nor {TRAIN}<TrainConfig field>=VALUE")
         settings[key] = value
+    return settings
+
+
+def run_train_settings(name: str) -> dict[str, str]:
+    """The training settings a run's name sets, e.g. bf16@model+train.step_readout=each_step."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    settings = {}
+    for part in name.split("+")[1:]:
+        if part.startswith(TRAIN):
+            key, _, value = part[len(TRAIN):].partition("=")
+            if key not in fields:
+                raise ValueError(f"run {name}: {key!r} is not a TrainConfig field")
+            settings[key] = value
     return settings
 
 
@@ -214,7 +232,7 @@ def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[s
     settings = {"precision": precision, "fp8_recipe": recipe or args.fp8_recipes[0],
                 "compile": compile_setting or args.compile,
                 "activation_checkpointing": args.activation_checkpointing, "seed": args.seed,
-                "unit_prefetch": args.unit_prefetch}
+                "unit_prefetch": args.unit_prefetch, **run_train_settings(variant)}
     return torchrun_command(
         args.data / "sequence_logs", args.data / "plans", preset=args.preset, depth=depth, width=width,
         model_overrides=overrides, train_settings=settings, nproc_per_node=args.nproc,

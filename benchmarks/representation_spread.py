@@ -30,7 +30,8 @@ from benchmarks.gem_quality import (add_training_arguments, data_root, model_set
 
 COLLAPSED = 0.02  # the trunk's spread below which the model has been seen to predict base rates only
 RECOVERED = 0.1  # ... and above which it is taken to have come back (its spread starts near 0.3)
-UNEVALUATED = {"eval_every": 0, "early_stopping_patience": 0}  # runs are traced, never evaluated nor stopped
+# Runs are traced, never evaluated nor stopped; each step is read before the next one runs (the hook reads layers)
+UNEVALUATED = {"eval_every": 0, "early_stopping_patience": 0, "step_readout": "each_step"}
 
 
 class _Enough(Exception):

@@ -5,6 +5,7 @@ and the MLflow run's metrics, per-step curve, plot and report read back."""
 import json
 import math
 import re
+from pathlib import Path
 from datetime import date, timedelta
 
 import dagster as dg
@@ -235,6 +236,26 @@ def test_a_runs_name_sets_environment_variables_of_its_job_alone(monkeypatch):
             for v in ("bf16", "bf16+JAGGED_ATTENTION_SPLIT_HEAD=1")}
     assert runs["bf16"]["path"] == "unset" and runs["bf16"]["environment"] == {}
     assert runs["bf16+JAGGED_ATTENTION_SPLIT_HEAD=1"]["path"] == "1"
+
+
+def test_a_runs_name_sets_training_settings_of_its_job_alone():
+    """`bf16@model+train.step_readout=each_step`: a TrainConfig field reaches that run's job as its flag."""
+    import argparse
+
+    import benchmarks.mfu as mfu
+
+    name = "bf16@model+train.step_readout=each_step+JAGGED_ATTENTION_TMA=0"
+    assert mfu.run_train_settings(name) == {"step_readout": "each_step"}
+    assert mfu.run_environment(name) == {"JAGGED_ATTENTION_TMA": "0"}
+    with pytest.raises(ValueError, match=re.escape("run bf16+train.later=1: 'later' is not a TrainConfig field")):
+        mfu.run_train_settings("bf16+train.later=1")
+    args = argparse.Namespace(width=1.0, depth=1.0, set=[], max_history_len=0, fp8_recipes=["tensorwise_triton"],
+                              compile="model", activation_checkpointing="none", seed=0, unit_prefetch=False,
+                              data=Path("data"), preset="gem_gpu", nproc=1, device="cuda", steps=2, warmup_steps=1,
+                              profile_steps=0)
+    command = mfu.engine_command(args, {}, name, Path("result.json"))
+    assert command[command.index("--step-readout") + 1] == "each_step"
+    assert "--step-readout" not in mfu.engine_command(args, {}, "bf16@model", Path("result.json"))
 
 
 def test_step_ratios_compare_the_same_batches_and_replace_chosen_steps():

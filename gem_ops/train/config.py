@@ -60,6 +60,10 @@ class TrainConfig:
     # steps, between steps (gc_schedule.py); 0: automatic collection, pauses landing inside whichever step
     gc_every: int = 50
     prefetch_batches: int = 1  # batches loaded ahead in a background thread while a step runs; 0: none
+    # When the host reads a step's loss and gradient norm: next_step queues the next step on the device first, so
+    # the device does not wait for the host between steps (step_readout.py); each_step waits for every step (a
+    # diverging step then stops before another is queued); auto: next_step on one CUDA rank, else each_step
+    step_readout: Literal["auto", "each_step", "next_step"] = "auto"
     eval_every: int = 0  # steps between evaluations (on the validation day when there is one); 0: only at the end
     # The newest days of the training examples held out: early stopping and calibration read them
     validation_days: int = 0
@@ -93,7 +97,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("precision", "fp8_recipe", "compile", "activation_checkpointing", "lr_schedule",
-                     "dense_optimizer"):
+                     "dense_optimizer", "step_readout"):
             allowed = self.choices(name)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

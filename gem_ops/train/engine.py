@@ -60,6 +60,7 @@ from gem_ops.train.prefetch import prefetched
 from gem_ops.train.process_group import Topology, job_process_group
 from gem_ops.train.sharding import ShardedModel, describe_plan, shard_model
 from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows
+from gem_ops.train.step_readout import QueuedStep, queue_step, read_at_once, read_figures, reads_late
 from gem_ops.train.unit_prefetch import UnitPrefetch
 from gem_ops.train.warm_up import warm_up_inputs
 from gem_ops.train.weight_average import CHECKPOINT_KEY as AVERAGE_KEY
@@ -298,6 +299,7 @@ class Trainer:
         objectives = self.model.objectives
         pending: dict[int, dict[str, float]] = {}
         end = self.start if result.stopped_early else self.total  # a run that stopped early does not train again
+        late = reads_late(config.step_readout, device, world)
         inputs = prefetched(self._load, range(self.start, end), config.prefetch_batches)
         unit_prefetch = UnitPrefetch(units) if config.unit_prefetch and units else None
         self.module.train()
@@ -305,10 +307,71 @@ class Trainer:
             self.say(f"warmed up at history lengths {self.warm_up_lengths()}")
         collection = CollectionSchedule(config.gc_every)
         collection.start()
-        result.started = time.perf_counter()
+        result.started = last_read = time.perf_counter()
+
+        def read(queued: QueuedStep, another_queued: bool) -> bool:
+            """The step's figures into the result, the metrics and the hooks, then its evaluation or checkpoint;
+            True: stop early. `another_queued`: the next step is on the device already."""
+            nonlocal last_read
+            step = queued.step
+            figures = read_figures(queued)
+            # Since the previous step was read: with steps read late, the time the device took for this one.
+            wall = time.perf_counter() - max(queued.began, last_read)
+            costs = queued.costs
+            local = [timer.seconds(queued.forward_spans), costs["tokens"], costs["attention_cost"], wall,
+                     costs["flops"], *figures]
+            rows = gather_rows(local, device)
+            n, tasks = len(MEASURES), len(objectives)
+            ratios = result.balance.add(step, rows[:, :n])
+            value = float(rows[:, n + 2 : n + 2 + tasks].sum())
+            norm = float(rows[:, -1].max())
+            if not (math.isfinite(value) and math.isfinite(norm)):  # the gradients hold what broke (or followed)
+                later = (f"; the gradients named are step {step + 1}'s, queued before this step was read "
+                         "(step_readout='each_step' names this step's own)") if another_queued else ""
+                raise FloatingPointError(divergence_message(step, value, norm, nonfinite_gradients(self.module))
+                                         + later)
+            last_read = time.perf_counter()
+            result.losses.append(value)
+            result.samples += queued.size * world
+            result.step_samples.append(queued.size * world)
+            result.steps = step + 1
+            result.step_seconds.append(float(rows[:, n].max()))
+            result.step_flops.append(float(rows[:, n + 1].sum()))
+            result.step_module_flops.append(costs["forward_by_module"])
+            result.step_ends.append(last_read)
+            metrics = {"train.loss": value, "train.lr_dense": queued.lr, "train.grad_norm": norm,
+                       "train.step_seconds": result.step_seconds[-1],
+                       **step_mfu.metrics(result.step_flops[-1], result.step_seconds[-1]),
+                       **{f"train.loss.{t}": float(v)
+                          for t, v in zip(objectives, rows[:, n + 2 + tasks : n + 2 + 2 * tasks].sum(0))},
+                       **{f"train.imbalance.{m}": r for m, r in ratios.items()}}
+            pending[step] = metrics
+            if self.topology.rank == 0:
+                self.reporter.step(step, self.total, metrics)
+            for hook in step_hooks:
+                hook(step, value)
+            collection.after_step(step)
+            if len(pending) >= config.log_every or step + 1 == self.total:
+                self.tracker.log_metrics_by_step(pending)
+                pending.clear()
+            if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < self.total:
+                if self.validation is None:
+                    self.evaluate(step + 1)
+                elif self.validate(step + 1):
+                    result.stopped_early = True
+                    self.say(f"early stop at step {step + 1}: no better validation NE in "
+                             f"{self.evals_since_best} evaluations; keeping step {result.best_step}")
+                    return True
+            if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0 and step + 1 < self.total:
+                self.tracker.log_metrics_by_step(pending)  # a resume starts after them: never lost
+                pending.clear()
+                self.save(step + 1)
+            return False
+
+        queued: QueuedStep | None = None  # read late: the step before the one being queued
         try:
             for step in range(self.start, end):
-                stepped = time.perf_counter()
+                began = time.perf_counter()
                 # Dropout's masks as a function of the step: a run resumed from a checkpoint draws what an
                 # unbroken one did.
                 torch.manual_seed(config.seed * 1_000_003 + step)
@@ -328,54 +391,17 @@ class Trainer:
                     sharded.optimizer.step()
                     if self.average is not None:
                         self.average.update()
-                compute = timer.take()  # waits for the device: the step's time below is its real time
                 if unit_prefetch is not None:  # the first step has shown the units' order
                     self.say(f"FSDP2 prefetch set over {len(unit_prefetch.arm())} units, in the first step's order")
                     unit_prefetch = None
-                local = [compute, costs["tokens"], costs["attention_cost"], time.perf_counter() - stepped,
-                         costs["flops"], *share.tolist(), *labelled.tolist(), float(grad_norm)]
-                rows = gather_rows(local, device)
-                n, tasks = len(MEASURES), len(objectives)
-                ratios = result.balance.add(step, rows[:, :n])
-                value = float(rows[:, n + 2 : n + 2 + tasks].sum())
-                norm = float(rows[:, -1].max())
-                if not (math.isfinite(value) and math.isfinite(norm)):  # the gradients still hold what broke
-                    raise FloatingPointError(divergence_message(step, value, norm, nonfinite_gradients(self.module)))
-                result.losses.append(value)
-                result.samples += size * world
-                result.step_samples.append(size * world)
-                result.steps = step + 1
-                result.step_seconds.append(float(rows[:, n].max()))
-                result.step_flops.append(float(rows[:, n + 1].sum()))
-                result.step_module_flops.append(costs["forward_by_module"])
-                result.step_ends.append(time.perf_counter())
-                metrics = {"train.loss": value, "train.lr_dense": lr, "train.grad_norm": norm,
-                           "train.step_seconds": result.step_seconds[-1],
-                           **step_mfu.metrics(result.step_flops[-1], result.step_seconds[-1]),
-                           **{f"train.loss.{t}": float(v)
-                              for t, v in zip(objectives, rows[:, n + 2 + tasks : n + 2 + 2 * tasks].sum(0))},
-                           **{f"train.imbalance.{m}": r for m, r in ratios.items()}}
-                pending[step] = metrics
-                if self.topology.rank == 0:
-                    self.reporter.step(step, self.total, metrics)
-                for hook in step_hooks:
-                    hook(step, value)
-                collection.after_step(step)
-                if len(pending) >= config.log_every or step + 1 == self.total:
-                    self.tracker.log_metrics_by_step(pending)
-                    pending.clear()
-                if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < self.total:
-                    if self.validation is None:
-                        self.evaluate(step + 1)
-                    elif self.validate(step + 1):
-                        result.stopped_early = True
-                        self.say(f"early stop at step {step + 1}: no better validation NE in "
-                                 f"{self.evals_since_best} evaluations; keeping step {result.best_step}")
-                        break
-                if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0 and step + 1 < self.total:
-                    self.tracker.log_metrics_by_step(pending)  # a resume starts after them: never lost
-                    pending.clear()
-                    self.save(step + 1)
+                current = queue_step(step, size, lr, costs, began, timer.cut(), share, labelled, grad_norm)
+                previous, queued = queued, None
+                if previous is not None and read(previous, another_queued=True):
+                    break
+                if late and not read_at_once(step, end, config.eval_every, config.checkpoint_every):
+                    queued = current
+                elif read(current, another_queued=False):
+                    break
         finally:
             collection.stop()
             inputs.close()  # an early stop leaves no loads running

@@ -24,7 +24,7 @@ MEASURES = ("compute_seconds", "tokens", "attention_cost")
 
 
 class ForwardComputeTimer:
-    """Seconds spent inside the forward of the given modules since the last `take()`; CUDA events on GPU."""
+    """Seconds spent inside the forward of the given modules, per step (`cut`, then `seconds`); CUDA events on GPU."""
 
     def __init__(self, modules: Sequence[nn.Module], device: torch.device):
         self.cuda = device.type == "cuda"
@@ -59,14 +59,19 @@ class ForwardComputeTimer:
         if start is not None:
             self._spans.append((start, self._now()))
 
-    def take(self) -> float:
+    def cut(self) -> list[tuple[object, object]]:
+        """The spans since the last cut (the step just queued): timed later by `seconds`, without a wait now."""
+        spans, self._spans = self._spans, []
+        return spans
+
+    def seconds(self, spans: list[tuple[object, object]]) -> float:
+        """The spans' total; on GPU waits for their last event (not for work queued after it)."""
+        if not spans:
+            return 0.0
         if self.cuda:
-            torch.cuda.synchronize()
-            seconds = sum(a.elapsed_time(b) for a, b in self._spans) / 1000.0
-        else:
-            seconds = sum(b - a for a, b in self._spans)
-        self._spans.clear()
-        return float(seconds)
+            spans[-1][1].synchronize()
+            return float(sum(a.elapsed_time(b) for a, b in spans) / 1000.0)
+        return float(sum(b - a for a, b in spans))
 
     def remove(self) -> None:
         for handle in self._handles:

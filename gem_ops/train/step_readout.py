@@ -1,0 +1,73 @@
+"""Reading a training step's figures on the host without stopping the device.
+
+A step's loss per task and its gradient norm live on the device. Read right after the step is queued (`.item()`,
+`.tolist()`), they make the host wait for the whole step, and the device then waits for the host to queue the next
+one: the data copy, the compiled graph's guards and every launch until the first kernels run, each step, and any
+pause of the host process lands inside a step. Read one step late, the host queues step n + 1 and only then waits
+for step n's figures, which are copied into pinned host memory behind step n's own kernels (a copy issued after
+step n + 1 was queued would wait for step n + 1 too).
+
+Steps after which the host acts on the model (an evaluation, a checkpoint, the last step) are read at once, so the
+weights it sees are those of the step it names. On several ranks the per-step all_gather of the figures is queued
+behind the next step on every rank: steps are read at once there. A step hook runs when its step is read, which
+may be after the next step was queued: `step_readout="each_step"` for a hook that reads the model itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class QueuedStep:
+    """A step on the device, with what the host knows of it until its figures are read."""
+
+    step: int
+    size: int  # examples on this rank
+    lr: float
+    costs: dict[str, Any]
+    began: float  # time.perf_counter when the host began to queue it
+    forward_spans: list  # ForwardComputeTimer.cut() of this step
+    figures: torch.Tensor  # [share per task, labelled share per task, gradient norm], on the host once `ready`
+    ready: torch.cuda.Event | None
+
+
+def queue_step(step: int, size: int, lr: float, costs: dict[str, Any], began: float, forward_spans: list,
+               share: torch.Tensor, labelled: torch.Tensor, grad_norm: torch.Tensor) -> QueuedStep:
+    """The step's figures gathered into one tensor and, on a GPU, copied to pinned memory behind its kernels."""
+    figures = torch.cat([share.detach().double().reshape(-1), labelled.detach().double().reshape(-1),
+                         grad_norm.detach().double().reshape(1).to(share.device)])
+    ready = None
+    if figures.is_cuda:
+        host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=True)
+        host.copy_(figures, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        figures = host
+    return QueuedStep(step, size, lr, costs, began, forward_spans, figures, ready)
+
+
+def read_figures(queued: QueuedStep) -> np.ndarray:
+    """The step's figures; waits for the step itself, not for what was queued after it."""
+    if queued.ready is not None:
+        queued.ready.synchronize()
+    return queued.figures.numpy()
+
+
+def reads_late(setting: str, device: torch.device, world_size: int) -> bool:
+    """Whether steps are read one step late (TrainConfig.step_readout)."""
+    if world_size > 1:
+        return False
+    return setting == "next_step" or (setting == "auto" and device.type == "cuda")
+
+
+def read_at_once(step: int, end: int, eval_every: int, checkpoint_every: int) -> bool:
+    """A step after which the host evaluates, checkpoints or stops: its figures and weights are read before the
+    next step is queued."""
+    after = step + 1
+    return (after == end or (eval_every > 0 and after % eval_every == 0)
+            or (checkpoint_every > 0 and after % checkpoint_every == 0))

@@ -1,0 +1,97 @@
+"""Steps read one step late: the next step is queued before the host reads the previous one's figures, the run
+trains and reports exactly what a run read step by step does, evaluations and checkpoints see the weights of the step
+they name, and a diverging step is still reported by its own number."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from gem_ops.data.synthetic import STRONG_SIGNAL
+from gem_ops.model.config import FeatureSpec, model_config
+from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
+from gem_ops.train.config import TrainConfig
+from gem_ops.train.engine import train
+from gem_ops.train.model_state import seeded_model
+from gem_ops.train.step_readout import read_at_once, reads_late
+from tests.training_data import learnable_data
+
+TINY = model_config("vertical", width=0.5, **{"sequence.max_history_len": 16})
+CONFIG = TrainConfig(max_steps=7, eval_max_examples=128, log_every=2, warmup_steps=2)
+LATE, AT_ONCE = (dataclasses.replace(CONFIG, step_readout=r) for r in ("next_step", "each_step"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    small = dataclasses.replace(STRONG_SIGNAL, n_users=300)
+    return learnable_data(tmp_path_factory.mktemp("readout"), small, days=4, eval_days=1, max_history_len=32,
+                          sub_batch_size=16)
+
+
+def forwards_seen_by_each_step_hook(data, config: TrainConfig) -> dict[int, int]:
+    """{step: forwards run when its step hook ran}."""
+    logs = data.open()
+    model = seeded_model(FeatureSpec.from_logs(logs), TINY)
+    forwards, seen = [0], {}
+    # Training forwards only: evaluations run the trunk too, in eval mode.
+    model.trunk.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + module.training))
+    train(logs, data.plans[1], TINY, config, model=model, step_hooks=[lambda step, loss: seen.setdefault(
+        step, forwards[0])])
+    return seen
+
+
+def test_the_next_step_is_queued_before_a_step_is_read_except_where_the_host_acts_on_the_model(data):
+    config = dataclasses.replace(LATE, eval_every=3)
+    seen = forwards_seen_by_each_step_hook(data, config)
+    # Steps 2 and 5 are followed by an evaluation (its forwards come after the hook), step 6 is the last.
+    assert seen == {0: 2, 1: 3, 2: 3, 3: 5, 4: 6, 5: 6, 6: 7}
+    assert forwards_seen_by_each_step_hook(data, dataclasses.replace(AT_ONCE, eval_every=3)) == {
+        step: step + 1 for step in range(7)}
+
+
+def test_a_run_read_late_trains_and_reports_what_a_run_read_at_once_does(data, tmp_path):
+    logs = data.open()
+    runs = {}
+    for name, config in (("late", LATE), ("at_once", AT_ONCE)):
+        config = dataclasses.replace(config, eval_every=3, checkpoint_every=2)
+        runs[name] = train(logs, data.plans[1], TINY, config, checkpoint_dir=tmp_path / name)
+    (late_model, late), (model, at_once) = runs["late"], runs["at_once"]
+    assert late.losses == at_once.losses and late.steps == at_once.steps == 7
+    assert late.eval_steps == at_once.eval_steps == [3, 6, 7]
+    assert late.eval_reports == at_once.eval_reports  # evaluated on the weights of the step named
+    assert len(late.step_seconds) == len(late.step_ends) == 7 and all(s > 0 for s in late.step_seconds)
+    assert checkpoint_steps(tmp_path / "late") == checkpoint_steps(tmp_path / "at_once")
+    for step_dir in ("late", "at_once"):
+        assert load_checkpoint(tmp_path / step_dir).state["losses"] == at_once.losses
+    for (name, a), (_, b) in zip(late_model.state_dict().items(), model.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_diverging_step_read_late_is_reported_by_its_own_number_and_the_gradients_by_theirs(data):
+    logs = data.open()
+    model = seeded_model(FeatureSpec.from_logs(logs), TINY)
+    model.trunk[0].weight.register_hook(lambda grad: grad * float("inf"))  # the loss itself stays finite
+    # By the time step 0 is read, step 1 ran on its broken weights: every gradient is non-finite.
+    with pytest.raises(FloatingPointError, match=r"at step 0: loss [0-9.]+, dense gradient norm (nan|inf); .*"
+                                                 r"the gradients named are step 1's, .*'each_step' names this step's"):
+        train(logs, data.plans[1], TINY, LATE, model=model)
+
+
+def test_which_runs_read_late_and_which_steps_are_read_at_once():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert reads_late("auto", cuda, 1) and not reads_late("auto", cpu, 1)
+    assert reads_late("next_step", cpu, 1) and not reads_late("each_step", cuda, 1)
+    assert not reads_late("next_step", cuda, 2)  # the figures' all_gather would queue behind the next step
+    assert [s for s in range(10) if read_at_once(s, 10, eval_every=4, checkpoint_every=3)] == [2, 3, 5, 7, 8, 9]
+    with pytest.raises(ValueError, match="step_readout"):
+        TrainConfig(step_readout="later")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_steps_read_late_train_what_steps_read_at_once_do(data):
+    logs = data.open()
+    runs = {r: train(logs, data.plans[1], TINY, dataclasses.replace(CONFIG, step_readout=r), device="cuda")[1]
+            for r in ("auto", "each_step")}
+    assert runs["auto"].losses == pytest.approx(runs["each_step"].losses, rel=1e-5)  # auto: late on one GPU
+    assert runs["auto"].step_seconds and all(s > 0 for s in runs["auto"].step_seconds)
