@@ -426,8 +426,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each shape and precision")
     parser.add_argument("--precisions", nargs="*", default=["bf16"],
                         help="end-to-end runs, each precision[:fp8 recipe][@compile][+NAME=VALUE...] (environment "
-                             "variables of its job), run in turn and compared with the first (none: the other stages "
-                             "alone)")
+                             "variables of its job, or train.<TrainConfig field>=VALUE), run in turn and compared with "
+                             "the first (none: the other stages alone)")
     parser.add_argument("--fp8-recipes", nargs="+", default=["tensorwise_triton", "tensorwise"],
                         help="the first is the end-to-end run's; the dense-layer stage times each")
     parser.add_argument("--compile", choices=COMPILE_SETTINGS, default="dense",
