@@ -108,12 +108,17 @@ def run_job(data, tmp_path: Path, *extra: str, **kwargs) -> dict:
 
 
 # TorchRec's row-wise sharding and FSDP2 in the default run; table-wise and FSDP2's prefetch order with the slow tests
-@pytest.mark.parametrize("sharding", [pytest.param("table_wise", marks=pytest.mark.slow), "row_wise", "fsdp",
+# Steps read late (the next one queued first, figures gathered between the hosts) with row-wise tables.
+@pytest.mark.parametrize("sharding", [pytest.param("table_wise", marks=pytest.mark.slow), "row_wise",
+                                      "row_wise+next_step", "fsdp",
                                       pytest.param("fsdp+unit_prefetch", marks=pytest.mark.slow)])
 def test_two_ranks_match_one_process_on_the_same_batches(data, union_run, sharding, tmp_path):
-    sharding, _, prefetch = sharding.partition("+")
-    result = run_job(data, tmp_path, "--embedding-sharding", sharding, *(["--unit-prefetch"] if prefetch else []))
-    assert ("FSDP2 prefetch set over" in (tmp_path / "result.log").read_text()) == bool(prefetch)
+    sharding, _, option = sharding.partition("+")
+    flags = {"unit_prefetch": ["--unit-prefetch"], "next_step": ["--step-readout", "next_step"], "": []}[option]
+    result = run_job(data, tmp_path, "--embedding-sharding", sharding, *flags)
+    log = (tmp_path / "result.log").read_text()
+    assert ("FSDP2 prefetch set over" in log) == (option == "unit_prefetch")
+    assert ("steps read late" in log) == (option == "next_step")
     assert result["world_size"] == 2 and result["embedding_sharding"] == sharding and result["steps"] == STEPS
     assert result["losses"] == pytest.approx(union_run.losses, rel=LOSS_RTOL)
     assert all(v.startswith(sharding if sharding != "fsdp" else "fsdp") for v in result["sharding_plan"].values())

@@ -59,7 +59,7 @@ from gem_ops.train.pipes_reporting import LogReporter
 from gem_ops.train.prefetch import prefetched
 from gem_ops.train.process_group import Topology, job_process_group
 from gem_ops.train.sharding import ShardedModel, describe_plan, shard_model
-from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows
+from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows, host_group
 from gem_ops.train.step_readout import QueuedStep, queue_step, read_at_once, read_figures, reads_late
 from gem_ops.train.unit_prefetch import UnitPrefetch
 from gem_ops.train.warm_up import warm_up_inputs
@@ -299,7 +299,10 @@ class Trainer:
         objectives = self.model.objectives
         pending: dict[int, dict[str, float]] = {}
         end = self.start if result.stopped_early else self.total  # a run that stopped early does not train again
-        late = reads_late(config.step_readout, device, world)
+        late = reads_late(config.step_readout, device)
+        hosts = host_group()  # every step's figures gathered between the hosts, behind no kernel
+        if late and self.start < end:
+            self.say("steps read late: each step's loss is read once the next step is queued (step_readout)")
         inputs = prefetched(self._load, range(self.start, end), config.prefetch_batches)
         unit_prefetch = UnitPrefetch(units) if config.unit_prefetch and units else None
         self.module.train()
@@ -320,7 +323,7 @@ class Trainer:
             costs = queued.costs
             local = [timer.seconds(queued.forward_spans), costs["tokens"], costs["attention_cost"], wall,
                      costs["flops"], *figures]
-            rows = gather_rows(local, device)
+            rows = gather_rows(local, hosts)
             n, tasks = len(MEASURES), len(objectives)
             ratios = result.balance.add(step, rows[:, :n])
             value = float(rows[:, n + 2 : n + 2 + tasks].sum())

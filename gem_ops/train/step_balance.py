@@ -78,14 +78,23 @@ class ForwardComputeTimer:
             handle.remove()
 
 
-def gather_rows(values: Sequence[float], device: torch.device) -> np.ndarray:
-    """[world_size, len(values)]: every rank's values, on every rank (one all_gather; none on one rank)."""
+def host_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank, for figures the hosts hold (the default group where it is gloo already; None on
+    one rank). Made by every rank at once."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def gather_rows(values: Sequence[float], group: dist.ProcessGroup | None = None) -> np.ndarray:
+    """[world_size, len(values)]: every rank's values, on every rank, through host memory (one all_gather of `group`,
+    a host_group(): none on one rank). No device collective: it waits for no kernel queued on the GPU."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return np.asarray([list(values)], dtype=np.float64)
-    local = torch.tensor(list(values), dtype=torch.float64, device=device)
+    local = torch.tensor(list(values), dtype=torch.float64)
     rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, local)
-    return torch.stack(rows).cpu().numpy()
+    dist.all_gather(rows, local, group=group)
+    return torch.stack(rows).numpy()
 
 
 @dataclass

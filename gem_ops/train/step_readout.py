@@ -8,9 +8,10 @@ for step n's figures, which are copied into pinned host memory behind step n's o
 step n + 1 was queued would wait for step n + 1 too).
 
 Steps after which the host acts on the model (an evaluation, a checkpoint, the last step) are read at once, so the
-weights it sees are those of the step it names. On several ranks the per-step all_gather of the figures is queued
-behind the next step on every rank: steps are read at once there. A step hook runs when its step is read, which
-may be after the next step was queued: `step_readout="each_step"` for a hook that reads the model itself.
+weights it sees are those of the step it names. On several ranks every rank's figures are gathered between the hosts
+(step_balance.gather_rows, a gloo group): a collective on the GPU would queue behind the next step. A step hook runs
+when its step is read, which may be after the next step was queued: `step_readout="each_step"` for a hook that reads
+the model itself.
 """
 
 from __future__ import annotations
@@ -58,10 +59,8 @@ def read_figures(queued: QueuedStep) -> np.ndarray:
     return queued.figures.numpy()
 
 
-def reads_late(setting: str, device: torch.device, world_size: int) -> bool:
+def reads_late(setting: str, device: torch.device) -> bool:
     """Whether steps are read one step late (TrainConfig.step_readout)."""
-    if world_size > 1:
-        return False
     return setting == "next_step" or (setting == "auto" and device.type == "cuda")
 
 
