@@ -97,8 +97,9 @@ class TrainResult:
     balance: BalanceLog = field(default_factory=BalanceLog)
     imbalance: dict[str, float] = field(default_factory=dict)  # measure -> sum of step max / sum of step mean
     model_state_path: Path | None = None  # full (unsharded) weights, written by rank 0
-    # This session's steps: wall time of the slowest rank (data included), model FLOPs over all ranks,
-    # the time each step ended (time.perf_counter, this rank), and this rank's forward FLOPs by module.
+    # This session's steps: wall time of the slowest rank (data included; with steps read late, from the previous
+    # step's read to this one's), model FLOPs over all ranks, the time each step was read (time.perf_counter, this
+    # rank), and this rank's forward FLOPs by module.
     step_seconds: list[float] = field(default_factory=list)
     step_flops: list[float] = field(default_factory=list)
     step_ends: list[float] = field(default_factory=list)

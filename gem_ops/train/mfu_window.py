@@ -139,7 +139,8 @@ class WindowObserver:
     def step_stalls(self, first: int, last: int) -> dict[str, list[float]]:
         """Per step from `first` to `last` (excluded): seconds in garbage collection, graphs compiled by
         torch.compile, attention-kernel tunings, attention-kernel binaries compiled or loaded (a tuning compiles
-        its candidates; without one, a new specialisation of a tuned kernel)."""
+        its candidates; without one, a new specialisation of a tuned kernel). Counted between the steps' reads:
+        with steps read late, what the host did while it queued the next step falls in the step before."""
         names = ("gc_seconds", "compiled_graphs", "attention_tunings", "attention_compiles")
         return {name: [float(after[i] - before[i]) for before, after in zip(self.stalls[first:last],
                                                                            self.stalls[first + 1 : last + 1])]
