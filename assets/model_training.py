@@ -64,6 +64,10 @@ class ModelTrainingConfig(dg.Config):
         "H200).")
     activation_checkpointing: str = Field("none", description="sequence: recompute the sequence layers in the "
                                           "backward.")
+    step_readout: str = Field(
+        "auto", description="next_step: read a step's loss once the next step is queued, so the GPU does not wait "
+        "for the host between steps; each_step: after every step (a diverging step stops in itself); auto: next_step "
+        "on CUDA.")
     seed: int = 0
 
     def model(self) -> ModelConfig:

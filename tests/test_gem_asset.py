@@ -122,11 +122,11 @@ def test_training_settings_of_the_run_config_reach_the_torchrun_job(tmp_path):
 
     config = GEMTrainingConfig(preset="gem_gpu", precision="fp8", fp8_recipe="tensorwise_fast_accum", compile="dense",
                                activation_checkpointing="sequence", lr_dense=2e-3, max_steps=7,
-                               sparse_table_gradients=True)
+                               sparse_table_gradients=True, step_readout="each_step")
     command = training_command(config, LakeResource(base_dir=str(tmp_path)), "2026-11-01", None, None, "run-1")
     args = parse_args(command[command.index("gem_ops.train") + 1:])
-    assert (args.precision, args.fp8_recipe, args.compile, args.activation_checkpointing) == (
-        "fp8", "tensorwise_fast_accum", "dense", "sequence")
+    assert (args.precision, args.fp8_recipe, args.compile, args.activation_checkpointing, args.step_readout) == (
+        "fp8", "tensorwise_fast_accum", "dense", "sequence", "each_step")
     assert (args.lr_dense, args.max_steps, args.preset) == (2e-3, 7, "gem_gpu")
     assert args.sparse_table_gradients is True
     off = training_command(config.model_copy(update={"sparse_table_gradients": False}),
