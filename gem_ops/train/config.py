@@ -62,7 +62,7 @@ class TrainConfig:
     prefetch_batches: int = 1  # batches loaded ahead in a background thread while a step runs; 0: none
     # When the host reads a step's loss and gradient norm: next_step queues the next step on the device first, so
     # the device does not wait for the host between steps (step_readout.py); each_step waits for every step (a
-    # diverging step then stops before another is queued); auto: next_step on CUDA, each_step on CPU
+    # diverging step then stops before another is queued, every gradient checked); auto: next_step on CUDA
     step_readout: Literal["auto", "each_step", "next_step"] = "auto"
     eval_every: int = 0  # steps between evaluations (on the validation day when there is one); 0: only at the end
     # The newest days of the training examples held out: early stopping and calibration read them

@@ -49,7 +49,7 @@ from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
 from gem_ops.train.gc_schedule import CollectionSchedule
-from gem_ops.train.gradients import dense_gradient_norm, divergence_message, nonfinite_gradients
+from gem_ops.train.gradients import dense_gradient_norm, divergence_message, nonfinite_flags, nonfinite_gradients
 from gem_ops.train.history_cuts import history_caps
 from gem_ops.train.initialization import init_output_biases
 from gem_ops.train.loss import global_batch_loss
@@ -302,6 +302,8 @@ class Trainer:
         end = self.start if result.stopped_early else self.total  # a run that stopped early does not train again
         late = reads_late(config.step_readout, device)
         hosts = host_group()  # every step's figures gathered between the hosts, behind no kernel
+        named = {id(p): name for name, p in self.module.named_parameters()}
+        dense_names = [named.get(id(p), f"dense parameter {i}") for i, p in enumerate(sharded.dense_parameters)]
         if late and self.start < end:
             self.say("steps read late: each step's loss is read once the next step is queued (step_readout)")
         inputs = prefetched(self._load, range(self.start, end), config.prefetch_batches)
@@ -318,7 +320,7 @@ class Trainer:
             True: stop early. `another_queued`: the next step is on the device already."""
             nonlocal last_read
             step = queued.step
-            figures = read_figures(queued)
+            figures, flagged = read_figures(queued)
             # Since the previous step was read: with steps read late, the time the device took for this one.
             wall = time.perf_counter() - max(queued.began, last_read)
             costs = queued.costs
@@ -329,11 +331,16 @@ class Trainer:
             ratios = result.balance.add(step, rows[:, :n])
             value = float(rows[:, n + 2 : n + 2 + tasks].sum())
             norm = float(rows[:, -1].max())
-            if not (math.isfinite(value) and math.isfinite(norm)):  # the gradients hold what broke (or followed)
-                later = (f"; the gradients named are step {step + 1}'s, queued before this step was read "
-                         "(step_readout='each_step' names this step's own)") if another_queued else ""
-                raise FloatingPointError(divergence_message(step, value, norm, nonfinite_gradients(self.module))
-                                         + later)
+            if not (math.isfinite(value) and math.isfinite(norm)):
+                if not another_queued:  # the gradients still hold what broke
+                    names, later = nonfinite_gradients(self.module), ""
+                elif flagged:  # flagged when the step was queued: the gradients now are the next step's
+                    names, later = [dense_names[i] for i in flagged], "; dense gradients checked (steps read late)"
+                else:  # none of the dense ones: where else, the next step's gradients may tell
+                    names = nonfinite_gradients(self.module)
+                    later = (f"; no dense gradient of this step was; the gradients named are step {step + 1}'s, "
+                             "queued before this step was read (step_readout='each_step' names this step's own)")
+                raise FloatingPointError(divergence_message(step, value, norm, names) + later)
             last_read = time.perf_counter()
             result.losses.append(value)
             result.samples += queued.size * world
@@ -398,7 +405,8 @@ class Trainer:
                 if unit_prefetch is not None:  # the first step has shown the units' order
                     self.say(f"FSDP2 prefetch set over {len(unit_prefetch.arm())} units, in the first step's order")
                     unit_prefetch = None
-                current = queue_step(step, size, lr, costs, began, timer.cut(), share, labelled, grad_norm)
+                flags = nonfinite_flags(sharded.dense_parameters) if late else ([], None)
+                current = queue_step(step, size, lr, costs, began, timer.cut(), share, labelled, grad_norm, flags)
                 previous, queued = queued, None
                 if previous is not None and read(previous, another_queued=True):
                     break

@@ -28,12 +28,27 @@ def nonfinite_gradients(module: nn.Module) -> list[str]:
         grad = parameter.grad
         if grad is None:
             continue
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local = _local(grad)
         if local.is_sparse:
             local = local.coalesce().values()
         if not bool(torch.isfinite(local).all()):
             names.append(name)
     return names
+
+
+def nonfinite_flags(parameters: Sequence[nn.Parameter]) -> tuple[list[int], torch.Tensor | None]:
+    """The indices of `parameters` that hold a gradient and, on its device, whether each (this rank's shard) holds a
+    NaN or an inf: kept with a step that is read late, when the gradients themselves are the next step's."""
+    held = [i for i, p in enumerate(parameters) if p.grad is not None]
+    if not held:
+        return held, None
+    grads = [_local(parameters[i].grad) for i in held]
+    largest = torch._foreach_norm(grads, float("inf"))  # max |g|: inf or NaN exactly where a gradient holds one
+    return held, ~torch.isfinite(torch.stack(largest))
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def divergence_message(step: int, loss: float, grad_norm: float, names: Sequence[str], shown: int = 8) -> str:

@@ -5,7 +5,8 @@ A step's loss per task and its gradient norm live on the device. Read right afte
 one: the data copy, the compiled graph's guards and every launch until the first kernels run, each step, and any
 pause of the host process lands inside a step. Read one step late, the host queues step n + 1 and only then waits
 for step n's figures, which are copied into pinned host memory behind step n's own kernels (a copy issued after
-step n + 1 was queued would wait for step n + 1 too).
+step n + 1 was queued would wait for step n + 1 too). By then the gradients are step n + 1's: which dense gradients
+held a NaN or an inf in step n is flagged on the device as it is queued and copied with its figures.
 
 Steps after which the host acts on the model (an evaluation, a checkpoint, the last step) are read at once, so the
 weights it sees are those of the step it names. On several ranks every rank's figures are gathered between the hosts
@@ -33,15 +34,21 @@ class QueuedStep:
     costs: dict[str, Any]
     began: float  # time.perf_counter when the host began to queue it
     forward_spans: list  # ForwardComputeTimer.cut() of this step
-    figures: torch.Tensor  # [share per task, labelled share per task, gradient norm], on the host once `ready`
+    # [share per task, labelled share per task, gradient norm, then a flag per held gradient], on the host once `ready`
+    figures: torch.Tensor
     ready: torch.cuda.Event | None
+    held: list[int]  # the indices of the dense parameters with a gradient, flagged non-finite or not in `figures`
 
 
 def queue_step(step: int, size: int, lr: float, costs: dict[str, Any], began: float, forward_spans: list,
-               share: torch.Tensor, labelled: torch.Tensor, grad_norm: torch.Tensor) -> QueuedStep:
-    """The step's figures gathered into one tensor and, on a GPU, copied to pinned memory behind its kernels."""
-    figures = torch.cat([share.detach().double().reshape(-1), labelled.detach().double().reshape(-1),
-                         grad_norm.detach().double().reshape(1).to(share.device)])
+               share: torch.Tensor, labelled: torch.Tensor, grad_norm: torch.Tensor,
+               nonfinite: tuple[list[int], torch.Tensor | None] = ([], None)) -> QueuedStep:
+    """The step's figures (and `nonfinite`, gradients.nonfinite_flags') gathered into one tensor and, on a GPU,
+    copied to pinned memory behind its kernels."""
+    held, flags = nonfinite
+    device = share.device
+    parts = [share.detach().reshape(-1), labelled.detach().reshape(-1), grad_norm.detach().reshape(1).to(device)]
+    figures = torch.cat([p.double() for p in parts + ([flags.to(device)] if flags is not None else [])])
     ready = None
     if figures.is_cuda:
         host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=True)
@@ -49,14 +56,18 @@ def queue_step(step: int, size: int, lr: float, costs: dict[str, Any], began: fl
         ready = torch.cuda.Event()
         ready.record()
         figures = host
-    return QueuedStep(step, size, lr, costs, began, forward_spans, figures, ready)
+    return QueuedStep(step, size, lr, costs, began, forward_spans, figures, ready, held if flags is not None else [])
 
 
-def read_figures(queued: QueuedStep) -> np.ndarray:
-    """The step's figures; waits for the step itself, not for what was queued after it."""
+def read_figures(queued: QueuedStep) -> tuple[np.ndarray, list[int]]:
+    """The step's figures, and the indices of the dense parameters flagged non-finite in it; waits for the step
+    itself, not for what was queued after it."""
     if queued.ready is not None:
         queued.ready.synchronize()
-    return queued.figures.numpy()
+    values = queued.figures.numpy()
+    count = len(queued.held)
+    flags = values[len(values) - count:] if count else values[:0]
+    return values[: len(values) - count], [i for i, flag in zip(queued.held, flags) if flag]
 
 
 def reads_late(setting: str, device: torch.device) -> bool:
