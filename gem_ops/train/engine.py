@@ -192,6 +192,20 @@ def train(
         return trainer.module, result
 
 
+@dataclass
+class _StepLoop:
+    """What reading a step needs of the loop that queued it (Trainer.fit, Trainer._read_step)."""
+
+    timer: ForwardComputeTimer
+    step_mfu: StepMFU
+    hosts: Any  # step_balance.host_group()
+    step_hooks: Sequence[StepHook]
+    collection: CollectionSchedule
+    dense_names: list[str]  # the names of the sharded model's dense parameters, in its order
+    pending: dict[int, dict[str, float]] = field(default_factory=dict)  # metrics not yet sent to the tracker
+    last_read: float = 0.0  # time.perf_counter when the last step was read
+
+
 class Trainer:
     """The engine's state for one job: the model as sharded, its optimizer, the schedule and the result."""
 
@@ -295,89 +309,24 @@ class Trainer:
         sharded, config, result, device = self.sharded, self.config, self.result, self.device
         world = self.topology.world_size
         units = sharded.fsdp_units
-        timer = ForwardComputeTimer(units, device)  # on one rank: the forward as a whole (timer.span)
-        step_mfu = StepMFU(device, world)
-        objectives = self.model.objectives
-        pending: dict[int, dict[str, float]] = {}
         end = self.start if result.stopped_early else self.total  # a run that stopped early does not train again
         late = reads_late(config.step_readout, device)
-        hosts = host_group()  # every step's figures gathered between the hosts, behind no kernel
-        named = {id(p): name for name, p in self.module.named_parameters()}
-        dense_names = [named.get(id(p), f"dense parameter {i}") for i, p in enumerate(sharded.dense_parameters)]
         if late and self.start < end:
             self.say("steps read late: each step's loss is read once the next step is queued (step_readout)")
+        named = {id(p): name for name, p in self.module.named_parameters()}
+        loop = _StepLoop(timer=ForwardComputeTimer(units, device),  # on one rank: the whole forward (timer.span)
+                         step_mfu=StepMFU(device, world), hosts=host_group(), step_hooks=step_hooks,
+                         collection=CollectionSchedule(config.gc_every),
+                         dense_names=[named.get(id(p), f"dense parameter {i}")
+                                      for i, p in enumerate(sharded.dense_parameters)])
+        timer, collection = loop.timer, loop.collection
         inputs = prefetched(self._load, range(self.start, end), config.prefetch_batches)
         unit_prefetch = UnitPrefetch(units) if config.unit_prefetch and units else None
         self.module.train()
         if config.warm_up_lengths and self.start < end:
             self.say(f"warmed up at history lengths {self.warm_up_lengths()}")
-        collection = CollectionSchedule(config.gc_every)
         collection.start()
-        result.started = last_read = time.perf_counter()
-
-        def read(queued: QueuedStep, another_queued: bool) -> bool:
-            """The step's figures into the result, the metrics and the hooks, then its evaluation or checkpoint;
-            True: stop early. `another_queued`: the next step is on the device already."""
-            nonlocal last_read
-            step = queued.step
-            figures, flagged = read_figures(queued)
-            # Since the previous step was read: with steps read late, the time the device took for this one.
-            wall = time.perf_counter() - max(queued.began, last_read)
-            costs = queued.costs
-            local = [timer.seconds(queued.forward_spans), costs["tokens"], costs["attention_cost"], wall,
-                     costs["flops"], *figures]
-            rows = gather_rows(local, hosts)
-            n, tasks = len(MEASURES), len(objectives)
-            ratios = result.balance.add(step, rows[:, :n])
-            value = float(rows[:, n + 2 : n + 2 + tasks].sum())
-            norm = float(rows[:, -1].max())
-            if not (math.isfinite(value) and math.isfinite(norm)):
-                if not another_queued:  # the gradients still hold what broke
-                    names, later = nonfinite_gradients(self.module), ""
-                elif flagged:  # flagged when the step was queued: the gradients now are the next step's
-                    names, later = [dense_names[i] for i in flagged], "; dense gradients checked (steps read late)"
-                else:  # none of the dense ones: where else, the next step's gradients may tell
-                    names = nonfinite_gradients(self.module)
-                    later = (f"; no dense gradient of this step was; the gradients named are step {step + 1}'s, "
-                             "queued before this step was read (step_readout='each_step' names this step's own)")
-                raise FloatingPointError(divergence_message(step, value, norm, names) + later)
-            last_read = time.perf_counter()
-            result.losses.append(value)
-            result.samples += queued.size * world
-            result.step_samples.append(queued.size * world)
-            result.steps = step + 1
-            result.step_seconds.append(float(rows[:, n].max()))
-            result.step_flops.append(float(rows[:, n + 1].sum()))
-            result.step_module_flops.append(costs["forward_by_module"])
-            result.step_ends.append(last_read)
-            metrics = {"train.loss": value, "train.lr_dense": queued.lr, "train.grad_norm": norm,
-                       "train.step_seconds": result.step_seconds[-1],
-                       **step_mfu.metrics(result.step_flops[-1], result.step_seconds[-1]),
-                       **{f"train.loss.{t}": float(v)
-                          for t, v in zip(objectives, rows[:, n + 2 + tasks : n + 2 + 2 * tasks].sum(0))},
-                       **{f"train.imbalance.{m}": r for m, r in ratios.items()}}
-            pending[step] = metrics
-            if self.topology.rank == 0:
-                self.reporter.step(step, self.total, metrics)
-            for hook in step_hooks:
-                hook(step, value)
-            collection.after_step(step)
-            if len(pending) >= config.log_every or step + 1 == self.total:
-                self.tracker.log_metrics_by_step(pending)
-                pending.clear()
-            if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < self.total:
-                if self.validation is None:
-                    self.evaluate(step + 1)
-                elif self.validate(step + 1):
-                    result.stopped_early = True
-                    self.say(f"early stop at step {step + 1}: no better validation NE in "
-                             f"{self.evals_since_best} evaluations; keeping step {result.best_step}")
-                    return True
-            if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0 and step + 1 < self.total:
-                self.tracker.log_metrics_by_step(pending)  # a resume starts after them: never lost
-                pending.clear()
-                self.save(step + 1)
-            return False
+        result.started = loop.last_read = time.perf_counter()
 
         queued: QueuedStep | None = None  # read late: the step before the one being queued
         try:
@@ -408,17 +357,17 @@ class Trainer:
                 flags = nonfinite_flags(sharded.dense_parameters) if late else ([], None)
                 current = queue_step(step, size, lr, costs, began, timer.cut(), share, labelled, grad_norm, flags)
                 previous, queued = queued, None
-                if previous is not None and read(previous, another_queued=True):
+                if previous is not None and self._read_step(previous, loop, another_queued=True):
                     break
                 if late and not read_at_once(step, end, config.eval_every, config.checkpoint_every):
                     queued = current
-                elif read(current, another_queued=False):
+                elif self._read_step(current, loop, another_queued=False):
                     break
         finally:
             collection.stop()
             inputs.close()  # an early stop leaves no loads running
             timer.remove()
-        self.tracker.log_metrics_by_step(pending)  # an early stop's last steps
+        self.tracker.log_metrics_by_step(loop.pending)  # an early stop's last steps
         result.seconds = time.perf_counter() - result.started
         result.imbalance = result.balance.observed()
         if result.samples and result.seconds:
@@ -441,6 +390,69 @@ class Trainer:
                  f"{result.samples_per_second:.0f} samples/s; observed imbalance "
                  f"{result.imbalance['compute_seconds']:.3f} (compute), {result.imbalance['tokens']:.3f} (tokens)")
         return result
+
+    def _read_step(self, queued: QueuedStep, loop: _StepLoop, another_queued: bool) -> bool:
+        """A step's figures into the result, the metrics and the hooks, then its evaluation or checkpoint; True: stop
+        early. `another_queued`: the next step is on the device already (steps read late)."""
+        config, result, world = self.config, self.result, self.topology.world_size
+        step, costs, objectives = queued.step, queued.costs, self.model.objectives
+        figures, flagged = read_figures(queued)
+        # Since the previous step was read: with steps read late, the time the device took for this one.
+        wall = time.perf_counter() - max(queued.began, loop.last_read)
+        local = [loop.timer.seconds(queued.forward_spans), costs["tokens"], costs["attention_cost"], wall,
+                 costs["flops"], *figures]
+        rows = gather_rows(local, loop.hosts)
+        n, tasks = len(MEASURES), len(objectives)
+        ratios = result.balance.add(step, rows[:, :n])
+        value = float(rows[:, n + 2 : n + 2 + tasks].sum())
+        norm = float(rows[:, -1].max())
+        if not (math.isfinite(value) and math.isfinite(norm)):
+            if not another_queued:  # the gradients still hold what broke
+                names, later = nonfinite_gradients(self.module), ""
+            elif flagged:  # flagged when the step was queued: the gradients now are the next step's
+                names, later = [loop.dense_names[i] for i in flagged], "; dense gradients checked (steps read late)"
+            else:  # none of the dense ones: where else, the next step's gradients may tell
+                names = nonfinite_gradients(self.module)
+                later = (f"; no dense gradient of this step was; the gradients named are step {step + 1}'s, "
+                         "queued before this step was read (step_readout='each_step' names this step's own)")
+            raise FloatingPointError(divergence_message(step, value, norm, names) + later)
+        loop.last_read = time.perf_counter()
+        result.losses.append(value)
+        result.samples += queued.size * world
+        result.step_samples.append(queued.size * world)
+        result.steps = step + 1
+        result.step_seconds.append(float(rows[:, n].max()))
+        result.step_flops.append(float(rows[:, n + 1].sum()))
+        result.step_module_flops.append(costs["forward_by_module"])
+        result.step_ends.append(loop.last_read)
+        metrics = {"train.loss": value, "train.lr_dense": queued.lr, "train.grad_norm": norm,
+                   "train.step_seconds": result.step_seconds[-1],
+                   **loop.step_mfu.metrics(result.step_flops[-1], result.step_seconds[-1]),
+                   **{f"train.loss.{t}": float(v)
+                      for t, v in zip(objectives, rows[:, n + 2 + tasks : n + 2 + 2 * tasks].sum(0))},
+                   **{f"train.imbalance.{m}": r for m, r in ratios.items()}}
+        loop.pending[step] = metrics
+        if self.topology.rank == 0:
+            self.reporter.step(step, self.total, metrics)
+        for hook in loop.step_hooks:
+            hook(step, value)
+        loop.collection.after_step(step)
+        if len(loop.pending) >= config.log_every or step + 1 == self.total:
+            self.tracker.log_metrics_by_step(loop.pending)
+            loop.pending.clear()
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < self.total:
+            if self.validation is None:
+                self.evaluate(step + 1)
+            elif self.validate(step + 1):
+                result.stopped_early = True
+                self.say(f"early stop at step {step + 1}: no better validation NE in "
+                         f"{self.evals_since_best} evaluations; keeping step {result.best_step}")
+                return True
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0 and step + 1 < self.total:
+            self.tracker.log_metrics_by_step(loop.pending)  # a resume starts after them: never lost
+            loop.pending.clear()
+            self.save(step + 1)
+        return False
 
     def warm_up_lengths(self) -> list[int]:
         """One zero-loss forward and backward per history-length bucket (gem_ops.train.warm_up); no weight moves."""
