@@ -141,6 +141,14 @@ def setting(item: str) -> tuple[str, object]:
         return key, value
 
 
+TRAIN = "train."  # a setting's key with this prefix names a TrainConfig field, the others the model's
+
+
+def train_changes(settings: dict) -> dict:
+    """The training settings among `settings`: `train.<TrainConfig field>` keys, the prefix dropped."""
+    return {k[len(TRAIN):]: v for k, v in settings.items() if k.startswith(TRAIN)}
+
+
 def named_settings(item: str) -> tuple[str, dict]:
     """NAME[:key=value,...]: a named variant of a run with its settings (dotted model keys and the like)."""
     name, _, rest = item.partition(":")

@@ -34,12 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import in_processes, named_settings, save, saved_results  # noqa: E402
+from benchmarks.common import TRAIN, in_processes, named_settings, save, saved_results, train_changes  # noqa: E402
 from gem_ops.data.loader import TrainingData  # noqa: E402
 
 END = date(2026, 11, 14)
 DAYS = 14
-TRAIN = "train."  # a variant's settings with this prefix are TrainConfig fields, the others the model's
 METRICS = ("auc", "ne", "calibration", "calibration_stderr")
 
 
@@ -105,11 +104,6 @@ def train_settings(args, plan, seed: int, **changes):
 def model_settings(settings: dict) -> dict:
     """A variant's model settings (dotted ModelConfig keys)."""
     return {k: v for k, v in settings.items() if not k.startswith(TRAIN)}
-
-
-def train_changes(settings: dict) -> dict:
-    """A variant's training settings: `train.<TrainConfig field>` keys, the prefix dropped."""
-    return {k[len(TRAIN):]: v for k, v in settings.items() if k.startswith(TRAIN)}
 
 
 def run(logs, plan, config, args, seed: int, changes: dict | None = None) -> dict:

@@ -31,14 +31,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.common import named_settings, save, saved_results, setting
+from benchmarks.common import TRAIN, named_settings, save, saved_results, setting, train_changes
 from gem_ops.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_STEPS = 5  # the loss compared between precisions: the mean over the last steps both ran
 
 COMPILE_SETTINGS = TrainConfig.choices("compile")
-TRAIN = "train."  # a run's name part that sets a TrainConfig field: +train.<field>=VALUE
 
 
 def _allocator_env() -> dict[str, str]:
@@ -191,16 +190,11 @@ def run_environment(name: str) -> dict[str, str]:
     return settings
 
 
-def run_train_settings(name: str) -> dict[str, str]:
-    """The training settings a run's name sets, e.g. bf16@model+train.step_readout=each_step."""
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    settings = {}
-    for part in name.split("+")[1:]:
-        if part.startswith(TRAIN):
-            key, _, value = part[len(TRAIN):].partition("=")
-            if key not in fields:
-                raise ValueError(f"run {name}: {key!r} is not a TrainConfig field")
-            settings[key] = value
+def run_train_settings(name: str) -> dict[str, object]:
+    """The training settings a run's name sets, e.g. bf16@model+train.step_readout=each_step (values as JSON)."""
+    settings = train_changes(dict(setting(part) for part in name.split("+")[1:] if part.startswith(TRAIN)))
+    if unknown := sorted(settings.keys() - {f.name for f in dataclasses.fields(TrainConfig)}):
+        raise ValueError(f"run {name}: {unknown[0]!r} is not a TrainConfig field")
     return settings
 
 

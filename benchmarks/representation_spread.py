@@ -24,9 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.common import in_processes, named_settings, save, saved_results  # noqa: E402
-from benchmarks.gem_quality import (add_training_arguments, data_root, model_settings, train_changes,  # noqa: E402
-                                    train_settings)
+from benchmarks.common import in_processes, named_settings, save, saved_results, train_changes  # noqa: E402
+from benchmarks.gem_quality import add_training_arguments, data_root, model_settings, train_settings  # noqa: E402
 
 COLLAPSED = 0.02  # the trunk's spread below which the model has been seen to predict base rates only
 RECOVERED = 0.1  # ... and above which it is taken to have come back (its spread starts near 0.3)

@@ -253,8 +253,11 @@ def test_a_runs_name_sets_training_settings_of_its_job_alone():
                               compile="model", activation_checkpointing="none", seed=0, unit_prefetch=False,
                               data=Path("data"), preset="gem_gpu", nproc=1, device="cuda", steps=2, warmup_steps=1,
                               profile_steps=0)
-    command = mfu.engine_command(args, {}, name, Path("result.json"))
-    assert command[command.index("--step-readout") + 1] == "each_step"
+    from gem_ops.train.__main__ import parse_args
+
+    command = mfu.engine_command(args, {}, name + "+train.unit_prefetch=true", Path("result.json"))
+    job = parse_args(command[command.index("gem_ops.train") + 1:])  # the flags as the job reads them
+    assert (job.step_readout, job.unit_prefetch) == ("each_step", True)  # values read as JSON: true is a boolean
     assert "--step-readout" not in mfu.engine_command(args, {}, "bf16@model", Path("result.json"))
 
 
