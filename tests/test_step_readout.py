@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 import torch
 
-from gem_ops.data.synthetic import STRONG_SIGNAL
 from gem_ops.model.config import FeatureSpec, model_config
 from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
 from gem_ops.train.config import TrainConfig
@@ -23,9 +22,8 @@ LATE, AT_ONCE = (dataclasses.replace(CONFIG, step_readout=r) for r in ("next_ste
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    small = dataclasses.replace(STRONG_SIGNAL, n_users=300)
-    return learnable_data(tmp_path_factory.mktemp("readout"), small, days=4, eval_days=1, max_history_len=32,
-                          sub_batch_size=16)
+    return learnable_data(tmp_path_factory.mktemp("readout"), days=4, eval_days=1, max_history_len=32,
+                          sub_batch_size=16, n_users=300)
 
 
 def forwards_seen_by_each_step_hook(data, config: TrainConfig) -> dict[int, int]:
