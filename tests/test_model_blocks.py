@@ -414,21 +414,33 @@ def test_context_tables_looked_up_together_match_their_own_lookups(device, compi
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_candidate_and_history_items_are_one_lookup_of_their_table():
-    """The item table is read once a forward for the candidate and the history items together (its dense gradient
-    built once), with the rows and the table gradient of TorchRec's lookup per key."""
+def test_candidate_and_history_items_build_one_gradient_of_their_table():
+    """The item table's dense gradient is built once for the candidate and the history items (the history's embedding
+    backward, the candidates' rows added into it): no table-sized buffer per key and their sum, no copy of both
+    parts' gradients into one tensor first; the rows and the table gradient of TorchRec's lookup per key."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
     config = model_config("vertical", width=0.5, blocks=1)
     embeddings = GEMModel(SPEC, config).embeddings
     assert embeddings._context_tables() is not None  # the path that reads the tables itself
     x = model_input(random_batch(LENGTHS), SPEC, config)
     item = embeddings.sequence.embeddings[ITEM_TABLE]
-    calls = []
-    hook = item.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
-    try:
-        embeddings(x)
-    finally:
-        hook.remove()
-    assert calls == [len(LENGTHS) + sum(LENGTHS)]  # one lookup: every candidate, then every history event
+    rows = embeddings._sequence_lookups(x.sequence, looked_up_here=True)
+    loss = rows[CANDIDATE_ITEM].sum() + rows[HISTORY_ITEM].sum()
+    with Ops() as ops:
+        loss.backward()
+    assert ops.seen.count(torch.ops.aten.embedding_dense_backward.default) == 1
+    assert torch.ops.aten.cat.default not in ops.seen and torch.ops.aten.add.Tensor not in ops.seen
+    assert ops.seen.count(torch.ops.aten.index_put_.default) == 1  # the candidates' rows, into that one buffer
 
     def per_key():
         seq = embeddings.sequence(x.sequence)
@@ -452,8 +464,8 @@ def test_candidate_and_history_items_are_one_lookup_of_their_table():
 
 
 def test_the_item_tables_gradient_is_built_once_in_the_compiled_backward():
-    """What the one lookup is for: in the backward graph that torch.compile traces, one table-sized gradient of the
-    item table (two lookups build two, then add them)."""
+    """In the backward graph that torch.compile traces, one table-sized gradient of the item table, the candidates'
+    rows added into it (two lookups through the module build two, then add them)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -472,7 +484,10 @@ def test_the_item_tables_gradient_is_built_once_in_the_compiled_backward():
     table = tuple(embeddings.sequence.embeddings[ITEM_TABLE].weight.shape)
     table_sized = [node for node in graphs[-1].graph.nodes if node.op == "call_function"
                    and tuple(getattr(node.meta.get("val"), "shape", ())) == table]
-    assert len(table_sized) == 1, [str(node.target) for node in table_sized]
+    # index_put is the functional form of an add into that buffer, which Inductor makes in place
+    made = [node for node in table_sized if node.target is not torch.ops.aten.index_put.default]
+    assert len(made) == 1, [str(node.target) for node in table_sized]
+    assert all(node.args[0] in table_sized for node in table_sized if node not in made)
 
 
 def test_context_tables_gradient_is_one_product_in_the_autocast_dtype_under_autocast():

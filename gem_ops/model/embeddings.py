@@ -151,8 +151,9 @@ class GEMEmbeddings(nn.Module):
         out = {}
         for table, names in by_table.items():
             values = [ids[key].values() for key in names]
-            rows = self.sequence.embeddings[table](values[0] if len(values) == 1 else torch.cat(values))
-            out.update(zip(names, rows.split([v.shape[0] for v in values])))
+            module = self.sequence.embeddings[table]
+            rows = (module(values[0]),) if len(values) == 1 else _SharedTableRows.apply(module.weight, *values)
+            out.update(zip(names, rows))
         return out
 
     @staticmethod
@@ -164,6 +165,31 @@ class GEMEmbeddings(nn.Module):
     def _at_width(self, key: str, values: torch.Tensor) -> torch.Tensor:
         table = self.table_of[key]
         return self.projections[table](values) if table in self.projections else values
+
+
+class _SharedTableRows(torch.autograd.Function):
+    """table[ids] for several id tensors of one table (the candidate and the history items). The backward scatters the
+    largest part's gradient into one table-sized buffer (embedding's own backward) and adds the other parts' rows into
+    it: one buffer, not one per part and their sum, and no copy of the parts' gradients into one tensor first (what a
+    lookup of the joined ids and a split cost: 2 GB a step at `w0.5_L512`)."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, *ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(*ids)
+        ctx.rows = table.shape[0]
+        return tuple(nn.functional.embedding(i, table) for i in ids)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        ids = ctx.saved_tensors
+        parts = sorted((g.shape[0], k) for k, g in enumerate(grads) if g is not None)
+        if not parts:
+            return None, *(None for _ in ids)
+        largest = parts[-1][1]
+        table_grad = torch.ops.aten.embedding_dense_backward(grads[largest], ids[largest], ctx.rows, -1, False)
+        for _, k in parts[:-1]:
+            table_grad.index_put_((ids[k],), grads[k].to(table_grad.dtype), accumulate=True)
+        return table_grad, *(None for _ in ids)
 
 
 class _SummedRows(torch.autograd.Function):
