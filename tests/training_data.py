@@ -1,8 +1,9 @@
 """Synthetic training sets for model tests (the generator's STRONG_SIGNAL preset by default).
 
-GEM_TEST_DATA_CACHE (a folder): data prepared once is kept there under a hash of its arguments and read back with no
-polars. The GPU machine has no polars and no room to carry it: its tests read what a run here prepared, e.g.
-`GEM_TEST_DATA_CACHE=.gpu_data/test_data pytest tests/test_step_readout.py` here, then the GPU test there."""
+GEM_TEST_DATA_CACHE (a folder): data prepared once is kept there under a hash of its arguments and of the data
+package's source, and read back with no polars. The GPU machine has no polars and no room to carry it: its tests
+read what a run here prepared (`GEM_TEST_DATA_CACHE=.gpu_data/test_data pytest tests/test_step_readout.py` here,
+then the GPU test there with the same setting)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def learnable_data(root: Path, synthetic=None, days: int = 14, eval_days: int = 
                    sub_batch_size: int = 64, **changes) -> TrainingData:
     """`synthetic` (a SyntheticConfig; STRONG_SIGNAL by default) with `changes` to its fields, prepared under `root`
     (or found in GEM_TEST_DATA_CACHE)."""
-    arguments = (repr(synthetic), sorted(changes.items()), days, eval_days, max_history_len, sub_batch_size)
+    arguments = (repr(synthetic), sorted(changes.items()), days, eval_days, max_history_len, sub_batch_size,
+                 _data_code_hash())
     cache = os.environ.get("GEM_TEST_DATA_CACHE")
     if not cache:
         return _prepare(root, synthetic, days, eval_days, max_history_len, sub_batch_size, changes)
@@ -34,6 +36,14 @@ def learnable_data(root: Path, synthetic=None, days: int = 14, eval_days: int = 
         finally:
             shutil.rmtree(aside, ignore_errors=True)
     return TrainingData.at(kept)
+
+
+def _data_code_hash() -> str:
+    """The data package's source: a change to how data is generated or prepared leaves what a cache holds behind."""
+    digest = hashlib.sha256()
+    for path in sorted((Path(__file__).resolve().parents[1] / "gem_ops" / "data").glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _prepare(root: Path, synthetic, days: int, eval_days: int, max_history_len: int, sub_batch_size: int,
