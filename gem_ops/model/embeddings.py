@@ -142,9 +142,9 @@ class GEMEmbeddings(nn.Module):
         return out
 
     def _lookups_by_table(self, keys: list[str], ids: dict) -> dict[str, torch.Tensor]:
-        """Key -> its rows, one lookup per table of the main collection: keys that share a table (the candidate and
-        the history items) are looked up together, so that the table's dense gradient is one table-sized buffer
-        scattered into once, not one per key and then an add of them (tests/test_model_blocks.py reads the graph)."""
+        """Key -> its rows from the main collection's tables: keys that share a table (the candidate and the history
+        items) share one table-sized gradient buffer (_SharedTableRows), not one per key and then an add of them
+        (tests/test_model_blocks.py reads the graph)."""
         by_table: dict[str, list[str]] = {}
         for key in keys:
             by_table.setdefault(self.table_of[key], []).append(key)
