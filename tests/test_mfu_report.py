@@ -5,8 +5,8 @@ and the MLflow run's metrics, per-step curve, plot and report read back."""
 import json
 import math
 import re
-from pathlib import Path
 from datetime import date, timedelta
+from pathlib import Path
 
 import dagster as dg
 import pytest

@@ -21,11 +21,11 @@ def learnable_data(root: Path, synthetic=None, days: int = 14, eval_days: int = 
                    sub_batch_size: int = 64, **changes) -> TrainingData:
     """`synthetic` (a SyntheticConfig; STRONG_SIGNAL by default) with `changes` to its fields, prepared under `root`
     (or found in GEM_TEST_DATA_CACHE)."""
-    arguments = (repr(synthetic), sorted(changes.items()), days, eval_days, max_history_len, sub_batch_size,
-                 _data_code_hash())
     cache = os.environ.get("GEM_TEST_DATA_CACHE")
     if not cache:
         return _prepare(root, synthetic, days, eval_days, max_history_len, sub_batch_size, changes)
+    arguments = (repr(synthetic), sorted(changes.items()), days, eval_days, max_history_len, sub_batch_size,
+                 _data_code_hash())
     kept = Path(cache) / hashlib.sha256(repr(arguments).encode()).hexdigest()[:16]
     if not kept.is_dir():
         kept.parent.mkdir(parents=True, exist_ok=True)

@@ -170,8 +170,8 @@ class GEMEmbeddings(nn.Module):
 class _SharedTableRows(torch.autograd.Function):
     """table[ids] for several id tensors of one table (the candidate and the history items). The backward scatters the
     largest part's gradient into one table-sized buffer (embedding's own backward) and adds the other parts' rows into
-    it: one buffer, not one per part and their sum, and no copy of the parts' gradients into one tensor first (what a
-    lookup of the joined ids and a split cost: 2 GB a step at `w0.5_L512`)."""
+    it: one buffer, not one per part and their sum, and no copy of the parts' gradients into one [N, d] tensor first
+    (the backward of a lookup of the joined ids and a split)."""
 
     @staticmethod
     def forward(ctx, table: torch.Tensor, *ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
