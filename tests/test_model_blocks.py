@@ -415,9 +415,9 @@ def test_context_tables_looked_up_together_match_their_own_lookups(device, compi
 
 
 def test_candidate_and_history_items_build_one_gradient_of_their_table():
-    """The item table's dense gradient is built once for the candidate and the history items (the history's embedding
-    backward, the candidates' rows added into it): no table-sized buffer per key and their sum, no copy of both
-    parts' gradients into one tensor first; the rows and the table gradient of TorchRec's lookup per key."""
+    """The item table's dense gradient is built once for the candidate and the history items (one table_gradient over
+    both): no table-sized buffer per key and their sum, no copy of both parts' gradients into one tensor first; the
+    rows and the table gradient of TorchRec's lookup per key."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -438,9 +438,9 @@ def test_candidate_and_history_items_build_one_gradient_of_their_table():
     loss = rows[CANDIDATE_ITEM].sum() + rows[HISTORY_ITEM].sum()
     with Ops() as ops:
         loss.backward()
-    assert ops.seen.count(torch.ops.aten.embedding_dense_backward.default) == 1
+    assert ops.seen.count(torch.ops.gem.table_gradient.default) == 1
+    assert torch.ops.aten.embedding_dense_backward.default not in ops.seen
     assert torch.ops.aten.cat.default not in ops.seen and torch.ops.aten.add.Tensor not in ops.seen
-    assert ops.seen.count(torch.ops.aten.index_put_.default) == 1  # the candidates' rows, into that one buffer
 
     def per_key():
         seq = embeddings.sequence(x.sequence)
@@ -465,7 +465,8 @@ def test_candidate_and_history_items_build_one_gradient_of_their_table():
 
 def test_the_item_tables_gradient_is_built_once_in_the_compiled_backward():
     """In the backward graph that torch.compile traces, one table-sized gradient of the item table, the candidates'
-    rows added into it (two lookups through the module build two, then add them)."""
+    and the history items' rows summed into it by one op (two lookups through the module build two, then add
+    them)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -484,10 +485,7 @@ def test_the_item_tables_gradient_is_built_once_in_the_compiled_backward():
     table = tuple(embeddings.sequence.embeddings[ITEM_TABLE].weight.shape)
     table_sized = [node for node in graphs[-1].graph.nodes if node.op == "call_function"
                    and tuple(getattr(node.meta.get("val"), "shape", ())) == table]
-    # index_put is the functional form of an add into that buffer, which Inductor makes in place
-    made = [node for node in table_sized if node.target is not torch.ops.aten.index_put.default]
-    assert len(made) == 1, [str(node.target) for node in table_sized]
-    assert all(node.args[0] in table_sized for node in table_sized if node not in made)
+    assert [node.target for node in table_sized] == [torch.ops.gem.table_gradient.default], table_sized
 
 
 def test_context_tables_gradient_is_one_product_in_the_autocast_dtype_under_autocast():

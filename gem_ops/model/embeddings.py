@@ -15,6 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from gem_ops.model import features as F
 from gem_ops.model.config import FeatureSpec, ModelConfig
 from gem_ops.model.features import ModelInput
+from kernels.table_gradient import table_gradient
 
 # TorchRec's collections ask torch whether they are being traced, and torch answers the first time with a
 # deprecation notice in every training log.
@@ -142,17 +143,15 @@ class GEMEmbeddings(nn.Module):
         return out
 
     def _lookups_by_table(self, keys: list[str], ids: dict) -> dict[str, torch.Tensor]:
-        """Key -> its rows from the main collection's tables: keys that share a table (the candidate and the history
-        items) share one table-sized gradient buffer (_SharedTableRows), not one per key and then an add of them
-        (tests/test_model_blocks.py reads the graph)."""
+        """Key -> its rows from the main collection's tables. Each table's gradient is one kernels.table_gradient
+        over all of its keys (the candidate and the history items share one): one table-sized buffer, not one per
+        key and then an add of them (tests/test_model_blocks.py reads the graph)."""
         by_table: dict[str, list[str]] = {}
         for key in keys:
             by_table.setdefault(self.table_of[key], []).append(key)
         out = {}
         for table, names in by_table.items():
-            values = [ids[key].values() for key in names]
-            module = self.sequence.embeddings[table]
-            rows = (module(values[0]),) if len(values) == 1 else _SharedTableRows.apply(module.weight, *values)
+            rows = _TableRows.apply(self.sequence.embeddings[table].weight, *(ids[key].values() for key in names))
             out.update(zip(names, rows))
         return out
 
@@ -167,29 +166,24 @@ class GEMEmbeddings(nn.Module):
         return self.projections[table](values) if table in self.projections else values
 
 
-class _SharedTableRows(torch.autograd.Function):
-    """table[ids] for several id tensors of one table (the candidate and the history items). The backward scatters the
-    largest part's gradient into one table-sized buffer (embedding's own backward) and adds the other parts' rows into
-    it: one buffer, not one per part and their sum, and no copy of the parts' gradients into one [N, d] tensor first
-    (the backward of a lookup of the joined ids and a split)."""
+class _TableRows(torch.autograd.Function):
+    """table[ids] for one or more id tensors of one table. The backward is one kernels.table_gradient over all of
+    them: a deterministic sum of each row's gradients, with no copy of the parts' gradients into one tensor first."""
 
     @staticmethod
     def forward(ctx, table: torch.Tensor, *ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.save_for_backward(*ids)
-        ctx.rows = table.shape[0]
+        ctx.rows, ctx.dtype = table.shape[0], table.dtype
         return tuple(nn.functional.embedding(i, table) for i in ids)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         ids = ctx.saved_tensors
-        parts = sorted((g.shape[0], k) for k, g in enumerate(grads) if g is not None)
+        parts = [k for k, g in enumerate(grads) if g is not None]
         if not parts:
             return None, *(None for _ in ids)
-        largest = parts[-1][1]
-        table_grad = torch.ops.aten.embedding_dense_backward(grads[largest], ids[largest], ctx.rows, -1, False)
-        for _, k in parts[:-1]:
-            table_grad.index_put_((ids[k],), grads[k].to(table_grad.dtype), accumulate=True)
-        return table_grad, *(None for _ in ids)
+        table_grad = table_gradient([grads[k] for k in parts], [ids[k] for k in parts], ctx.rows)
+        return table_grad.to(ctx.dtype), *(None for _ in ids)
 
 
 class _SummedRows(torch.autograd.Function):
