@@ -29,10 +29,17 @@ def _aten_table_gradient(grads: list[torch.Tensor], ids: list[torch.Tensor], row
     return out
 
 
+def _chosen_kernel() -> str:
+    chosen = os.environ.get("GEM_TABLE_GRADIENT", "triton")
+    if chosen not in ("triton", "aten"):
+        raise ValueError(f"GEM_TABLE_GRADIENT={chosen!r}: must be 'triton' (the default) or 'aten'")
+    return chosen
+
+
 @torch.library.custom_op("gem::table_gradient", mutates_args=())
 def _table_gradient_op(grads: list[torch.Tensor], ids: list[torch.Tensor], rows: int) -> torch.Tensor:
     if triton_table_gradient is not None and _triton_supports(grads, ids):
-        if os.environ.get("GEM_TABLE_GRADIENT", "triton") != "aten":
+        if _chosen_kernel() == "triton":
             return triton_table_gradient(grads, ids, rows)
         return _aten_table_gradient(grads, ids, rows)
     return pt_table_gradient(grads, ids, rows)

@@ -75,9 +75,16 @@ def test_which_tensors_the_kernel_takes_on_cpu_interpreter():
     _check((3, 3, 3), 5, 8, 0.0, "cpu")  # three parts take the reference
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_an_unknown_kernel_setting_is_named_on_cpu_interpreter(monkeypatch):
+    monkeypatch.setenv("GEM_TABLE_GRADIENT", "fast")
+    with pytest.raises(ValueError, match="GEM_TABLE_GRADIENT='fast': must be 'triton'"):
+        table_gradient(*_case((4,), 3, 2, 0.0), 3)
+
+
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(CASES) + 2)
+    run_interpreter_cases(__file__, expected_passed=len(CASES) + 3)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="outside the interpreter")
