@@ -2,7 +2,8 @@
 reference it replaced, side by side on the same tables, at the table shapes of the GPU preset (full and half
 width) and one it was not written for. Mean milliseconds per update over the timed repeats (CUDA events, the
 median beside it) and the bandwidth each reaches counting the bytes it must move (gradient read, table read and
-written). Saved as benchmarks/results/rowwise_adagrad.json.
+written). Saved as benchmarks/results/rowwise_adagrad.json; `--untouched 0.6 --output-name rowwise_adagrad_untouched`
+zeroes 60% of the rows' gradients, as a batch that looks up 40% of a table leaves them.
 
     python -m benchmarks.rowwise_adagrad                  # on a CUDA machine
 """
@@ -41,6 +42,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--shapes", nargs="*", default=[f"{r}x{d}" for r, d in SHAPES], help="ROWSxDIM")
+    parser.add_argument("--untouched", type=float, default=0.0,
+                        help="share of rows whose gradient is zero (rows no batch looked up: the kernel skips them)")
+    parser.add_argument("--output-name", default="rowwise_adagrad")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/rowwise_adagrad.py times a GPU kernel: no CUDA device here")
@@ -49,7 +53,8 @@ def main() -> None:
         rows, dim = map(int, shape.split("x"))
         param = torch.randn(rows, dim, device="cuda")
         grad, state = torch.randn_like(param), torch.rand(rows, 1, device="cuda")
-        moved = 3 * param.numel() * 4  # the gradient read, the table read and written
+        grad[torch.randperm(rows, device="cuda")[:int(args.untouched * rows)]] = 0.0
+        moved = 3 * param.numel() * 4  # the gradient read, the table read and written (every row)
         figures = {}
         for name, update in (("eager", pt_rowwise_adagrad_), ("triton", rowwise_adagrad_)):
             times = time_update(update, param, grad, state, args.reps)
@@ -61,7 +66,7 @@ def main() -> None:
         print(f"{shape}: eager {figures['eager']['ms_mean']:.3f} ms, triton {figures['triton']['ms_mean']:.3f} ms "
               f"({figures['triton']['gb_per_s']:.0f} GB/s), {figures['speedup']:.2f}x", flush=True)
         del param, grad, state
-    save("rowwise_adagrad", {**vars(args), "device": torch.cuda.get_device_name()}, results)
+    save(args.output_name, {**vars(args), "device": torch.cuda.get_device_name()}, results)
 
 
 if __name__ == "__main__":

@@ -48,9 +48,27 @@ def test_kernel_matches_reference_on_cpu_interpreter(shape):
     _check_against_reference(*shape, "cpu")
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
+def test_rows_of_zero_gradient_come_out_as_the_reference_leaves_them_on_cpu_interpreter():
+    """Rows of zero gradient are skipped only where the update leaves them as they are: a zero sum with eps 0
+    (0 / 0), a NaN or infinite sum, and a NaN in the gradient all give the reference's NaNs."""
+    param, grad, state = _case(6, 8)
+    grad[1:5] = 0.0
+    grad[5, 3] = float("nan")
+    state[1], state[2], state[3] = 0.0, float("nan"), float("inf")
+    for eps in (1e-8, 0.0):
+        got_param, got_state = param.clone(), state.clone()
+        want_param, want_state = param.clone(), state.clone()
+        rowwise_adagrad_(got_param, grad, got_state, lr=0.05, eps=eps)
+        pt_rowwise_adagrad_(want_param, grad, want_state, lr=0.05, eps=eps)
+        torch.testing.assert_close(got_state, want_state, equal_nan=True, msg=f"eps {eps}: sum")
+        torch.testing.assert_close(got_param, want_param, equal_nan=True, msg=f"eps {eps}: param")
+        assert torch.equal(got_param[4], param[4])  # a finite sum, zero gradient: left as it was
+
+
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
 def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(SHAPES) + 1)
+    run_interpreter_cases(__file__, expected_passed=len(SHAPES) + 2)
 
 
 @pytest.mark.gpu

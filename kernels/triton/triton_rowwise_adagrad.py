@@ -1,7 +1,8 @@
 """Row-wise Adagrad's update of a dense table gradient in one pass: each program holds whole rows in registers,
 so the gradient is read once and the table read and written once (eager PyTorch reads the gradient three times
-and writes its square once: pow, mean, addcdiv). Contract: kernels.rowwise_adagrad.rowwise_adagrad_. Launches
-need CUDA or TRITON_INTERPRET=1 set before import."""
+and writes its square once: pow, mean, addcdiv); a row whose gradient is all zeros (one no batch looked up) is
+neither read nor written where the update would leave it as it is. Contract: kernels.rowwise_adagrad.rowwise_adagrad_.
+Launches need CUDA or TRITON_INTERPRET=1 set before import."""
 
 from __future__ import annotations
 
@@ -24,7 +25,16 @@ def _rowwise_adagrad_kernel(param_ptr, grad_ptr, sum_ptr, rows, dim, param_strid
     row_ok = row < rows
     mask = row_ok[:, None] & (col[None, :] < dim)
     g = tl.load(grad_ptr + row[:, None] * grad_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
-    total = tl.load(sum_ptr + row, mask=row_ok, other=0.0) + tl.sum(g * g, 1) / dim
+    squares = tl.sum(g * g, 1)
+    old_sum = tl.load(sum_ptr + row, mask=row_ok, other=0.0)
+    # A row of zero gradient (one no batch looked up) comes out of the update as it went in wherever 0 / (its old
+    # denominator) is 0, a finite non-zero denominator: its table row is then neither read nor written. A NaN's
+    # square is not 0; x * 0 is 0 only for a finite x.
+    old_denominator = tl.sqrt_rn(old_sum) + eps
+    unchanged = (squares == 0.0) & (old_denominator != 0.0) & (old_denominator * 0.0 == 0.0)
+    row_ok = row_ok & ~unchanged
+    mask = mask & row_ok[:, None]
+    total = old_sum + squares / dim
     tl.store(sum_ptr + row, total, mask=row_ok)
     denominator = tl.sqrt_rn(total) + eps  # IEEE square root and division, as PyTorch's addcdiv rounds
     p_ptrs = param_ptr + row[:, None] * param_stride + col[None, :]
