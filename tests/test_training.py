@@ -121,6 +121,22 @@ def test_a_non_finite_gradient_stops_the_step_it_appears_in_and_is_named(data, c
               model=model)
 
 
+@pytest.mark.parametrize("readout", ["each_step", "next_step"])
+def test_a_nan_gradient_is_named_alone_though_clipping_spreads_it(data, readout):
+    """With clipping on, a NaN gradient makes the total norm NaN and clipping scales every gradient by NaN: the
+    parameter named is the one whose own gradient broke, flagged before the clipping, not every dense one."""
+    from gem_ops.model.config import FeatureSpec
+    from gem_ops.train.model_state import seeded_model
+
+    logs = data.open()
+    model = seeded_model(FeatureSpec.from_logs(logs), TINY)
+    model.trunk[0].weight.register_hook(lambda grad: grad * float("nan"))
+    with pytest.raises(FloatingPointError, match=r"dense gradient norm nan; non-finite gradients in trunk\.0\.weight"
+                                                 r"(;|$)"):
+        train(logs, data.plans[1], TINY, dataclasses.replace(CONFIG, clip_grad_norm=1.0, step_readout=readout),
+              model=model)
+
+
 def test_output_biases_start_at_the_plan_label_rates(data):
     from gem_ops.model.config import FeatureSpec
     from gem_ops.train.initialization import init_output_biases, plan_examples

@@ -49,7 +49,7 @@ from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
 from gem_ops.train.gc_schedule import CollectionSchedule
-from gem_ops.train.gradients import dense_gradient_norm, divergence_message, nonfinite_flags, nonfinite_gradients
+from gem_ops.train.gradients import clip_dense_gradients, divergence_message, nonfinite_gradients
 from gem_ops.train.history_cuts import history_caps
 from gem_ops.train.initialization import init_output_biases
 from gem_ops.train.loss import global_batch_loss
@@ -347,14 +347,13 @@ class Trainer:
                 with record_function("backward"):
                     loss.backward()
                 with record_function("optimizer"):
-                    grad_norm = dense_gradient_norm(sharded.dense_parameters, config.clip_grad_norm)
+                    grad_norm, flags = clip_dense_gradients(sharded.dense_parameters, config.clip_grad_norm)
                     sharded.optimizer.step()
                     if self.average is not None:
                         self.average.update()
                 if unit_prefetch is not None:  # the first step has shown the units' order
                     self.say(f"FSDP2 prefetch set over {len(unit_prefetch.arm())} units, in the first step's order")
                     unit_prefetch = None
-                flags = nonfinite_flags(sharded.dense_parameters) if late else ([], None)
                 current = queue_step(step, size, lr, costs, began, timer.cut(), share, labelled, grad_norm, flags)
                 previous, queued = queued, None
                 if previous is not None and self._read_step(previous, loop, another_queued=True):
@@ -407,8 +406,11 @@ class Trainer:
         value = float(rows[:, n + 2 : n + 2 + tasks].sum())
         norm = float(rows[:, -1].max())
         if not (math.isfinite(value) and math.isfinite(norm)):
-            if not another_queued:  # the gradients still hold what broke
-                names, later = nonfinite_gradients(self.module), ""
+            if not another_queued:  # the dense gradients flagged before clipping spread a NaN; the tables' as they are
+                dense = set(loop.dense_names)
+                names = [loop.dense_names[i] for i in flagged]
+                names += [name for name in nonfinite_gradients(self.module) if name not in dense]
+                later = ""
             elif flagged:  # flagged when the step was queued: the gradients now are the next step's
                 names, later = [loop.dense_names[i] for i in flagged], "; dense gradients checked (steps read late)"
             else:  # none of the dense ones: where else, the next step's gradients may tell

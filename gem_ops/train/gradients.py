@@ -10,15 +10,30 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def dense_gradient_norm(parameters: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The total 2-norm of the parameters' gradients (over every rank's shards), scaling them down to
-    `max_norm` when it is positive and the norm exceeds it. A 0-d tensor on the gradients' device."""
+def clip_dense_gradients(parameters: Sequence[nn.Parameter], max_norm: float
+                         ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor | None]]:
+    """The total 2-norm of the parameters' gradients (over every rank's shards), scaling them down to `max_norm`
+    when it is positive and the norm exceeds it; and, read before that scaling, the indices of the parameters that
+    hold a gradient with, on its device, whether each (this rank's shard) holds a NaN or an inf. Read after it, one
+    NaN would have made every gradient NaN (the scale is max_norm / a NaN norm).
+
+    The flags come from the per-parameter norms the total is made of: one pass over the gradients, not two (a
+    gradient whose squares overflow fp32, |g| above ~1e19, is flagged as well). A 0-d norm on the gradients' device."""
+    held = [i for i, p in enumerate(parameters) if p.grad is not None]
+    if not held:
+        return torch.zeros(()), (held, None)
+    grads = [parameters[i].grad for i in held]
+    if any(isinstance(g, DTensor) for g in grads):  # sharded: torch's clipping sums the norms over the ranks
+        flags = ~torch.isfinite(torch.stack(torch._foreach_norm([_local(g) for g in grads], float("inf"))))
+        norm = (torch.nn.utils.clip_grad_norm_([parameters[i] for i in held], max_norm) if max_norm > 0
+                else torch.nn.utils.get_total_norm(grads))
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm), (held, flags)
+    # As torch.nn.utils.get_total_norm makes it for gradients of one device and dtype: the same total to the bit.
+    norms = torch.stack(torch._foreach_norm(grads, 2.0))
+    total = torch.linalg.vector_norm(norms, 2.0)
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    else:
-        grads = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        torch.nn.utils.clip_grads_with_norm_([parameters[i] for i in held], max_norm, total)
+    return total, (held, ~torch.isfinite(norms))
 
 
 def nonfinite_gradients(module: nn.Module) -> list[str]:
@@ -34,17 +49,6 @@ def nonfinite_gradients(module: nn.Module) -> list[str]:
         if not bool(torch.isfinite(local).all()):
             names.append(name)
     return names
-
-
-def nonfinite_flags(parameters: Sequence[nn.Parameter]) -> tuple[list[int], torch.Tensor | None]:
-    """The indices of `parameters` that hold a gradient and, on its device, whether each (this rank's shard) holds a
-    NaN or an inf: kept with a step that is read late, when the gradients themselves are the next step's."""
-    held = [i for i, p in enumerate(parameters) if p.grad is not None]
-    if not held:
-        return held, None
-    grads = [_local(parameters[i].grad) for i in held]
-    largest = torch._foreach_norm(grads, float("inf"))  # max |g|: inf or NaN exactly where a gradient holds one
-    return held, ~torch.isfinite(torch.stack(largest))
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,8 @@ class QueuedStep:
 def queue_step(step: int, size: int, lr: float, costs: dict[str, Any], began: float, forward_spans: list,
                share: torch.Tensor, labelled: torch.Tensor, grad_norm: torch.Tensor,
                nonfinite: tuple[list[int], torch.Tensor | None] = ([], None)) -> QueuedStep:
-    """The step's figures (and `nonfinite`, gradients.nonfinite_flags') gathered into one tensor and, on a GPU,
-    copied to pinned memory behind its kernels."""
+    """The step's figures (and `nonfinite`, gradients.clip_dense_gradients' flags) gathered into one tensor and,
+    on a GPU, copied to pinned memory behind its kernels."""
     held, flags = nonfinite
     device = share.device
     parts = [share.detach().reshape(-1), labelled.detach().reshape(-1), grad_norm.detach().reshape(1).to(device)]
