@@ -117,3 +117,21 @@ def test_kernel_matches_pytorchs_embedding_backward_on_gpu(monkeypatch):
     got = table_gradient(grads, ids, 3000)
     monkeypatch.setenv("GEM_TABLE_GRADIENT", "aten")
     torch.testing.assert_close(got, table_gradient(grads, ids, 3000), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batches_of_other_sizes_compile_no_new_variant_on_gpu():
+    """A batch's sizes (ids, chunks, the first part's length) are not specialised on: a size of another class
+    (1, a multiple of 16, neither) met in a later step costs no compile."""
+    from kernels.triton import triton_table_gradient as kernels
+
+    def variants() -> int:
+        return sum(len(caches[0]) for f in (kernels._chunk_sums_kernel, kernels._carries_kernel)
+                   for caches in f.device_caches.values())
+
+    table_gradient(*_case((37, 5), 50, 64, 1.0, "cuda"), 50)
+    before = variants()
+    for sizes in ((1, 1), (64, 16), (1000, 3), (17,)):
+        _check(sizes, 50, 64, 1.0, "cuda")
+    assert variants() == before

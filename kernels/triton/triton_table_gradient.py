@@ -36,7 +36,9 @@ def _restarting_sum(start_a, sum_a, start_b, sum_b):
     return start_a | start_b, tl.where(start_b != 0, sum_b, sum_a + sum_b)
 
 
-@triton.jit
+# A batch's sizes are not specialised on (Triton compiles a variant per size % 16 otherwise: a stall of a
+# compile in some later step).
+@triton.jit(do_not_specialize=["first_len", "n"])
 def _chunk_sums_kernel(sorted_ptr, order_ptr, first_ptr, second_ptr, first_len, first_stride, second_stride,
                        out_ptr, carry_ptr, n, dim, out_stride, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
@@ -66,7 +68,7 @@ def _chunk_sums_kernel(sorted_ptr, order_ptr, first_ptr, second_ptr, first_len, 
     tl.store(carry_ptr + chunk * dim + col, carry, mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "chunks"])
 def _carries_kernel(sorted_ptr, out_ptr, carry_ptr, n, dim, out_stride, chunks, CHUNK: tl.constexpr,
                     BLOCK_D: tl.constexpr, CARRY_BLOCK: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
