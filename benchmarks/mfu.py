@@ -271,7 +271,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds", "communication",
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
                                      "rank_measures", "step_stalls", "attention_configs",
-                                     "attention_key_sources", "top_kernels", "eager_operators")
+                                     "attention_key_sources", "top_kernels", "eager_operators", "host")
                   if k in report}}
     if run.get("top_kernels"):  # where the profiled steps' device time went, by kind of kernel
         from gem_ops.metrics.kernels import time_by_kind

@@ -150,6 +150,9 @@ class MFUReport:
     top_kernels: list[dict[str, Any]] = field(default_factory=list)
     # ATen ops by input shapes and calling line, with the device time they launched per profiled step (GPU only)
     eager_operators: list[dict[str, Any]] = field(default_factory=list)
+    # the host's side of a profiled step (GPU only): kernel launches, device waits and value reads by calling line,
+    # project functions by host time (gem_ops.train.host_profile)
+    host: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
 

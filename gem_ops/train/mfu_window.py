@@ -24,6 +24,7 @@ from gem_ops.metrics.overlap import communication_overlap, device_kernels
 from gem_ops.model.config import ModelConfig
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.gc_schedule import CollectionPauses
+from gem_ops.train.host_profile import caller, host_profile
 from kernels.jagged_attention import chosen_configs, compiled_variants, stored_tunings_used, tuning_runs
 
 # What the CUDA profiler lists with device time that is no GPU work: a kernel launch that waited for
@@ -186,6 +187,7 @@ class WindowObserver:
         if device.type == "cuda":
             report.top_kernels = top_device_operators(averages, steps)
             report.eager_operators = eager_operators(prof, steps, device)
+            report.host = host_profile(prof, steps)
 
 
 @contextlib.contextmanager
@@ -264,29 +266,12 @@ def eager_operators(profile, steps: int, device: torch.device, limit: int = 40) 
         ms = (event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total) / 1e3
         if ms <= 0:
             continue
-        caller = _caller(event)
-        key = (event.name, str(event.input_shapes)[:160], caller)
-        row = rows.setdefault(key, {"name": key[0], "input_shapes": key[1], "caller": caller, "ms": 0.0, "calls": 0})
+        where = caller(event)
+        key = (event.name, str(event.input_shapes)[:160], where)
+        row = rows.setdefault(key, {"name": key[0], "input_shapes": key[1], "caller": where, "ms": 0.0, "calls": 0})
         row["ms"] += ms / max(1, steps)
         row["calls"] += 1 / max(1, steps)
     return sorted(rows.values(), key=lambda row: row["ms"], reverse=True)[:limit]
-
-
-def _caller(event) -> str:
-    """The first project frame on the stack of the op or of its nearest recorded parent; in the backward
-    (autograd's thread, no Python stack) the autograd node that ran it."""
-    while event is not None:  # Python frames are events of their own, named "path(line): function"
-        frame = next((f for f in [event.name, *(event.stack or ())] if _project_frame(f)), None)
-        if frame:
-            return frame
-        if event.name.startswith("autograd::engine::evaluate_function"):
-            return event.name.split(": ", 1)[-1]
-        event = event.cpu_parent
-    return ""
-
-
-def _project_frame(name: str) -> bool:
-    return ".py(" in name and ("gem_ops/" in name or "kernels/" in name)
 
 
 def scope_seconds(profile, device: torch.device, scopes: tuple[str, ...], steps: int) -> dict[str, float]:
