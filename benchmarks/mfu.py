@@ -268,7 +268,8 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
            **{k: report[k] for k in ("model_tflops", "samples_per_second", "step_seconds_mean", "step_seconds_median",
                                      "model_tflop_per_step", "peak_source", "peak_flops", "gemm_flops", "steps",
                                      "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
-                                     "losses", "phase_seconds", "phase_cpu_seconds", "module_seconds", "communication",
+                                     "step_read_waits", "losses", "phase_seconds", "phase_cpu_seconds",
+                                     "module_seconds", "communication",
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
                                      "rank_measures", "step_stalls", "attention_configs",
                                      "attention_key_sources", "top_kernels", "eager_operators", "host")

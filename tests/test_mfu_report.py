@@ -96,6 +96,9 @@ def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
     stalls = report["step_stalls"]
     assert stalls == {"gc_seconds": [0.0] * STEPS, "compiled_graphs": [0.0] * STEPS,
                       "attention_tunings": [0.0] * STEPS, "attention_compiles": [0.0] * STEPS}
+    # the host's time blocked reading each step back: part of the step's own time
+    waits = report["step_read_waits"]
+    assert len(waits) == STEPS and all(0 <= w <= s for w, s in zip(waits, report["step_seconds"]))
     assert report["attention_key_sources"] == {"tuned": 0, "from_store": 0}  # keys tuned here or taken from disk
     # MFU over the window's wall time (the mean step), which holds every step's own time and what runs
     # between steps; the median step's figure beside it.

@@ -105,6 +105,10 @@ class TrainResult:
     step_ends: list[float] = field(default_factory=list)
     step_module_flops: list[dict[str, float]] = field(default_factory=list)
     step_samples: list[int] = field(default_factory=list)
+    # This rank's host seconds per step blocked on reading the step back: near zero through a window, the device
+    # ran out of queued work before the host queued more (the host bounds the step); with steps read late, how far
+    # the device ran behind the host.
+    step_read_waits: list[float] = field(default_factory=list)
     started: float = 0.0  # time.perf_counter when this session's first step began
     # With validation days: the reports on them (rank 0's), the step whose weights were kept, and the
     # calibration fitted on them ({"scale", "shift"}: [domains][tasks]).
@@ -395,7 +399,9 @@ class Trainer:
         early. `another_queued`: the next step is on the device already (steps read late)."""
         config, result, world = self.config, self.result, self.topology.world_size
         step, costs, objectives = queued.step, queued.costs, self.model.objectives
+        reading = time.perf_counter()
         figures, flagged = read_figures(queued)
+        waited = time.perf_counter() - reading
         # Since the previous step was read: with steps read late, the time the device took for this one.
         wall = time.perf_counter() - max(queued.began, loop.last_read)
         local = [loop.timer.seconds(queued.forward_spans), costs["tokens"], costs["attention_cost"], wall,
@@ -422,6 +428,7 @@ class Trainer:
         result.losses.append(value)
         result.samples += queued.size * world
         result.step_samples.append(queued.size * world)
+        result.step_read_waits.append(waited)
         result.steps = step + 1
         result.step_seconds.append(float(rows[:, n].max()))
         result.step_flops.append(float(rows[:, n + 1].sum()))

@@ -96,6 +96,7 @@ class MFUWindow:
             forward_flops_by_module={k: v / local_total * forward for k, v in local.items()},
             step_seconds=result.step_seconds[first:last], step_flops=step_flops, losses=list(result.losses),
             all_step_seconds=list(result.step_seconds), world_size=result.world_size,
+            step_read_waits=list(result.step_read_waits[first:last]),
             step_measures={m: list(v[first:last]) for m, v in result.balance.mean.items()},
             rank_measures={m: list(v[first:last]) for m, v in result.balance.ranks.items()},
             settings={"model": model_config.to_dict(), "train": train_config.to_dict(),
