@@ -17,6 +17,9 @@ def test_value_reads_and_functions_are_named_by_project_line():
     reads = [r for r in host["device_waits"] if r["name"] == "aten::_local_scalar_dense"]
     assert reads and all(r["caller"].startswith("gem_ops/metrics/quality.py(") for r in reads)
     assert sum(r["calls"] for r in reads) >= 5  # per step: the mean, the sum, the loss, the AUC, the calibration
+    ops = host["operators"]  # by their own host time, no project frame among them
+    assert any(r["name"].startswith("aten::") for r in ops) and not any(".py(" in r["name"] for r in ops)
+    assert [r["ms"] for r in ops] == sorted((r["ms"] for r in ops), reverse=True)
     top = [r for r in host["functions"] if r["function"].endswith(": binary_quality")]
     assert len(top) == 1 and top[0]["calls"] == 1.0 and top[0]["ms"] > 0
     assert all(r["ms"] <= top[0]["ms"] for r in host["functions"] if "quality.py" in r["function"])

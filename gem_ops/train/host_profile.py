@@ -48,22 +48,32 @@ def caller(event) -> str:
     return ""
 
 
+def _python_frame(name: str) -> bool:
+    """The Python tracer's events (any module's frames, built-in calls): inside the operators they call."""
+    return ".py(" in name or name.startswith(("<built-in", "<frozen"))
+
+
 def _host_ms(event) -> float:
     return event.time_range.elapsed_us() / 1e3
 
 
 def host_profile(profile, steps: int, limit: int = 30) -> dict:
     """Per profiled step: kernel launches; each device wait and value read with its calling line (host
-    milliseconds, calls); the project functions by the host time spent inside them (nested ones inside their
-    callers' too)."""
+    milliseconds, calls); the operators and runtime calls by their own host time (less their children's); the
+    project functions by the host time spent inside them (nested ones inside their callers' too)."""
     per = 1 / max(1, steps)
     launches = 0.0
     waits: dict[tuple[str, str], dict] = {}
     functions: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0.0})
+    operators: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0.0})
     for event in profile.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
         name = event.name
+        if not _python_frame(name):
+            row = operators[name[:120]]
+            row["ms"] += event.self_cpu_time_total / 1e3 * per
+            row["calls"] += per
         if name in LAUNCHES:
             launches += per
         elif name in DEVICE_WAITS or name in VALUE_READS:
@@ -75,7 +85,10 @@ def host_profile(profile, steps: int, limit: int = 30) -> dict:
             row = functions[short_frame(name)]
             row["ms"] += _host_ms(event) * per
             row["calls"] += per
-    ranked = sorted(({"function": k, **v} for k, v in functions.items()), key=lambda r: r["ms"], reverse=True)
     return {"launches": launches,
             "device_waits": sorted(waits.values(), key=lambda r: r["ms"], reverse=True)[:limit],
-            "functions": ranked[:limit]}
+            "operators": _ranked(operators, "name", limit), "functions": _ranked(functions, "function", limit)}
+
+
+def _ranked(rows: dict[str, dict], key: str, limit: int) -> list[dict]:
+    return sorted(({key: k, **v} for k, v in rows.items()), key=lambda r: r["ms"], reverse=True)[:limit]
