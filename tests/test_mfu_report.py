@@ -186,6 +186,21 @@ def test_mfu_benchmark_starts_no_run_that_the_time_left_cannot_finish():
     assert "skipped" in end_to_end(None, "preset", {}, "bf16", seconds_left=59.0)
 
 
+def test_a_variants_cold_first_run_does_not_hold_back_its_repeats():
+    """A variant's first run compiles (250 s); a repeat of another variant at the shape shows a warm run's time
+    (95 s): its next repeat is started with 100 s left, not skipped as one of 250 s."""
+    from benchmarks.mfu import seconds_needed
+
+    runs = {"w/bf16@model": [{"wall_seconds": 250.0}],
+            "w/bf16@model+X=1": [{"wall_seconds": 120.0}, {"wall_seconds": 95.0}],
+            "other/bf16@model": [{"wall_seconds": 30.0}, {"wall_seconds": 20.0}],
+            "w/fp8@model": [{"skipped": "time budget"}]}
+    assert seconds_needed(runs, "w", "w/bf16@model") == 95.0  # a repeat elsewhere at this shape, not another shape's
+    assert seconds_needed(runs, "w", "w/bf16@model+X=1") == 95.0  # its own shortest
+    assert seconds_needed(runs, "w", "w/fp8@model") == 60.0  # none of its own yet
+    assert seconds_needed({"w/a": [{"wall_seconds": 250.0}], "w/b": [{"wall_seconds": 80.0}]}, "w", "w/a") == 250.0
+
+
 def test_a_run_stopped_by_the_budget_after_writing_its_result_keeps_its_figures(monkeypatch):
     """The job writes its result, then shuts down; a budget that ends during the shutdown keeps the figures."""
     import sys
