@@ -231,7 +231,7 @@ def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[s
         args.data / "sequence_logs", args.data / "plans", preset=args.preset, depth=depth, width=width,
         model_overrides=overrides, train_settings=settings, nproc_per_node=args.nproc,
         extra=["--device", args.device, "--mfu-steps", str(args.steps), "--mfu-warmup-steps", str(args.warmup_steps),
-               "--mfu-profile-steps", str(args.profile_steps), "--progress-every", "5",
+               "--mfu-profile-steps", str(args.profile_steps), "--mfu-profiler", args.profiler, "--progress-every", "5",
                "--result-json", str(result_json)])
 
 
@@ -284,7 +284,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "module_seconds", "communication",
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
                                      "rank_measures", "step_stalls", "attention_configs",
-                                     "attention_key_sources", "top_kernels", "eager_operators", "host")
+                                     "attention_key_sources", "top_kernels", "eager_operators", "host", "host_python")
                   if k in report}}
     if run.get("top_kernels"):  # where the profiled steps' device time went, by kind of kernel
         from gem_ops.metrics.kernels import time_by_kind
@@ -317,6 +317,10 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
           f"{100 * run['mfu_median_step']:.1f}%), {run['model_tflops']:.0f} model TFLOP/s, "
           f"{run['samples_per_second']:.0f} samples/s, mean step {run['step_seconds_mean'] * 1e3:.0f} ms "
           f"(median {run['step_seconds_median'] * 1e3:.0f} ms){_stalls(run.get('step_stalls') or {})}", flush=True)
+    python = run.get("host_python") or {}
+    for row in python.get("own", [])[:12]:  # where the host's Python time goes, per step
+        print(f"  host {row['own_ms']:7.2f} ms own, {row['ms']:7.2f} ms in, {row['calls']:6.1f} calls  "
+              f"{row['function']}", flush=True)
     return run
 
 
@@ -430,6 +434,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per run")
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--profiler", choices=("torch", "python"), default="torch",
+                        help="torch.profiler over the profiled steps (device kernels, phases), or cProfile (the "
+                             "host's Python time by function)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each shape and precision")
     parser.add_argument("--precisions", nargs="*", default=["bf16"],
                         help="end-to-end runs, each precision[:fp8 recipe][@compile][+NAME=VALUE...] (environment "

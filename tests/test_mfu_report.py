@@ -164,9 +164,10 @@ def test_mfu_benchmark_runs_compile_settings_side_by_side_against_the_first():
     args = argparse.Namespace(width=1.0, depth=1.0, set=[], max_history_len=0, fp8_recipes=["tensorwise_triton"],
                               compile="dense", activation_checkpointing="none", seed=0, unit_prefetch=False,
                               data=Path("data"), preset="gem_gpu", nproc=1, device="cuda", steps=3,
-                              warmup_steps=1, profile_steps=0)
+                              warmup_steps=1, profile_steps=2, profiler="python")
     commands = {v: engine_command(args, {}, v, Path("r.json")) for v in ("bf16", "bf16@model")}
     assert [commands[v][commands[v].index("--compile") + 1] for v in commands] == ["dense", "model"]
+    assert all(c[c.index("--mfu-profiler") + 1] == "python" for c in commands.values())
 
     base = [{"losses": [1.0] * 8, "samples_per_second": 100.0}, {"losses": [1.0] * 8, "samples_per_second": 110.0}]
     runs = [{"losses": [1.01] * 8, "samples_per_second": 120.0}, {"losses": [1.0] * 8, "samples_per_second": 121.0}]
@@ -270,7 +271,7 @@ def test_a_runs_name_sets_training_settings_of_its_job_alone():
     args = argparse.Namespace(width=1.0, depth=1.0, set=[], max_history_len=0, fp8_recipes=["tensorwise_triton"],
                               compile="model", activation_checkpointing="none", seed=0, unit_prefetch=False,
                               data=Path("data"), preset="gem_gpu", nproc=1, device="cuda", steps=2, warmup_steps=1,
-                              profile_steps=0)
+                              profile_steps=0, profiler="torch")
     from gem_ops.train.__main__ import parse_args
 
     command = mfu.engine_command(args, {}, name + "+train.unit_prefetch=true", Path("result.json"))

@@ -155,6 +155,8 @@ class MFUReport:
     # the host's side of a profiled step (GPU only): kernel launches, device waits and value reads by calling line,
     # project functions by host time (gem_ops.train.host_profile)
     host: dict[str, Any] = field(default_factory=dict)
+    # with the window's Python profiler: steps counted, functions by own and by inclusive host time per step
+    host_python: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
 

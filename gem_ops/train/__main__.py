@@ -113,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mfu.add_argument("--mfu-steps", type=int, default=0, help="timed steps; 0: an ordinary training job")
     mfu.add_argument("--mfu-warmup-steps", type=int, default=5)
     mfu.add_argument("--mfu-profile-steps", type=int, default=3)
+    mfu.add_argument("--mfu-profiler", choices=("torch", "python"), default="torch",
+                     help="torch.profiler, or cProfile for the host's Python time by function")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> 
     plan = plan_for_world_size(args.plans, args.plan_world_size or world_size)
     logs = SequenceLogs(args.sequence_logs)
     tracker = RunTracker.attach(args.mlflow_run_id, args.mlflow_tracking_uri)
-    window = MFUWindow(args.mfu_steps, args.mfu_warmup_steps, args.mfu_profile_steps) if args.mfu_steps else None
+    window = MFUWindow(args.mfu_steps, args.mfu_warmup_steps, args.mfu_profile_steps,
+                       args.mfu_profiler) if args.mfu_steps else None
     with open_reporter(rank, args.progress_every) as reporter:
         if window is None:
             _, result = train(logs, plan, model, config, device=args.device, checkpoint_dir=args.checkpoint_dir,

@@ -25,11 +25,13 @@ from gem_ops.model.config import ModelConfig
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.gc_schedule import CollectionPauses
 from gem_ops.train.host_profile import caller, host_profile
+from gem_ops.train.python_profile import PythonStepProfile
 from kernels.jagged_attention import chosen_configs, compiled_variants, stored_tunings_used, tuning_runs
 
 # What the CUDA profiler lists with device time that is no GPU work: a kernel launch that waited for
 # room in a full launch queue. Left out of every phase, module and busy figure.
 HOST_WAITS = frozenset({"Command Buffer Full"})
+PROFILERS = ("torch", "python")
 # Step phases, as scoped by the engine (record_function), and the model's module scopes.
 PHASES = ("data", "data.load", "forward", "backward", "optimizer")  # data.load: the prefetch thread's
 # Nested: sequence.branch (one sequence's layer of a block, with its jagged bookkeeping) holds the
@@ -43,11 +45,16 @@ class MFUWindow:
     steps: int = 20  # timed
     warmup_steps: int = 5  # untimed first (lazy initialisation, compilation, autotuning)
     profile_steps: int = 3  # profiled after the timed ones, after one profiler warm-up step
+    # "torch": torch.profiler (device kernels, phases, modules, the host's operators); "python": cProfile, the
+    # host's Python time by function (gem_ops.train.python_profile)
+    profiler: str = "torch"
 
     def __post_init__(self):
         if self.steps < 1 or self.warmup_steps < 0 or self.profile_steps < 0:
             raise ValueError(f"MFU window: steps must be >= 1 and warm-up/profile steps >= 0, got {self.steps}, "
                              f"{self.warmup_steps}, {self.profile_steps}")
+        if self.profiler not in PROFILERS:
+            raise ValueError(f"MFU window: profiler must be one of {PROFILERS}, got {self.profiler!r}")
 
     @property
     def total_steps(self) -> int:
@@ -124,7 +131,10 @@ class WindowObserver:
         self.stalls: list[tuple[float, int, int]] = [self._stall_counts()]
         self.scopes = contextlib.ExitStack()
         self.profiler = contextlib.nullcontext()
-        if profiling:
+        self.python = PythonStepProfile() if profiling and window.profiler == "python" else None
+        if self.python is not None:
+            self.scopes.callback(self.python.stop)
+        elif profiling:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -154,7 +164,12 @@ class WindowObserver:
             self.alloc_retries.append(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self.prof is not None:
             self.prof.step()
-        if self.profiling and step + 1 == self.window.warmup_steps + self.window.steps:
+        if self.python is not None:  # one step after the window, as the torch profiler's warm-up step
+            if step == self.window.warmup_steps + self.window.steps:
+                self.python.start()
+            elif step + 1 == self.window.total_steps:
+                self.python.stop()
+        elif self.profiling and step + 1 == self.window.warmup_steps + self.window.steps:
             # The module scopes' global hooks cost host time in every module call (and guards in compiled
             # code): on for the profiled steps only, after the timed window.
             self.scopes.enter_context(module_scopes())
@@ -163,6 +178,10 @@ class WindowObserver:
 
     def add_profile(self, report: MFUReport, profiled_step_seconds: list[float]) -> None:
         """Seconds per profiled step by phase and by module, and the profiler's table."""
+        if self.python is not None:
+            report.host_python = self.python.summary()
+            report.profiled_steps = report.host_python["steps"]
+            return
         prof, device, steps = self.prof, self.device, self.window.profile_steps
         report.profiled_steps = steps
         report.phase_seconds = scope_seconds(prof, device, PHASES, steps)
