@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=2, help="profiled after the window (rank 0)")
+    parser.add_argument("--profiler", choices=("torch", "python"), default="torch",
+                        help="torch.profiler (device kernels, exposed communication), or cProfile (host Python)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-budget", type=float, default=0, help="seconds for every run (0: no limit)")
     parser.add_argument("--copy-to", type=Path, help="also copy the JSON here")
