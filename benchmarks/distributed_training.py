@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=2, help="profiled after the window (rank 0)")
+    parser.add_argument("--plans", type=Path, default=None, help="the plans' folder instead of DATA/plans")
     parser.add_argument("--profiler", choices=("torch", "python"), default="torch",
                         help="torch.profiler (device kernels, exposed communication), or cProfile (host Python)")
     parser.add_argument("--seed", type=int, default=0)

@@ -228,7 +228,7 @@ def engine_command(args, shape: dict, variant: str, result_json: Path) -> list[s
                 "activation_checkpointing": args.activation_checkpointing, "seed": args.seed,
                 "unit_prefetch": args.unit_prefetch, **run_train_settings(variant)}
     return torchrun_command(
-        args.data / "sequence_logs", args.data / "plans", preset=args.preset, depth=depth, width=width,
+        args.data / "sequence_logs", args.plans or args.data / "plans", preset=args.preset, depth=depth, width=width,
         model_overrides=overrides, train_settings=settings, nproc_per_node=args.nproc,
         extra=["--device", args.device, "--mfu-steps", str(args.steps), "--mfu-warmup-steps", str(args.warmup_steps),
                "--mfu-profile-steps", str(args.profile_steps), "--mfu-profiler", args.profiler, "--progress-every", "5",
@@ -420,6 +420,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--data", type=Path, required=True, help="a folder with sequence_logs/ and plans/")
+    parser.add_argument("--plans", type=Path, default=None,
+                        help="the plans' folder instead of DATA/plans (e.g. mfu_data.py --repeat-step's)")
     parser.add_argument("--nproc", type=int, default=1,
                         help="torchrun processes (a plan for that world size must exist)")
     parser.add_argument("--preset", default="gem_gpu")

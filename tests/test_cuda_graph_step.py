@@ -75,3 +75,30 @@ def test_gems_step_after_the_lookups_replays_from_one_cuda_graph():
             # equal up to the order of the attention backward's atomic additions and bf16 rounding
             assert _relative_error(captured[name], want[name]) < 2e-2, f"{name} after replay {seed}"
     assert losses[0] != losses[1]  # each replay computed its own batch
+
+
+def test_the_engine_replays_its_compiled_step_from_cuda_graphs(tmp_path):
+    """TrainConfig.cuda_graphs: the engine's compiled step ("reduce-overhead") trains what the compiled step without
+    graphs trains, every graph Inductor was asked for recorded (no skip), the step's start marked each step."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    from gem_ops.model.config import FeatureSpec
+    from gem_ops.train.config import TrainConfig
+    from gem_ops.train.engine import train
+    from tests.training_data import learnable_data
+
+    data = learnable_data(tmp_path, days=4, eval_days=1, max_history_len=32, sub_batch_size=16, n_users=300)
+    logs = data.open()
+    config = model_config("vertical", width=0.5, **{"sequence.max_history_len": 16})
+    base = TrainConfig(max_steps=6, eval_max_examples=64, log_every=2, warmup_steps=2, compile="model",
+                       precision="bf16")
+    counters.clear()
+    graphs = train(logs, data.plans[1], config, dataclasses.replace(base, cuda_graphs=True), device="cuda",
+                   model=seeded_model(FeatureSpec.from_logs(logs), config))[1]
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch._dynamo.reset()
+    plain = train(logs, data.plans[1], config, base, device="cuda",
+                  model=seeded_model(FeatureSpec.from_logs(logs), config))[1]
+    assert graphs.losses == pytest.approx(plain.losses, rel=2e-3)

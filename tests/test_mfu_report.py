@@ -164,10 +164,14 @@ def test_mfu_benchmark_runs_compile_settings_side_by_side_against_the_first():
     args = argparse.Namespace(width=1.0, depth=1.0, set=[], max_history_len=0, fp8_recipes=["tensorwise_triton"],
                               compile="dense", activation_checkpointing="none", seed=0, unit_prefetch=False,
                               data=Path("data"), preset="gem_gpu", nproc=1, device="cuda", steps=3,
-                              warmup_steps=1, profile_steps=2, profiler="python")
+                              warmup_steps=1, profile_steps=2, profiler="python", plans=None)
     commands = {v: engine_command(args, {}, v, Path("r.json")) for v in ("bf16", "bf16@model")}
     assert [commands[v][commands[v].index("--compile") + 1] for v in commands] == ["dense", "model"]
     assert all(c[c.index("--mfu-profiler") + 1] == "python" for c in commands.values())
+    assert all(str(Path("data") / "plans") in c for c in commands.values())
+    repeated = engine_command(argparse.Namespace(**{**vars(args), "plans": Path("data/plans_repeat_7")}), {}, "bf16",
+                              Path("r.json"))
+    assert str(Path("data/plans_repeat_7")) in repeated and str(Path("data") / "plans") not in repeated
 
     base = [{"losses": [1.0] * 8, "samples_per_second": 100.0}, {"losses": [1.0] * 8, "samples_per_second": 110.0}]
     runs = [{"losses": [1.01] * 8, "samples_per_second": 120.0}, {"losses": [1.0] * 8, "samples_per_second": 121.0}]
@@ -271,7 +275,7 @@ def test_a_runs_name_sets_training_settings_of_its_job_alone():
     args = argparse.Namespace(width=1.0, depth=1.0, set=[], max_history_len=0, fp8_recipes=["tensorwise_triton"],
                               compile="model", activation_checkpointing="none", seed=0, unit_prefetch=False,
                               data=Path("data"), preset="gem_gpu", nproc=1, device="cuda", steps=2, warmup_steps=1,
-                              profile_steps=0, profiler="torch")
+                              profile_steps=0, profiler="torch", plans=None)
     from gem_ops.train.__main__ import parse_args
 
     command = mfu.engine_command(args, {}, name + "+train.unit_prefetch=true", Path("result.json"))
@@ -291,3 +295,26 @@ def test_step_ratios_compare_the_same_batches_and_replace_chosen_steps():
     assert abs(figures["mfu_window_mean_with_replaced_steps"] - 40 / 3.7 / 10) < 1e-12
     with pytest.raises(ValueError, match="same batches"):
         compare(before, dict(after, step_flops=[1.0, 2.0, 3.0]), [])
+
+
+def test_a_repeated_step_plan_gives_every_step_that_steps_examples_per_rank(tmp_path):
+    """mfu_data.py --repeat-step: each rank's batch of the chosen step at every step, the plan's metadata kept."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from benchmarks.mfu_data import repeated_step_plan
+    from gem_ops.data.batch_shuffling import read_rank_plan
+
+    examples = pa.array([[10 * s + r, 10 * s + r + 100] for s in range(3) for r in range(2)], pa.list_(pa.int64(), 2))
+    table = pa.table({"step": pa.array([0, 0, 1, 1, 2, 2], pa.int32()), "rank": pa.array([0, 1] * 3, pa.int32()),
+                      "cost": [float(i) for i in range(6)], "examples": examples})
+    path = tmp_path / "plans" / "world_size=2.parquet"
+    path.parent.mkdir()
+    pq.write_table(table.replace_schema_metadata({"gem.plan": '{"world_size": 2}'}), path)
+    out = repeated_step_plan(path, 1)
+    assert out == tmp_path / "plans_repeat_1" / "world_size=2.parquet"
+    for rank in (0, 1):
+        assert read_rank_plan(out, rank).tolist() == [[10 + rank, 110 + rank]] * 3
+    assert pq.read_schema(out).metadata[b"gem.plan"] == b'{"world_size": 2}'
+    with pytest.raises(SystemExit, match="--repeat-step 5"):
+        repeated_step_plan(path, 5)

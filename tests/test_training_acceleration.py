@@ -328,6 +328,12 @@ def test_compile_model_names_the_setting_for_a_model_without_a_step():
         prepare_for_training(nn.Linear(4, 4), TrainConfig(compile="model"), "cpu")
 
 
+def test_cuda_graphs_without_the_compiled_step_names_the_setting():
+    with pytest.raises(ValueError, match=r"TrainConfig.cuda_graphs .* needs compile='model', got compile='dense'"):
+        TrainConfig(compile="dense", cuda_graphs=True)
+    assert TrainConfig(compile="model", cuda_graphs=True).cuda_graphs
+
+
 @pytest.mark.slow
 def test_checkpointed_compiled_layers_give_eager_gradients():
     """prepare_for_training compiles first, then checkpoints: a checkpointed layer recomputes its

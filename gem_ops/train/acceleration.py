@@ -126,11 +126,15 @@ def compile_dense_blocks(model: nn.Module) -> list[str]:
     return list(blocks)
 
 
-def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", fullgraph: bool = False) -> list[str]:
+def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", fullgraph: bool = False,
+                       cuda_graphs: bool = False) -> list[str]:
     """torch.compile of everything in a training step's forward after the embedding lookups
     (GEMModel.dense_loss_sums), as one graph: the jagged attention enters it as a custom op, the jagged
     bookkeeping fuses with the layers around it, and its backward compiles too. Sizes are dynamic from the
-    first compile (a batch's size, token counts and the pyramid's level sizes change every step)."""
+    first compile (a batch's size, token counts and the pyramid's level sizes change every step).
+    `cuda_graphs`: forward and backward replayed from CUDA graphs (mode "reduce-overhead"), recorded per set of
+    sizes; the caller marks each training step's start (torch.compiler.cudagraph_mark_step_begin)."""
+    mode = "reduce-overhead" if cuda_graphs else None
     if not hasattr(model, "dense_loss_sums"):
         raise ValueError(f"TrainConfig.compile='model' compiles GEM's step; {type(model).__name__} has none: "
                          "use compile='dense' or 'none'")
@@ -138,12 +142,12 @@ def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", f
     # its graph rather than the step falling back to eager past Dynamo's default limit of 8.
     _allow_recompiles(64)
     _cache_custom_autograd_functions()
-    compiled = torch.compile(model.dense_loss_sums, dynamic=True, backend=backend, fullgraph=fullgraph)
+    compiled = torch.compile(model.dense_loss_sums, dynamic=True, backend=backend, fullgraph=fullgraph, mode=mode)
     model.dense_loss_sums = functools.partial(_size_oblivious, compiled)
     # The history tokens' sum and norm run inside the embeddings' forward (an FSDP2 unit of its own on some
     # paths, so not within the step's graph): a graph of their own, one kernel for the sum, norm and cast.
     embeddings = model.embeddings
-    tokens = torch.compile(embeddings.history_tokens, dynamic=True, backend=backend, fullgraph=True)
+    tokens = torch.compile(embeddings.history_tokens, dynamic=True, backend=backend, fullgraph=True, mode=mode)
     embeddings.history_tokens = functools.partial(_size_oblivious, tokens)
     return ["dense_loss_sums", "embeddings.history_tokens"]
 
@@ -207,7 +211,8 @@ def prepare_for_training(model: nn.Module, config, device: torch.device | str) -
         applied["fp8"] = convert_to_fp8(model, config.fp8_recipe)
     # Compiled first, so that a checkpointed layer recomputes its compiled forward.
     if config.compile in ("dense", "model"):
-        applied["compile"] = compile_dense_blocks(model) if config.compile == "dense" else compile_model_step(model)
+        applied["compile"] = (compile_dense_blocks(model) if config.compile == "dense"
+                              else compile_model_step(model, cuda_graphs=config.cuda_graphs))
     if config.activation_checkpointing == "sequence":
         applied["activation_checkpointing"] = checkpoint_sequence_layers(model)
     return applied

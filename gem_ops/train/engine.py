@@ -339,6 +339,8 @@ class Trainer:
                 # Dropout's masks as a function of the step: a run resumed from a checkpoint draws what an
                 # unbroken one did.
                 torch.manual_seed(config.seed * 1_000_003 + step)
+                if config.cuda_graphs:  # the graphs' outputs of the step before may be overwritten from here
+                    torch.compiler.cudagraph_mark_step_begin()
                 lr = set_dense_lr(sharded.optimizer, config, step, self.total)
                 with record_function("data"):  # waiting for the prefetched batch, and the copy to the device
                     _, (size, x, costs) = next(inputs)
