@@ -46,7 +46,8 @@ class TrainConfig:
     # dense: torch.compile of each dense block; model: of the whole step after the embedding lookups, one graph
     compile: Literal["none", "dense", "model"] = "none"
     # With compile "model": the compiled step's forward and backward replayed from CUDA graphs (Inductor's
-    # "reduce-overhead"), one graph per set of batch sizes met; no per-kernel host work where sizes repeat
+    # "reduce-overhead"), one graph recorded per set of batch sizes met: no per-kernel host work where sizes
+    # repeat. A plan's batches are not yet padded to bucketed sizes, so real runs record a graph most steps.
     cuda_graphs: bool = False
     # One-process training: embedding tables with sparse gradients, updated only in the rows looked up.
     # Off by default: on the H200 it cut the GPU preset's bf16 MFU from 45% to 31% (coalescing the
