@@ -136,6 +136,67 @@ def test_jagged_ops_match_a_per_sequence_loop(seed):
         assert torch.equal(last_offsets, jagged.offsets_of(lengths.clamp(max=n)))
 
 
+def _padded(values: torch.Tensor, extra: int) -> torch.Tensor:
+    """values with `extra` rows past the last sequence (finite, no sequence's), as a padded step holds them."""
+    tail = torch.full((extra, *values.shape[1:]), 7.0)
+    return torch.cat([values, tail]).detach().requires_grad_()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("extra", [0, 5])
+def test_padded_jagged_ops_give_the_exact_ops_rows_and_zeros_past_them(seed, extra):
+    """padded=True with capacities above the sizes (a bucketed step): every sequence's rows and their gradients as
+    the exact ops give them, zeros in the rows past the last sequence, no gradient into the input's spare rows."""
+    values, offsets, lengths = _random_jagged(seed)
+    n = values.shape[0]
+    padded = _padded(values, extra)
+    prefix = torch.randn(len(lengths), 2, 3)
+
+    def check(exact, got, capacity):
+        assert got.shape[0] == capacity and torch.equal(got[: exact.shape[0]], exact)
+        assert not got[exact.shape[0]:].any()
+
+    joined, joined_offsets = jagged.prepend(prefix, values, offsets)
+    joined_p, joined_offsets_p = jagged.prepend(prefix, padded, offsets, padded=True)
+    check(joined, joined_p, n + extra + 2 * len(lengths))
+    assert torch.equal(joined_offsets_p, joined_offsets)
+    _, rest, _ = jagged.split_prefix(joined, joined_offsets, 2)
+    prefix_p, rest_p, rest_offsets_p = jagged.split_prefix(joined_p, joined_offsets_p, 2, padded=True)
+    check(rest, rest_p, n + extra)
+    assert torch.equal(prefix_p, prefix) and torch.equal(rest_offsets_p, offsets)
+
+    keep = torch.rand(n, generator=torch.Generator().manual_seed(seed)) < 0.5
+    chosen, _ = jagged.select(values, offsets, keep, int(keep.sum()))
+    chosen_p, _ = jagged.select(padded, offsets, keep, int(keep.sum()) + extra + 1, padded=True)
+    check(chosen, chosen_p, int(keep.sum()) + extra + 1)
+    for cap in (1, 3, 100):
+        total = int(lengths.clamp(max=cap).sum())
+        last, last_offsets = jagged.keep_last(values, offsets, cap, total)
+        last_p, last_offsets_p = jagged.keep_last(padded, offsets, cap, total + extra, padded=True)
+        check(last, last_p, total + extra)
+        assert torch.equal(last_offsets_p, last_offsets)
+    torch.testing.assert_close(jagged.segment_mean(padded, offsets, padded=True), jagged.segment_mean(values, offsets))
+
+    # Gradients: through every op at once, the sequences' rows as exact, none into the spare rows.
+    weights = torch.randn(n + extra + 1, 3, generator=torch.Generator().manual_seed(seed + 10))
+    for x, pad in ((values, False), (padded, True)):
+        t = jagged.keep_last(jagged.select(x, offsets, keep, int(keep.sum()) + (extra + 1) * pad, padded=pad)[0],
+                             jagged.offsets_of(jagged.kept_lengths(offsets, keep)), 2,
+                             int(jagged.kept_lengths(offsets, keep).clamp(max=2).sum()) + extra * pad, padded=pad)[0]
+        (t * weights[: t.shape[0]]).sum().backward()
+    torch.testing.assert_close(padded.grad[:n], values.grad)
+    assert not padded.grad[n:].any()
+
+
+def test_take_rows_gives_zeros_for_rows_of_minus_one_and_their_gradient_to_none():
+    values = torch.arange(12.0).view(6, 2).requires_grad_()
+    rows = torch.tensor([4, -1, 0, -1, 2])
+    taken = jagged.take_rows(values, rows, zero_rows=True)
+    assert taken.tolist() == [[8, 9], [0, 0], [0, 1], [0, 0], [4, 5]]
+    (taken * torch.arange(1.0, 11.0).view(5, 2)).sum().backward()
+    assert values.grad.tolist() == [[5, 6], [0, 0], [9, 10], [0, 0], [1, 2], [0, 0]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_take_rows_backward_writes_each_row_once(dtype):
     """take_rows' backward (index_copy into zeros) equals index_select's (index_add) for distinct rows."""
