@@ -79,7 +79,8 @@ def test_gems_step_after_the_lookups_replays_from_one_cuda_graph():
 
 def test_the_engine_replays_its_compiled_step_from_cuda_graphs(tmp_path):
     """TrainConfig.cuda_graphs: the engine's compiled step ("reduce-overhead") trains what the compiled step without
-    graphs trains, every graph Inductor was asked for recorded (no skip), the step's start marked each step."""
+    graphs trains, on exact and on bucketed sizes (size_bucket), every graph Inductor was asked for recorded (no
+    skip), the step's start marked each step."""
     import dataclasses
 
     from torch._dynamo.utils import counters
@@ -99,6 +100,11 @@ def test_the_engine_replays_its_compiled_step_from_cuda_graphs(tmp_path):
                    model=seeded_model(FeatureSpec.from_logs(logs), config))[1]
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     torch._dynamo.reset()
+    bucketed = train(logs, data.plans[1], config, dataclasses.replace(base, cuda_graphs=True, size_bucket=1.5),
+                     device="cuda", model=seeded_model(FeatureSpec.from_logs(logs), config))[1]
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch._dynamo.reset()
     plain = train(logs, data.plans[1], config, base, device="cuda",
                   model=seeded_model(FeatureSpec.from_logs(logs), config))[1]
     assert graphs.losses == pytest.approx(plain.losses, rel=2e-3)
+    assert bucketed.losses == pytest.approx(plain.losses, rel=2e-3)  # padded to bucketed sizes, replayed

@@ -602,3 +602,45 @@ def test_context_tables_are_left_to_their_collection_when_gradients_are_sparse()
     x = model_input(random_batch(LENGTHS), SPEC, model.config)
     model.embeddings(x)[2].sum().backward()
     assert model.embeddings.sequence.embeddings["history_surface"].weight.grad.is_sparse
+
+
+@pytest.mark.parametrize("ratio", [1.3, 2.0])
+def test_a_step_on_bucketed_sizes_gives_the_exact_steps_loss_and_gradients(ratio):
+    """model_input(size_bucket=...): every size the step after the lookups sees rounded up to a bucket (capacities,
+    rows past the last example's no example's); the loss, every gradient and the user summary as with exact sizes."""
+    from gem_ops.model.features import bucketed
+    from gem_ops.model.heads import loss_from_sums
+
+    config = model_config("gem", width=0.5, blocks=2, **{"embedding.item_buckets": 1024,
+                                                         "embedding.user_buckets": 1024})
+    batch = random_batch([3, 1, 40, 9, 70, 0, 12, 5, 33, 2], seed=3)
+    exact = model_input(batch, SPEC, config, with_level_sizes=True)
+    padded = model_input(batch, SPEC, config, with_level_sizes=True, size_bucket=ratio)
+    assert padded.padded and padded.history_action.numel() == bucketed(int(batch.history_offsets[-1]), ratio)
+    assert all(p >= e for ps, es in zip(padded.level_sizes, exact.level_sizes) for p, e in zip(ps, es))
+    assert padded.level_sizes != exact.level_sizes
+    results = []
+    for x in (exact, padded):
+        torch.manual_seed(0)
+        model = GEMModel(SPEC, config)
+        loss = loss_from_sums(model.loss_sums(x))[0]
+        loss.backward()
+        with torch.no_grad():
+            summary = model.eval().user_summary(x)
+        results.append((loss.detach(), summary, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, summary, grads), (padded_loss, padded_summary, padded_grads) = results
+    torch.testing.assert_close(padded_loss, loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(padded_summary, summary, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == padded_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bucketed_sizes_are_few_and_name_a_bad_ratio():
+    from gem_ops.model.features import bucketed
+
+    sizes = {bucketed(n, 1.05) for n in range(130_000, 280_000, 97)}
+    assert 10 <= len(sizes) <= 20 and all(s % 64 == 0 for s in sizes)
+    assert bucketed(1, 1.05) == 64 and bucketed(64, 1.05) == 64 and bucketed(65, 1.05) == 128
+    with pytest.raises(ValueError, match="ratio must be > 1"):
+        bucketed(10, 1.0)

@@ -74,6 +74,30 @@ def test_which_runs_read_late_and_which_steps_are_read_at_once():
         TrainConfig(step_readout="later")
 
 
+def test_bucketed_sizes_train_what_exact_sizes_do(data, monkeypatch):
+    """TrainConfig.size_bucket: every batch padded to bucketed sizes (rows of no example past the last), the same
+    losses step by step."""
+    import gem_ops.train.engine as engine
+
+    logs, spare_rows = data.open(), []
+    built = engine.model_input
+
+    def recording(*args, **kwargs):
+        x = built(*args, **kwargs)
+        spare_rows.append(x.history_action.numel() - int(x.history_offsets[-1]))
+        return x
+
+    monkeypatch.setattr(engine, "model_input", recording)
+    runs = {}
+    for bucket in (0.0, 1.5):
+        spare_rows.clear()
+        runs[bucket] = train(logs, data.plans[1], TINY, dataclasses.replace(CONFIG, size_bucket=bucket))[1]
+        assert (max(spare_rows) > 0) == bool(bucket) and len(spare_rows) >= CONFIG.max_steps
+    assert runs[1.5].losses == pytest.approx(runs[0.0].losses, rel=1e-5)
+    with pytest.raises(ValueError, match="size_bucket must be 0"):
+        TrainConfig(size_bucket=0.5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_steps_read_late_train_what_steps_read_at_once_do(data):

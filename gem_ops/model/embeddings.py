@@ -93,13 +93,22 @@ class GEMEmbeddings(nn.Module):
         by_key = self.pooled(x.pooled).to_dict()
         pooled = torch.stack([self._at_width(key, by_key[key]) for key in self.pooled_keys], dim=1)
         context = self._context_tables()
-        ids = x.sequence.to_dict() if context else None
+        ids = {k: jt.values() for k, jt in x.sequence.to_dict().items()} if context else None
+        # Bucketed sizes (x.padded): history ids padded with row 0 up to the events' capacity, so that the lookups
+        # give the capacity's rows (rows past the last example's, whose gradient is zero) without a copy.
+        capacity = x.history_action.shape[0] if x.padded else None
+        if ids is not None and capacity is not None:
+            ids = {k: v if k == F.CANDIDATE_ITEM else nn.functional.pad(v, (0, capacity - v.shape[0]))
+                   for k, v in ids.items()}
         seq = self._sequence_lookups(x.sequence, ids, looked_up_here=bool(context))
         candidate = self._at_width(F.CANDIDATE_ITEM, seq[F.CANDIDATE_ITEM])
         parts = [self._at_width(key, seq[key]) for key in self.history_keys if key in seq]
+        if capacity is not None:  # parts looked up through the collections: padded after (a copy each)
+            parts = [nn.functional.pad(p, (0, 0, 0, capacity - p.shape[0])) if p.shape[0] < capacity else p
+                     for p in parts]
         if not context:
             return pooled, candidate, self.history_tokens(*parts)
-        return pooled, candidate, self.history_tokens(*parts, context_ids=[ids[k].values() for k in self.context_keys],
+        return pooled, candidate, self.history_tokens(*parts, context_ids=[ids[k] for k in self.context_keys],
                                                       context_tables=context)
 
     def history_tokens(self, *parts: torch.Tensor, context_ids: list[torch.Tensor] | None = None,
@@ -129,17 +138,18 @@ class GEMEmbeddings(nn.Module):
     def _sequence_lookups(self, kjt: KeyedJaggedTensor, ids: dict | None = None, looked_up_here: bool = False
                           ) -> dict[str, torch.Tensor]:
         """Key -> its embeddings [n, width]: all keys through the TorchRec collections, or (looked_up_here) the main
-        collection's tables read directly, the context tables' keys left out (history_tokens sums those). `ids`:
-        kjt by key, where the caller has it."""
+        collection's tables read directly from `ids` (key -> id tensor), the context tables' keys left out
+        (history_tokens sums those)."""
         if not self.sequence_other and not looked_up_here:
             return {key: jt.values() for key, jt in self.sequence(kjt).items()}
-        ids = kjt.to_dict() if ids is None else ids
+        by_key = kjt.to_dict() if ids is None or self.sequence_other or not looked_up_here else None
         if looked_up_here:
+            ids = {k: jt.values() for k, jt in by_key.items()} if ids is None else ids
             out = self._lookups_by_table([key for key in self.sequence_keys if key not in self.context_keys], ids)
         else:
-            out = self._collection_lookups(self.sequence, ids)
+            out = self._collection_lookups(self.sequence, by_key)
         for collection in self.sequence_other.values():
-            out.update(self._collection_lookups(collection, ids))
+            out.update(self._collection_lookups(collection, by_key))
         return out
 
     def _lookups_by_table(self, keys: list[str], ids: dict) -> dict[str, torch.Tensor]:
@@ -151,7 +161,7 @@ class GEMEmbeddings(nn.Module):
             by_table.setdefault(self.table_of[key], []).append(key)
         out = {}
         for table, names in by_table.items():
-            rows = _TableRows.apply(self.sequence.embeddings[table].weight, *(ids[key].values() for key in names))
+            rows = _TableRows.apply(self.sequence.embeddings[table].weight, *(ids[key] for key in names))
             out.update(zip(names, rows))
         return out
 

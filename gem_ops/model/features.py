@@ -72,6 +72,9 @@ class ModelInput:
     # Per sequence branch, its history tokens at every level of the pyramid (jagged.level_totals), counted on the
     # host where the batch was built: a forward then never waits to read them back from the device.
     level_sizes: list[list[int]] | None = None
+    # Sizes bucketed (model_input's size_bucket): level_sizes and the history events' count (history_action's,
+    # history_event_type's and the history tokens' rows) are capacities, rows past the last sequence no example's.
+    padded: bool = False
 
     @property
     def size(self) -> int:
@@ -114,8 +117,23 @@ def branch_lengths(x: ModelInput, spec: FeatureSpec, names) -> tuple[list[torch.
     """Per sequence branch: its keep mask [N] (None: every event) and each example's kept length, stacked [S, B]."""
     keeps = [branch_keep_mask(name, spec, x.history_action, x.history_event_type) for name in names]
     lengths = torch.stack([jagged.lengths_of(x.history_offsets) if keep is None
-                           else jagged.kept_lengths(x.history_offsets, keep) for keep in keeps])
+                           else jagged.kept_lengths(x.history_offsets, keep, x.padded) for keep in keeps])
     return keeps, lengths
+
+
+def bucketed(n: int, ratio: float, quantum: int = 64) -> int:
+    """The smallest size of the ladder quantum, then each step `ratio` times the last (rounded up to a multiple of
+    quantum), that holds n: a batch's sizes rounded to a few dozen values over a run."""
+    if ratio <= 1:
+        raise ValueError(f"size bucket ratio must be > 1, got {ratio}")
+    size = quantum
+    while size < n:
+        size = -(-int(size * ratio) // quantum) * quantum
+    return size
+
+
+def _padded_events(values: torch.Tensor, capacity: int, fill: int) -> torch.Tensor:
+    return torch.cat([values, values.new_full((capacity - values.numel(),), fill)])
 
 
 def level_sizes(x: ModelInput, spec: FeatureSpec, config: ModelConfig) -> list[list[int]]:
@@ -125,10 +143,12 @@ def level_sizes(x: ModelInput, spec: FeatureSpec, config: ModelConfig) -> list[l
 
 
 def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig,
-                with_level_sizes: bool = False) -> ModelInput:
+                with_level_sizes: bool = False, size_bucket: float = 0.0) -> ModelInput:
     """The model's input from a loader batch; `with_level_sizes` also counts the pyramid's level sizes on the host
     (for a training or eval loop that builds inputs on the CPU and moves them to a GPU; not for a traced export,
-    which would take the counts for constants)."""
+    which would take the counts for constants). `size_bucket` (> 1, with level sizes): every size the step after
+    the lookups sees rounded up (bucketed), the history events' tensors padded with events no branch but "all"
+    reads, past the last example's (ModelInput.padded)."""
     emb = config.embedding
     B = batch.size
     pooled_ids = [hash_ids(batch.user_id, emb.user_buckets)]
@@ -179,6 +199,12 @@ def model_input(batch: SequenceBatch, spec: FeatureSpec, config: ModelConfig,
     )
     if with_level_sizes and config.architecture == "gem" and config.use_sequence and config.sequence.branches:
         x.level_sizes = level_sizes(x, spec, config)
+        if size_bucket:
+            x.level_sizes = [[bucketed(n, size_bucket) for n in sizes] for sizes in x.level_sizes]
+            capacity = bucketed(int(batch.history_offsets[-1]), size_bucket)  # the "all" tokens' own bucket
+            x.history_action = _padded_events(x.history_action, capacity, 0)
+            x.history_event_type = _padded_events(x.history_event_type, capacity, -1)
+            x.padded = True
     return x
 
 

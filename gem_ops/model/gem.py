@@ -50,21 +50,22 @@ class SequenceBranch(nn.Module):
                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if keep is None:
             return history, x.history_offsets
-        return jagged.select(history, x.history_offsets, keep, total, lengths)
+        return jagged.select(history, x.history_offsets, keep, total, lengths, x.padded)
 
     def forward(self, block: int, tokens: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor,
-                offsets: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                offsets: torch.Tensor, kept: int, padded: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens [B, n, d] -> (summaries [B, K + 2, d], history after this level, its offsets); `kept`:
-        the history tokens left after this level's cut."""
+        the history tokens left after this level's cut (`padded`: its capacity, jagged.py)."""
         B = tokens.shape[0]
         prefix = self.summarize[block](tokens.flatten(1)).view(B, self.k, -1)
-        values, with_prefix = jagged.prepend(prefix, history, offsets)
+        values, with_prefix = jagged.prepend(prefix, history, offsets, padded)
         values = self.layers[block](values, with_prefix)
-        cls, history, offsets = jagged.split_prefix(values, with_prefix, self.k)
+        cls, history, offsets = jagged.split_prefix(values, with_prefix, self.k, padded)
         # The candidate reads the whole level before the pyramid cuts it: a match far back still counts.
         queries = torch.stack([candidate, tokens.mean(1)], dim=1)
         attended = self.cross[block](queries, history, offsets)
-        history, offsets = jagged.keep_last(history, offsets, self.levels[block], kept)
+        history, offsets = jagged.keep_last(history, offsets, self.levels[block], kept, padded)
         return torch.cat([self.cls_out[block](cls), attended], dim=1), history, offsets
 
 
@@ -128,7 +129,8 @@ class GEMModel(nn.Module):
         last pyramid level (the user's most recent events after every sequence layer), which under a
         neutral request is what the sequence arm knows of the user before any candidate is named."""
         trunk, states = self._encode(x)
-        return torch.cat([trunk, *(jagged.segment_mean(h, offsets).to(trunk.dtype) for h, offsets in states)], dim=1)
+        return torch.cat([trunk, *(jagged.segment_mean(h, offsets, x.padded).to(trunk.dtype) for h, offsets in states)],
+                         dim=1)
 
     def _encode(self, x: ModelInput) -> tuple[torch.Tensor, list]:
         """(the trunk's output, each branch's (history, offsets) after its last level)."""
@@ -148,7 +150,7 @@ class GEMModel(nn.Module):
         for block, interaction in enumerate(self.interaction):
             extra = []
             for i, branch in enumerate(self.branches):
-                summary, *states[i] = branch(block, tokens, candidate, *states[i], sizes[i][block + 1])
+                summary, *states[i] = branch(block, tokens, candidate, *states[i], sizes[i][block + 1], x.padded)
                 extra.append(summary)
             tokens = interaction(torch.cat([tokens, *extra], dim=1))
         return self.trunk(tokens.flatten(1)), states

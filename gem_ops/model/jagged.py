@@ -84,10 +84,11 @@ def positions_from_end(offsets: torch.Tensor, total: int | None = None) -> torch
     return ends(offsets)[seg] - 1 - torch.arange(seg.numel(), device=offsets.device)
 
 
-def kept_lengths(offsets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def kept_lengths(offsets: torch.Tensor, keep: torch.Tensor, padded: bool = False) -> torch.Tensor:
     """[B] how many of each sequence's values `keep` [N] marks."""
-    lengths = torch.zeros(offsets.numel() - 1, dtype=offsets.dtype, device=offsets.device)
-    return lengths.index_add_(0, segment_ids(offsets, keep.numel()), keep.to(offsets.dtype))
+    B = offsets.numel() - 1
+    lengths = torch.zeros(B + padded, dtype=offsets.dtype, device=offsets.device)
+    return lengths.index_add_(0, segment_ids(offsets, keep.numel(), padded), keep.to(offsets.dtype)).narrow(0, 0, B)
 
 
 def select(values: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor, total: int | None = None,

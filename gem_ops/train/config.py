@@ -47,8 +47,11 @@ class TrainConfig:
     compile: Literal["none", "dense", "model"] = "none"
     # With compile "model": the compiled step's forward and backward replayed from CUDA graphs (Inductor's
     # "reduce-overhead"), one graph recorded per set of batch sizes met: no per-kernel host work where sizes
-    # repeat. A plan's batches are not yet padded to bucketed sizes, so real runs record a graph most steps.
+    # repeat (size_bucket rounds them to a ladder; how many sets a run meets is not yet measured).
     cuda_graphs: bool = False
+    # > 1: every size the compiled step sees (history events, each pyramid level's tokens) rounded up to a ladder
+    # of sizes this ratio apart (features.bucketed), rows past the last example's no example's; 0: exact sizes
+    size_bucket: float = 0.0
     # One-process training: embedding tables with sparse gradients, updated only in the rows looked up.
     # Off by default: on the H200 it cut the GPU preset's bf16 MFU from 45% to 31% (coalescing the
     # sparse gradients waits on the device every step) against updating the whole tables.
@@ -108,6 +111,8 @@ class TrainConfig:
         if self.cuda_graphs and self.compile != "model":
             raise ValueError(f"TrainConfig.cuda_graphs replays the compiled step: it needs compile='model', "
                              f"got compile={self.compile!r}")
+        if self.size_bucket and self.size_bucket <= 1:
+            raise ValueError(f"TrainConfig.size_bucket must be 0 (exact sizes) or > 1, got {self.size_bucket}")
         if self.gc_every < 0:
             raise ValueError(f"TrainConfig.gc_every must be >= 0 (0: Python's automatic collection), "
                              f"got {self.gc_every}")

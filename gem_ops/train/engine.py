@@ -485,7 +485,8 @@ class Trainer:
             sequence = self.model_config.sequence
             batch = self.logs.batch(examples, max_len, caps, retrieved_events=sequence.retrieved_events,
                                     retrieval_key=sequence.retrieval_key)
-            x = model_input(batch, self.spec, self.model_config, with_level_sizes=True)
+            x = model_input(batch, self.spec, self.model_config, with_level_sizes=True,
+                            size_bucket=self.config.size_bucket)
             if self.device.type == "cuda":
                 x = x.pin_memory()
             tokens = batch.history_lengths.double() + 1.0  # the candidate is a token too
