@@ -159,15 +159,16 @@ def test_compiled_dense_blocks_match_eager():
                             ([3, 1, 12, 0], [7, 0, 2, 30, 5], [1, 1, 40, 9]))
 
 
-def _compiled_against_eager(config, compile_step, batches, prepare=lambda model: None) -> None:
+def _compiled_against_eager(config, compile_step, batches, prepare=lambda model: None, size_bucket=0.0) -> None:
     """Loss and every gradient of a compiled model against eager, on batches of changing lengths (their level
-    sizes counted on the host, as the engine's batches come); `prepare` changes both models first."""
+    sizes counted on the host, as the engine's batches come; bucketed with `size_bucket`); `prepare` changes both
+    models first."""
     eager, compiled = seeded_model(SPEC, config), seeded_model(SPEC, config)
     prepare(eager)
     prepare(compiled)
     compile_step(compiled)
     for seed, lengths in enumerate(batches):
-        x = model_input(random_batch(lengths, seed), SPEC, config, with_level_sizes=True)
+        x = model_input(random_batch(lengths, seed), SPEC, config, with_level_sizes=True, size_bucket=size_bucket)
         losses = [model.loss(x)[0] for model in (eager, compiled)]
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
         for model, loss in zip((eager, compiled), losses):
@@ -188,6 +189,12 @@ def test_gems_step_after_the_lookups_traces_as_one_graph_for_every_batch():
     pyramid's bookkeeping included, is one graph (fullgraph: a break would raise), and the first batch's graph
     serves every later one: no size of it specialised (a recompile costs minutes at the GPU preset)."""
     _one_graph_for_every_batch("aot_eager")
+
+
+def test_gems_step_on_bucketed_sizes_is_the_same_one_graph_for_every_batch():
+    """With TrainConfig.size_bucket's padded inputs (capacities, rows past the last example's): still one graph, no
+    break, no recompile, and eager's loss and gradients."""
+    _one_graph_for_every_batch("aot_eager", size_bucket=1.3)
 
 
 @pytest.mark.slow
@@ -248,7 +255,7 @@ def test_inductors_fp8_step_is_one_graph_as_close_to_fp32_as_eager_fp8(device):
     assert len(set(frames)) == 1, f"recompiled: frames after each batch {frames}"
 
 
-def _one_graph_for_every_batch(backend: str, prepare=lambda model: None) -> None:
+def _one_graph_for_every_batch(backend: str, prepare=lambda model: None, size_bucket=0.0) -> None:
     import torch._dynamo.testing
 
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
@@ -260,7 +267,7 @@ def _one_graph_for_every_batch(backend: str, prepare=lambda model: None) -> None
         model.dense_loss_sums = lambda *args: (step(*args), frames.append(counter.frame_count))[0]
 
     _compiled_against_eager(model_config("gem", width=0.5, blocks=2, **SMALL_TABLES), compile_step, STEP_BATCHES,
-                            prepare)
+                            prepare, size_bucket)
     assert len(frames) == len(STEP_BATCHES) and len(set(frames)) == 1, f"recompiled: frames after each batch {frames}"
 
 
