@@ -142,7 +142,8 @@ class GEMEmbeddings(nn.Module):
         (history_tokens sums those)."""
         if not self.sequence_other and not looked_up_here:
             return {key: jt.values() for key, jt in self.sequence(kjt).items()}
-        by_key = kjt.to_dict() if ids is None or self.sequence_other or not looked_up_here else None
+        # KeyedJaggedTensor.to_dict costs host time: only where ids were not given or a collection reads the KJT.
+        by_key = None if looked_up_here and ids is not None and not self.sequence_other else kjt.to_dict()
         if looked_up_here:
             ids = {k: jt.values() for k, jt in by_key.items()} if ids is None else ids
             out = self._lookups_by_table([key for key in self.sequence_keys if key not in self.context_keys], ids)

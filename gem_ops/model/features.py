@@ -123,7 +123,7 @@ def branch_lengths(x: ModelInput, spec: FeatureSpec, names) -> tuple[list[torch.
 
 def bucketed(n: int, ratio: float, quantum: int = 64) -> int:
     """The smallest size of the ladder quantum, then each step `ratio` times the last (rounded up to a multiple of
-    quantum), that holds n: a batch's sizes rounded to a few dozen values over a run."""
+    quantum), that holds n: at 1.05, 10-20 sizes between 130,000 and 280,000 tokens."""
     if ratio <= 1:
         raise ValueError(f"size bucket ratio must be > 1, got {ratio}")
     size = quantum
