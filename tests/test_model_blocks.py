@@ -642,5 +642,6 @@ def test_bucketed_sizes_are_few_and_name_a_bad_ratio():
     sizes = {bucketed(n, 1.05) for n in range(130_000, 280_000, 97)}
     assert 10 <= len(sizes) <= 20 and all(s % 64 == 0 for s in sizes)
     assert bucketed(1, 1.05) == 64 and bucketed(64, 1.05) == 64 and bucketed(65, 1.05) == 128
+    assert bucketed(1000, 1.0001) == 1024  # a ratio near 1 climbs a quantum at a time
     with pytest.raises(ValueError, match="ratio must be > 1"):
         bucketed(10, 1.0)

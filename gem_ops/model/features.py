@@ -127,8 +127,8 @@ def bucketed(n: int, ratio: float, quantum: int = 64) -> int:
     if ratio <= 1:
         raise ValueError(f"size bucket ratio must be > 1, got {ratio}")
     size = quantum
-    while size < n:
-        size = -(-int(size * ratio) // quantum) * quantum
+    while size < n:  # at least a quantum up each step: a ratio near 1 still climbs
+        size = max(size + quantum, -(-int(size * ratio) // quantum) * quantum)
     return size
 
 
