@@ -604,12 +604,14 @@ def test_context_tables_are_left_to_their_collection_when_gradients_are_sparse()
     assert model.embeddings.sequence.embeddings["history_surface"].weight.grad.is_sparse
 
 
-@pytest.mark.parametrize("ratio", [1.3, 2.0])
-def test_a_step_on_bucketed_sizes_gives_the_exact_steps_loss_and_gradients(ratio):
+@pytest.mark.parametrize(("ratio", "collections"), [(1.3, False), (2.0, False), (1.3, True)])
+def test_a_step_on_bucketed_sizes_gives_the_exact_steps_loss_and_gradients(ratio, collections):
     """model_input(size_bucket=...): every size the step after the lookups sees rounded up to a bucket (capacities,
-    rows past the last example's no example's); the loss, every gradient and the user summary as with exact sizes."""
+    rows past the last example's no example's); the loss, every gradient and the user summary as with exact sizes,
+    the history looked up from the tables directly (ids padded) or through TorchRec's collections (rows padded)."""
     from gem_ops.model.features import bucketed
     from gem_ops.model.heads import loss_from_sums
+    from gem_ops.train.optimizer import sparse_table_gradients
 
     config = model_config("gem", width=0.5, blocks=2, **{"embedding.item_buckets": 1024,
                                                          "embedding.user_buckets": 1024})
@@ -623,11 +625,15 @@ def test_a_step_on_bucketed_sizes_gives_the_exact_steps_loss_and_gradients(ratio
     for x in (exact, padded):
         torch.manual_seed(0)
         model = GEMModel(SPEC, config)
+        if collections:  # sparse table gradients: the embeddings look up through the collections
+            sparse_table_gradients(model)
+            assert model.embeddings._context_tables() is None
         loss = loss_from_sums(model.loss_sums(x))[0]
         loss.backward()
         with torch.no_grad():
             summary = model.eval().user_summary(x)
-        results.append((loss.detach(), summary, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        results.append((loss.detach(), summary, {n: p.grad.to_dense() for n, p in model.named_parameters()
+                                                 if p.grad is not None}))
     (loss, summary, grads), (padded_loss, padded_summary, padded_grads) = results
     torch.testing.assert_close(padded_loss, loss, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(padded_summary, summary, rtol=1e-5, atol=1e-6)
