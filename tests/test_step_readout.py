@@ -94,6 +94,11 @@ def test_bucketed_sizes_train_what_exact_sizes_do(data, monkeypatch):
         runs[bucket] = train(logs, data.plans[1], TINY, dataclasses.replace(CONFIG, size_bucket=bucket))[1]
         assert (max(spare_rows) > 0) == bool(bucket) and len(spare_rows) >= CONFIG.max_steps
     assert runs[1.5].losses == pytest.approx(runs[0.0].losses, rel=1e-5)
+    # The warm-up's inputs bucketed as the steps' are: a padded input compiles another graph than an exact one.
+    from gem_ops.train.warm_up import warm_up_inputs
+
+    warm = [x for _, x in warm_up_inputs(logs, FeatureSpec.from_logs(logs), TINY, size_bucket=1.5)]
+    assert warm and all(x.padded for x in warm)
     with pytest.raises(ValueError, match="size_bucket must be 0"):
         TrainConfig(size_bucket=0.5)
 

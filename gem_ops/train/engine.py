@@ -469,7 +469,8 @@ class Trainer:
         """One zero-loss forward and backward per history-length bucket (gem_ops.train.warm_up); no weight moves."""
         ran = []
         with record_function("warm_up"):
-            for length, x in warm_up_inputs(self.logs, self.spec, self.model_config):
+            for length, x in warm_up_inputs(self.logs, self.spec, self.model_config,
+                                            size_bucket=self.config.size_bucket):
                 with autocast_context(self.device, self.config.precision):
                     sums = self.module.loss_sums(x.to(self.device))
                 global_batch_loss(sums, self.topology.world_size)[0].backward()

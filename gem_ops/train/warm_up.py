@@ -28,10 +28,12 @@ def length_buckets(max_len: int) -> list[int]:
     return buckets + [max_len] if max_len >= 1 else []
 
 
-def warm_up_inputs(logs, spec, model_config, batch_size: int = 64) -> Iterator[tuple[int, ModelInput]]:
+def warm_up_inputs(logs, spec, model_config, batch_size: int = 64,
+                   size_bucket: float = 0.0) -> Iterator[tuple[int, ModelInput]]:
     """(length, a zero-label input of `batch_size` training examples cut to it) per length bucket that some
-    example's history reaches. The choice depends on the logs alone: every rank gets the same lengths, so a
-    job's collectives match."""
+    example's history reaches, its sizes bucketed as the training steps' are (`size_bucket`: a padded input
+    compiles another graph than an exact one). The choice depends on the logs alone: every rank gets the same
+    lengths, so a job's collectives match."""
     history = logs.history_lengths(model_config.sequence.max_history_len)
     train = logs.split_indices("train")
     for length in length_buckets(model_config.sequence.max_history_len):
@@ -40,4 +42,4 @@ def warm_up_inputs(logs, spec, model_config, batch_size: int = 64) -> Iterator[t
             return  # no batch reaches this bucket, nor any longer one
         batch = logs.batch(chosen, length)
         batch = dataclasses.replace(batch, label_mask=torch.zeros_like(batch.label_mask))
-        yield length, model_input(batch, spec, model_config, with_level_sizes=True)
+        yield length, model_input(batch, spec, model_config, with_level_sizes=True, size_bucket=size_bucket)
