@@ -326,14 +326,16 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
 
 def _stalls(stalls: dict[str, list[float]]) -> str:
     """What the window's steps spent on host work that is not training, e.g. "; in the window: gc 0.41 s
-    (max 0.38 s in a step), 1 compiled graph, 0 attention tunings, 0 attention kernel binaries"."""
+    (max 0.38 s in a step), 1 compiled graph, 0 attention tunings, 0 attention kernel binaries, 0 steps recording
+    CUDA graphs"."""
     if not stalls:
         return ""
     gc_seconds = stalls.get("gc_seconds", [0.0])
     return (f"; in the window: gc {sum(gc_seconds):.2f} s (max {max(gc_seconds):.2f} s in a step), "
             f"{sum(stalls.get('compiled_graphs', [])):.0f} compiled graphs, "
             f"{sum(stalls.get('attention_tunings', [])):.0f} attention tunings, "
-            f"{sum(stalls.get('attention_compiles', [])):.0f} attention kernel binaries")
+            f"{sum(stalls.get('attention_compiles', [])):.0f} attention kernel binaries, "
+            f"{sum(stalls.get('cuda_graph_recordings', [])):.0f} steps recording CUDA graphs")
 
 
 def _run_echoing(command: list[str], env: dict, timeout: float | None, keep: int = 40) -> tuple[int, list[str]]:

@@ -125,10 +125,15 @@ def test_an_mfu_window_records_what_stalled_each_step():
         garbage = [_Cycle() for _ in range(20_000)]
         del garbage
         gc.collect()  # in step 2: a collection
+        from torch._dynamo.utils import counters
+
+        # and a CUDA graph recorded, as Inductor counts one
+        counters["inductor"]["cudagraph_recorded_non_static_inputs"] += 3
         observer(2, 0.0)
     stalls = observer.step_stalls(0, 3)
     assert stalls["compiled_graphs"] == [0.0, 1.0, 0.0]
     assert stalls["gc_seconds"][2] > 0
     assert stalls["attention_tunings"] == [0.0, 0.0, 0.0]  # no attention kernel ran
     assert stalls["attention_compiles"] == [0.0, 0.0, 0.0]
+    assert stalls["cuda_graph_recordings"] == [0.0, 0.0, 1.0]  # 1 for a step that recorded, however many inputs
     assert observer.step_stalls(1, 3)["compiled_graphs"] == [1.0, 0.0]

@@ -95,7 +95,8 @@ def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
     # scheduled collections (every 50 steps), nothing compiled (compile "none"), no attention kernel on a CPU
     stalls = report["step_stalls"]
     assert stalls == {"gc_seconds": [0.0] * STEPS, "compiled_graphs": [0.0] * STEPS,
-                      "attention_tunings": [0.0] * STEPS, "attention_compiles": [0.0] * STEPS}
+                      "attention_tunings": [0.0] * STEPS, "attention_compiles": [0.0] * STEPS,
+                      "cuda_graph_recordings": [0.0] * STEPS}
     # the host's time blocked reading each step back: part of the step's own time
     waits = report["step_read_waits"]
     assert len(waits) == STEPS and all(0 <= w <= s for w, s in zip(waits, report["step_seconds"]))

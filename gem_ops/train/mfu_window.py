@@ -128,7 +128,7 @@ class WindowObserver:
         self.alloc_retries: list[int] = []  # the allocator's count after each step (CUDA)
         # What can stall a step from the host, as running totals: before the first step, then after each
         self.pauses = CollectionPauses()
-        self.stalls: list[tuple[float, int, int]] = [self._stall_counts()]
+        self.stalls: list[tuple] = [self._stall_counts()]
         self.scopes = contextlib.ExitStack()
         self.profiler = contextlib.nullcontext()
         self.python = PythonStepProfile() if profiling and window.profiler == "python" else None
@@ -143,20 +143,24 @@ class WindowObserver:
                 activities=activities, record_shapes=True, with_stack=True, schedule=torch.profiler.schedule(
                     wait=window.warmup_steps + window.steps, warmup=1, active=window.profile_steps, repeat=1))
 
-    def _stall_counts(self) -> tuple[float, int, int, int]:
+    def _stall_counts(self) -> tuple[float, int, int, int, int]:
         from torch._dynamo.utils import counters
 
-        return self.pauses.seconds, counters["stats"]["unique_graphs"], tuning_runs(), compiled_variants()
+        # Inductor counts the inputs each CUDA graph it records copies in: it grows only when one is recorded.
+        return (self.pauses.seconds, counters["stats"]["unique_graphs"], tuning_runs(), compiled_variants(),
+                counters["inductor"]["cudagraph_recorded_non_static_inputs"])
 
     def step_stalls(self, first: int, last: int) -> dict[str, list[float]]:
         """Per step from `first` to `last` (excluded): seconds in garbage collection, graphs compiled by
         torch.compile, attention-kernel tunings, attention-kernel binaries compiled or loaded (a tuning compiles
-        its candidates; without one, a new specialisation of a tuned kernel). Counted between the steps' reads:
-        with steps read late, what the host did while it queued the next step falls in the step before."""
-        names = ("gc_seconds", "compiled_graphs", "attention_tunings", "attention_compiles")
-        return {name: [float(after[i] - before[i]) for before, after in zip(self.stalls[first:last],
-                                                                           self.stalls[first + 1 : last + 1])]
-                for i, name in enumerate(names)}
+        its candidates; without one, a new specialisation of a tuned kernel), and 1 where CUDA graphs were recorded
+        (TrainConfig.cuda_graphs: sizes not met before). Counted between the steps' reads: with steps read late, what
+        the host did while it queued the next step falls in the step before."""
+        names = ("gc_seconds", "compiled_graphs", "attention_tunings", "attention_compiles", "cuda_graph_recordings")
+        pairs = list(zip(self.stalls[first:last], self.stalls[first + 1 : last + 1]))
+        stalls = {name: [float(after[i] - before[i]) for before, after in pairs] for i, name in enumerate(names)}
+        stalls["cuda_graph_recordings"] = [float(n > 0) for n in stalls["cuda_graph_recordings"]]
+        return stalls
 
     def __call__(self, step: int, loss: float) -> None:
         self.stalls.append(self._stall_counts())
