@@ -74,6 +74,19 @@ def test_which_runs_read_late_and_which_steps_are_read_at_once():
         TrainConfig(step_readout="later")
 
 
+def test_the_time_a_step_waits_to_be_read_back_is_recorded(data, monkeypatch):
+    """TrainResult.step_read_waits: the host's time blocked reading each step back (here a read held 30 ms)."""
+    import time
+
+    import gem_ops.train.engine as engine
+
+    read = engine.read_figures
+    monkeypatch.setattr(engine, "read_figures", lambda queued: (time.sleep(0.03), read(queued))[1])
+    result = train(data.open(), data.plans[1], TINY, AT_ONCE)[1]
+    assert len(result.step_read_waits) == result.steps == CONFIG.max_steps
+    assert all(0.03 <= w <= s for w, s in zip(result.step_read_waits, result.step_seconds))
+
+
 def test_bucketed_sizes_train_what_exact_sizes_do(data, monkeypatch):
     """TrainConfig.size_bucket: every batch padded to bucketed sizes (rows of no example past the last), the same
     losses step by step."""

@@ -105,9 +105,9 @@ class TrainResult:
     step_ends: list[float] = field(default_factory=list)
     step_module_flops: list[dict[str, float]] = field(default_factory=list)
     step_samples: list[int] = field(default_factory=list)
-    # This rank's host seconds per step blocked on reading the step back: near zero through a window, the device
-    # ran out of queued work before the host queued more (the host bounds the step); with steps read late, how far
-    # the device ran behind the host.
+    # This rank's host seconds per step blocked on reading the step back: with steps read late, how far the device
+    # ran behind the host once the next step was queued. Near zero through a window, the device had finished first
+    # (a host that bounds the step, or one held up inside launches by a full launch queue).
     step_read_waits: list[float] = field(default_factory=list)
     started: float = 0.0  # time.perf_counter when this session's first step began
     # With validation days: the reports on them (rank 0's), the step whose weights were kept, and the

@@ -14,6 +14,8 @@ import pstats
 
 import torch
 
+from gem_ops.train.host_profile import short_frame
+
 STEP_FUNCTION = ("step_readout.py", "queue_step")  # called once per step queued: the steps counted
 
 
@@ -21,14 +23,7 @@ def _name(function: tuple[str, int, str]) -> str:
     """`path:line(function)`, the path from its package's root (`gem_ops/...`, `torch/...`) where there is one."""
     path, line, name = function
     at = path.rfind("site-packages/")
-    if at >= 0:
-        path = path[at + len("site-packages/") :]
-    else:
-        for root in ("gem_ops/", "kernels/", "benchmarks/"):
-            at = path.rfind("/" + root)
-            if at >= 0:
-                path = path[at + 1 :]
-                break
+    path = path[at + len("site-packages/") :] if at >= 0 else short_frame(path)
     return f"{path}:{line}({name})" if line else name
 
 
