@@ -335,6 +335,20 @@ def test_compile_model_names_the_setting_for_a_model_without_a_step():
         prepare_for_training(nn.Linear(4, 4), TrainConfig(compile="model"), "cpu")
 
 
+def test_a_step_replayed_from_cuda_graphs_shares_no_tile_table_between_calls():
+    """CUDA graph trees refuse an allocation that outlives a graph's warm-up run, as a cached tile table would."""
+    from kernels.triton import triton_tile_table
+
+    config = model_config("gem", width=0.25, blocks=1)
+    try:
+        compile_model_step(seeded_model(SPEC, config), backend="eager", cuda_graphs=False)
+        assert triton_tile_table.tile_cache.enabled
+        compile_model_step(seeded_model(SPEC, config), backend="eager", cuda_graphs=True)
+        assert not triton_tile_table.tile_cache.enabled
+    finally:
+        triton_tile_table.tile_cache.enabled = True
+
+
 def test_cuda_graphs_without_the_compiled_step_names_the_setting():
     with pytest.raises(ValueError, match=r"TrainConfig.cuda_graphs .* needs compile='model', got compile='dense'"):
         TrainConfig(compile="dense", cuda_graphs=True)

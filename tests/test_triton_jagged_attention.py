@@ -281,6 +281,18 @@ def test_split_head_dims_match_reference_on_gpu(case, monkeypatch):
 
 
 @pytest.mark.skipif(INTERPRETING, reason="needs no interpreter")
+def test_tile_table_parts_travel_as_one_integer():
+    """The build kernel's parts, packed in an argument (no device tensor a CUDA graph tree's run could come to own):
+    each part's direction and block size's log2 in 5 bits; a part that does not fit is refused by name."""
+    from kernels.triton.triton_tile_table import part_codes
+
+    assert part_codes(((0, 64), (1, 16), (0, 128))) == 6 | (16 + 4) << 5 | 7 << 10
+    for bad in (((0, 48),), ((2, 64),), ((0, 64),) * 13):
+        with pytest.raises(ValueError, match="tile-table part"):
+            part_codes(bad)
+
+
+@pytest.mark.skipif(INTERPRETING, reason="needs no interpreter")
 def test_a_launch_key_holds_a_value_for_every_name_its_autotuner_keys_on(monkeypatch):
     """_TunedLaunch reuses a chosen config for an equal key, so the key is read off the autotuner's own names: one
     value per name and a dtype per tensor, a changed flag a new key, a flag left out a KeyError (not a key that
@@ -510,6 +522,15 @@ def test_tile_cache_is_never_stale_on_cpu_interpreter():
     assert cached(other) is not cached(offsets)
     del offsets, other
     check(torch.tensor([0, 1, 2, 40]))  # a new tensor, perhaps where a freed one lived
+
+    kernel.cache_tile_tables(False)  # steps replayed from CUDA graph trees: no table may outlive a call
+    try:
+        offsets = torch.tensor([0, 3, 35, 40])
+        check(offsets)
+        assert cached(offsets) is not cached(offsets) and not tile_lists.tile_cache._entries
+    finally:
+        kernel.cache_tile_tables(True)
+    assert cached(offsets) is cached(offsets)
 
 
 def check_tile_table(q_lengths, kv_lengths, causal: bool, parts: tuple, device: str) -> None:

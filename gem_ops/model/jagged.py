@@ -73,6 +73,12 @@ def segment_ids(offsets: torch.Tensor, total: int | None = None, padded: bool = 
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
 
 
+def _with_spare(sequences, padded: bool):
+    """Rows for each sequence, and one more for the padding's values (a sum into it is dropped). An int is added,
+    not the bool: torch 2.11's tracer adds no bool to a symbolic size."""
+    return sequences + 1 if padded else sequences
+
+
 def _sequence_rows(rows: torch.Tensor, seg: torch.Tensor, sequences: int, padded: bool) -> torch.Tensor:
     """`rows` with -1 (a zero row for take_rows) where the value is no sequence's (padded)."""
     return torch.where(seg == sequences, -1, rows) if padded else rows
@@ -87,7 +93,7 @@ def positions_from_end(offsets: torch.Tensor, total: int | None = None) -> torch
 def kept_lengths(offsets: torch.Tensor, keep: torch.Tensor, padded: bool = False) -> torch.Tensor:
     """[B] how many of each sequence's values `keep` [N] marks."""
     B = offsets.numel() - 1
-    lengths = torch.zeros(B + padded, dtype=offsets.dtype, device=offsets.device)
+    lengths = torch.zeros(_with_spare(B, padded), dtype=offsets.dtype, device=offsets.device)
     return lengths.index_add_(0, segment_ids(offsets, keep.numel(), padded), keep.to(offsets.dtype)).narrow(0, 0, B)
 
 
@@ -176,6 +182,6 @@ def _value_rows(offsets: torch.Tensor, k: int, total: int, padded: bool = False)
 def segment_mean(values: torch.Tensor, offsets: torch.Tensor, padded: bool = False) -> torch.Tensor:
     """[B, d] mean of each sequence's values; zeros for an empty sequence."""
     B = offsets.numel() - 1
-    sums = values.new_zeros(B + padded, *values.shape[1:])
+    sums = values.new_zeros(_with_spare(B, padded), *values.shape[1:])
     sums = sums.index_add_(0, segment_ids(offsets, values.shape[0], padded), values).narrow(0, 0, B)
     return sums / lengths_of(offsets).clamp(min=1).to(values.dtype).view(B, *([1] * (values.dim() - 1)))

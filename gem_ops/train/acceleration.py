@@ -138,6 +138,10 @@ def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", f
     if not hasattr(model, "dense_loss_sums"):
         raise ValueError(f"TrainConfig.compile='model' compiles GEM's step; {type(model).__name__} has none: "
                          "use compile='dense' or 'none'")
+    if cuda_graphs:
+        from kernels.triton.triton_jagged_attention import cache_tile_tables
+
+        cache_tile_tables(False)
     # Should a size still specialise (on the CPU, Inductor's C++ code guards on size bands), each variant gets
     # its graph rather than the step falling back to eager past Dynamo's default limit of 8.
     _allow_recompiles(64)

@@ -143,6 +143,14 @@ def clear_tile_cache() -> None:
     tile_cache.clear()
 
 
+def cache_tile_tables(enabled: bool) -> None:
+    """Whether calls share tile tables (layers on the same offsets, a backward and its forward). Off for steps
+    replayed from Inductor's CUDA graph trees, which allow no allocation to outlive a graph's run; a replay
+    launches no build anyway."""
+    tile_cache.clear()
+    tile_cache.enabled = enabled
+
+
 def padded_dim(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))  # tl.dot needs power-of-two sides of at least 16
 

@@ -45,16 +45,34 @@ class TileTable:
         self.tiles = torch.empty(len(parts), width, 2, dtype=torch.int32, device=device)
         self.index = torch.empty(2, 9, 2, dtype=torch.int32, device=device)
         tile_table_kernel[(num_seqs, len(parts))](
-            q_offsets, kv_offsets, _part_info(parts, device), self.tiles, self.index, num_seqs, len(parts), width,
+            q_offsets, kv_offsets, part_codes(parts), self.tiles, self.index, num_seqs, len(parts), width,
             CAUSAL=causal, TILES=16, SEQS=128,
         )
 
 
-@functools.lru_cache(maxsize=None)
-def _part_info(parts: tuple, device: torch.device) -> torch.Tensor:
-    """[parts, 3] int32 (direction, block size, its log2), copied to the device once per device."""
-    rows = [(direction, size, size.bit_length() - 1) for direction, size in parts]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(parts), 3)
+PART_BITS = 5  # a part's code: its direction (0 queries, 1 keys) times 16, plus its block size's log2
+
+
+def part_codes(parts: tuple) -> int:
+    """Every part's (direction, block size) packed into one integer argument. Not a device tensor: one made on a
+    first call inside a CUDA graph tree's run would belong to its memory pool and outlive the run."""
+    if len(parts) * PART_BITS > 62:
+        raise ValueError(f"at most {62 // PART_BITS} tile-table parts, got {len(parts)}")
+    codes = 0
+    for i, (direction, size) in enumerate(parts):
+        if direction not in (0, 1) or size <= 0 or size & (size - 1) or size.bit_length() > 16:
+            raise ValueError(f"a tile-table part is (direction 0 or 1, a power-of-two block size), "
+                             f"got {(direction, size)}")
+        codes |= (16 * direction + size.bit_length() - 1) << (PART_BITS * i)
+    return codes
+
+
+@triton.jit
+def _part(part_codes, part):
+    """(direction, block size, its log2) of one part from part_codes."""
+    code = (part_codes >> (5 * part)) & 31  # 5: PART_BITS
+    shift = (code & 15).to(tl.int32)
+    return (code >> 4).to(tl.int32), tl.full([], 1, tl.int32) << shift, shift
 
 
 @triton.jit
@@ -98,16 +116,14 @@ def _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, queries):
 
 
 @jit_unspecialised
-def tile_table_kernel(q_offsets_ptr, kv_offsets_ptr, part_info_ptr, tiles_ptr, index_ptr, num_seqs, num_parts, width,
+def tile_table_kernel(q_offsets_ptr, kv_offsets_ptr, part_codes, tiles_ptr, index_ptr, num_seqs, num_parts, width,
                       CAUSAL: tl.constexpr, TILES: tl.constexpr, SEQS: tl.constexpr):
     """One sequence's tiles of one part, each written straight to its slot in the heaviest-first order: its rank
     is the number of tiles (of every sequence) with more work, plus those with equal work earlier in (sequence,
     row) order, counted in closed form per sequence. No sort, no host copy. Program (0, 0) also writes `index`."""
     seq = tl.program_id(0)
     part = tl.program_id(1)
-    direction = tl.load(part_info_ptr + 3 * part)
-    block = tl.load(part_info_ptr + 3 * part + 1)
-    shift = tl.load(part_info_ptr + 3 * part + 2)
+    direction, block, shift = _part(part_codes, part)
     queries_major = direction == 0
     own = _lengths(q_offsets_ptr, kv_offsets_ptr, seq, num_seqs, queries_major)
     other = _lengths(q_offsets_ptr, kv_offsets_ptr, seq, num_seqs, not queries_major)
@@ -143,13 +159,13 @@ def tile_table_kernel(q_offsets_ptr, kv_offsets_ptr, part_info_ptr, tiles_ptr, i
         firsts = tl.zeros([32], dtype=tl.int32)
         totals = tl.zeros([32], dtype=tl.int32)
         for p in range(0, num_parts):
-            p_block = tl.load(part_info_ptr + 3 * p + 1)
-            p_queries = tl.load(part_info_ptr + 3 * p) == 0
+            p_direction, p_block, p_shift = _part(part_codes, p)
+            p_queries = p_direction == 0
             blocks = tl.zeros([SEQS], dtype=tl.int32)
             for s0 in range(0, num_seqs, SEQS):
                 seqs = s0 + tl.arange(0, SEQS)
                 lengths = _lengths(q_offsets_ptr, kv_offsets_ptr, seqs, num_seqs, p_queries)
-                blocks += (lengths + p_block - 1) >> tl.load(part_info_ptr + 3 * p + 2)
+                blocks += (lengths + p_block - 1) >> p_shift
             row = tl.where(p_queries, 0, 9) + p_block // 16
             firsts = tl.where(rows == row, p * width, firsts)
             totals = tl.where(rows == row, tl.sum(blocks), totals)
@@ -174,18 +190,21 @@ class TileCache:
     An entry holds its offsets tensors, so their memory cannot be reused by another tensor while it is
     cached; it is valid while the caller passes those same tensor objects, unmodified (same `_version`
     and storage). Inference tensors carry no version counter and are never cached. Least recently used
-    entries go first. Nothing is cached, or served from the cache, while a CUDA graph is being captured.
+    entries go first. Nothing is cached, or served from the cache, while a CUDA graph is being captured, nor at all
+    once `enabled` is off: Inductor's CUDA graph trees own every allocation their graphs' warm-up runs make and
+    refuse one that outlives the run, as a cached table would.
     """
 
     def __init__(self, size: int = 16):
         self.size = size
+        self.enabled = True
         self._entries: collections.OrderedDict = collections.OrderedDict()
 
     def get(self, q_offsets, kv_offsets, device, total_q, total_kv, parts, causal) -> _Tiles:
         # Inside a CUDA graph capture the build must be recorded: a replay on other offsets copied into the same
         # tensors builds their tiles on the device. A table built before the capture would be replayed stale.
         capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing or q_offsets.is_inference() or kv_offsets.is_inference():
+        if capturing or not self.enabled or q_offsets.is_inference() or kv_offsets.is_inference():
             return _Tiles(q_offsets, kv_offsets, device, total_q, total_kv, parts, causal)
         key = (id(q_offsets), id(kv_offsets), str(device), total_q, total_kv, parts, causal)
         stamp = tuple((x._version, x.data_ptr(), x.shape, x.device, x.dtype) for x in (q_offsets, kv_offsets))
