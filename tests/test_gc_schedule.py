@@ -1,5 +1,5 @@
 """Python's garbage collector on the training schedule: no automatic collection inside a step, a collection of
-what the run made every gc_every steps, the collector as it was afterwards."""
+what the steps made every gc_every steps, the collector as it was afterwards."""
 
 import dataclasses
 import gc
@@ -43,6 +43,29 @@ def test_a_cycle_made_during_the_steps_lives_until_the_scheduled_collection(coll
     finally:
         schedule.stop()
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_what_survives_a_scheduled_collection_is_not_walked_by_the_next(collector_restored):
+    """The scheduled collections walk the young generations: what outlived one (a compiled graph made in the first
+    step) moves to the oldest generation, which only a full collection walks."""
+    schedule = CollectionSchedule(every=1)
+    generations = []
+
+    def record(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
+    schedule.start()
+    gc.callbacks.append(record)
+    try:
+        survivor = [_Cycle()]
+        schedule.after_step(0)
+        assert any(x is survivor for x in gc.get_objects(generation=2))
+        schedule.after_step(1)
+    finally:
+        gc.callbacks.remove(record)
+        schedule.stop()
+    assert generations == [1, 1]
 
 
 def test_every_zero_leaves_automatic_collection_alone(collector_restored):

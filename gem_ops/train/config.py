@@ -63,8 +63,8 @@ class TrainConfig:
     # Before the first step: one zero-loss pass per history-length bucket, so that kernel tuning and compiling
     # happen there rather than in whichever later step first reaches a bucket (warm_up.py; MFU windows set it)
     warm_up_lengths: bool = False
-    # Python's garbage collector: off while steps run, a full collection of what the run made every gc_every
-    # steps, between steps (gc_schedule.py); 0: automatic collection, pauses landing inside whichever step
+    # Python's garbage collector: off while steps run, a collection of what the steps made every gc_every steps,
+    # between steps (gc_schedule.py); 0: automatic collection, pauses landing inside whichever step
     gc_every: int = 50
     prefetch_batches: int = 1  # batches loaded ahead in a background thread while a step runs; 0: none
     # When the host reads a step's loss and gradient norm: next_step queues the next step on the device first, so

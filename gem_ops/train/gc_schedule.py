@@ -4,8 +4,12 @@ Left automatic, a full collection starts inside whichever step happens to cross 
 every tracked object (modules, compiled graphs and their guards, the loader's frames): a pause of a large fraction
 of a second in the middle of a forward, where the device then waits. Training objects either live for the whole
 run or die within a step, so: everything alive before the first step frozen (never walked while training runs; no
-collection first, which would cost a pause of its own per training), automatic collection off, and a full
-collection of what is newer every `every` steps, between steps."""
+collection first, which would cost a pause of its own per training), automatic collection off, and every `every`
+steps, between steps, a collection of the young generations only: what the steps made since the last one. What
+survives it (the compiled graphs of the first steps, caches) moves to the oldest generation, which no scheduled
+collection walks again. A full collection walked it every time: 0.82 s every 50 steps of the `w0.5_L512` MFU
+run on an H100, about a tenth of the step time; 0.23-0.31 s against 2 ms for the young ones after a compiled
+step on the CPU."""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ class CollectionSchedule:
 
     def after_step(self, step: int) -> None:
         if self.every and (step + 1) % self.every == 0:
-            gc.collect()
+            gc.collect(1)
 
     def stop(self) -> None:
         if self.every:
