@@ -126,8 +126,12 @@ def test_the_engine_trains_with_automatic_collection_off_and_restores_it(tmp_pat
             made.append(weakref.ref(_Cycle()))
         alive_made.append(made[0]() is not None)
 
-    train(data.open(), data.plans[1], model_config("vertical", width=0.25, **{"sequence.max_history_len": 16}),
-          config, checkpoint_dir=tmp_path / "ckpt", step_hooks=[on_step])
+    pauses = CollectionPauses()
+    pauses.start()
+    result = train(data.open(), data.plans[1], model_config("vertical", width=0.25, **{"sequence.max_history_len": 16}),
+                   config, checkpoint_dir=tmp_path / "ckpt", step_hooks=[on_step])[1]
+    pauses.stop()
+    assert 0 < result.gc_seconds <= pauses.seconds  # the two scheduled collections, among the run's
     assert enabled == [False] * 4
     assert frozen == [True] * 4
     assert alive_made == [True, True, False, False]  # made in step 0, collected after step 1 (gc_every=2)

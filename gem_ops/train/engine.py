@@ -48,7 +48,7 @@ from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_in
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
-from gem_ops.train.gc_schedule import CollectionSchedule
+from gem_ops.train.gc_schedule import CollectionPauses, CollectionSchedule
 from gem_ops.train.gradients import clip_dense_gradients, divergence_message, nonfinite_gradients
 from gem_ops.train.history_cuts import history_caps
 from gem_ops.train.initialization import init_output_biases
@@ -109,6 +109,9 @@ class TrainResult:
     # ran behind the host once the next step was queued. Near zero through a window, the device had finished first
     # (a host that bounds the step, or one held up inside launches by a full launch queue).
     step_read_waits: list[float] = field(default_factory=list)
+    # This session's seconds in garbage collection while its steps ran, this rank: the scheduled collections'
+    # share of the run's time, which a timed window of a few steps may hold none of.
+    gc_seconds: float = 0.0
     started: float = 0.0  # time.perf_counter when this session's first step began
     # With validation days: the reports on them (rank 0's), the step whose weights were kept, and the
     # calibration fitted on them ({"scale", "shift"}: [domains][tasks]).
@@ -150,7 +153,7 @@ class TrainResult:
             **{k: v for k, v in flat_metrics(self.final_report).items() if k.endswith((".auc", ".ne", ".calibration"))},
             "checkpoint": str(self.checkpoint), "model_state": str(self.model_state_path),
             "resumed_from": self.resumed_from, "step_seconds": self.step_seconds,
-            "best_step": self.best_step, "stopped_early": self.stopped_early,
+            "best_step": self.best_step, "stopped_early": self.stopped_early, "gc_seconds": self.gc_seconds,
         }
 
 
@@ -330,6 +333,8 @@ class Trainer:
         if config.warm_up_lengths and self.start < end:
             self.say(f"warmed up at history lengths {self.warm_up_lengths()}")
         collection.start()
+        pauses = CollectionPauses()
+        pauses.start()
         result.started = loop.last_read = time.perf_counter()
 
         queued: QueuedStep | None = None  # read late: the step before the one being queued
@@ -370,6 +375,8 @@ class Trainer:
                     break
         finally:
             collection.stop()
+            pauses.stop()
+            result.gc_seconds = pauses.seconds
             inputs.close()  # an early stop leaves no loads running
             timer.remove()
         self.tracker.log_metrics_by_step(loop.pending)  # an early stop's last steps
@@ -377,6 +384,7 @@ class Trainer:
         result.imbalance = result.balance.observed()
         if result.samples and result.seconds:
             self.tracker.log_metrics({"train.samples_per_second": result.samples_per_second,
+                                      "train.gc_seconds": result.gc_seconds,
                                       "train.imbalance_observed": result.imbalance["compute_seconds"],
                                       **{f"train.imbalance_observed.{m}": v for m, v in result.imbalance.items()}},
                                      step=result.steps)

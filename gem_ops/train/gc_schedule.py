@@ -61,9 +61,15 @@ class CollectionPauses:
             self.seconds += time.perf_counter() - self._began
             self._began = None
 
-    def __enter__(self) -> CollectionPauses:
+    def start(self) -> None:
         gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def __enter__(self) -> CollectionPauses:
+        self.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._callback)
+        self.stop()
