@@ -14,7 +14,7 @@ DAGSTER_CONFIG := pipelines/configs/dagster.yaml
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 endif
 
-.PHONY: setup chromium pipeline test test-all dagster mlflow-ui clean
+.PHONY: setup chromium pipeline test test-all test-gpu-torch dagster mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,23 @@ test: setup chromium
 
 test-all: setup chromium
 	$(BIN)/python -m pytest -q -m ""
+
+# The tests that trace and compile GEM's step or build the kernels for Hopper, under the GPU machine's torch 2.11
+# instead of the CPU's 2.13: a tracer difference shows here before it stops a GPU run. Installs torch 2.11 with its
+# CUDA libraries (about 3.5 GB to download, 7 GB on disk) into .torch-gpu once. Triton 3.6's interpreter is not
+# what the GPU runs, so the interpreter cases are left out.
+GPU_TORCH := .torch-gpu
+GPU_TORCH_TESTS := tests/test_training_acceleration.py tests/test_model_blocks.py tests/test_step_readout.py \
+	tests/test_training.py tests/test_triton_jagged_attention.py tests/test_fp8_cast.py tests/test_fp8_linear.py \
+	tests/test_table_gradient.py tests/test_rowwise_adagrad.py
+
+$(GPU_TORCH)/.installed: requirements-gpu-torch.txt | $(STAMP)
+	$(BIN)/python -m pip install --quiet --upgrade --target $(GPU_TORCH) torch==2.11.0
+	$(BIN)/python -m pip install --quiet --upgrade --no-deps --target $(GPU_TORCH) -r requirements-gpu-torch.txt
+	touch $@
+
+test-gpu-torch: $(GPU_TORCH)/.installed
+	PYTHONPATH=$(GPU_TORCH) $(BIN)/python -m pytest -q -k "not interpreter_cases" $(GPU_TORCH_TESTS)
 
 dagster: setup $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000

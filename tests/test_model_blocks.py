@@ -544,7 +544,8 @@ def test_the_item_tables_gradient_is_built_once_in_the_compiled_backward():
                                                                                               bw_compiler=keep))
     step(x).backward()
     table = tuple(embeddings.sequence.embeddings[ITEM_TABLE].weight.shape)
-    table_sized = [node for node in graphs[-1].graph.nodes if node.op == "call_function"
+    # Every graph: torch 2.11 breaks this step into more of them than 2.13, the tables' backward not the last.
+    table_sized = [node for graph in graphs for node in graph.graph.nodes if node.op == "call_function"
                    and tuple(getattr(node.meta.get("val"), "shape", ())) == table]
     assert [node.target for node in table_sized] == [torch.ops.gem.table_gradient.default], table_sized
 
