@@ -27,13 +27,13 @@ def size_set(x) -> tuple:
 def count_sets(batches, ratios: list[float], model_input_of) -> dict:
     """For each ratio (0: exact sizes): distinct sets, the step each first appears at, and padded over real tokens
     summed over every pyramid level."""
+    real = sum(sum(map(sum, model_input_of(batch, 0.0).level_sizes)) for batch in batches)
     results = {}
     for ratio in ratios:
-        seen, real, padded = {}, 0, 0
+        seen, padded = {}, 0
         for step, batch in enumerate(batches):
-            exact, x = model_input_of(batch, 0.0), model_input_of(batch, ratio)
+            x = model_input_of(batch, ratio)
             seen.setdefault(size_set(x), step)
-            real += sum(map(sum, exact.level_sizes))
             padded += sum(map(sum, x.level_sizes))
         results[str(ratio)] = {"sets": len(seen), "steps": len(batches), "first_steps": sorted(seen.values()),
                                "padded_over_real_tokens": padded / real}

@@ -32,7 +32,7 @@ MODEL_ARGS = ["--preset", "vertical", "--width", "0.5", "--model-override", "seq
               "--eval-max-examples", "128", "--warmup-steps", "2"]
 
 
-def prepare(root: Path):
+def prepare(root: Path, world_sizes: tuple[int, ...] = (2,)):
     from gem_ops.data.batch_shuffling import ShufflingConfig
     from gem_ops.data.prepare import prepare_training_data
     from gem_ops.data.raw_event_logs import EventSource
@@ -41,7 +41,7 @@ def prepare(root: Path):
 
     return prepare_training_data(EventSource("synthetic", replace(STRONG_SIGNAL, n_users=400)), date(2026, 11, 4), 4,
                                  root, SequenceLogsConfig(max_history_len=32, eval_days=1),
-                                 ShufflingConfig(sub_batch_size=16, sub_batches_per_rank=4), world_sizes=(2,))
+                                 ShufflingConfig(sub_batch_size=16, sub_batches_per_rank=4), world_sizes=world_sizes)
 
 
 def start(data, folder: Path, run_id: str, tracking_uri: str, args) -> subprocess.Popen:

@@ -48,7 +48,7 @@ from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_in
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
-from gem_ops.train.gc_schedule import CollectionPauses, CollectionSchedule
+from gem_ops.train.gc_schedule import CollectionSchedule
 from gem_ops.train.gradients import clip_dense_gradients, divergence_message, nonfinite_gradients
 from gem_ops.train.history_cuts import history_caps
 from gem_ops.train.initialization import init_output_biases
@@ -333,8 +333,6 @@ class Trainer:
         if config.warm_up_lengths and self.start < end:
             self.say(f"warmed up at history lengths {self.warm_up_lengths()}")
         collection.start()
-        pauses = CollectionPauses()
-        pauses.start()
         result.started = loop.last_read = time.perf_counter()
 
         queued: QueuedStep | None = None  # read late: the step before the one being queued
@@ -375,8 +373,7 @@ class Trainer:
                     break
         finally:
             collection.stop()
-            pauses.stop()
-            result.gc_seconds = pauses.seconds
+            result.gc_seconds = collection.pauses.seconds
             inputs.close()  # an early stop leaves no loads running
             timer.remove()
         self.tracker.log_metrics_by_step(loop.pending)  # an early stop's last steps

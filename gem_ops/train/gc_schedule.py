@@ -5,11 +5,11 @@ every tracked object (modules, compiled graphs and their guards, the loader's fr
 of a second in the middle of a forward, where the device then waits. Training objects either live for the whole
 run or die within a step, so: everything alive before the first step frozen (never walked while training runs; no
 collection first, which would cost a pause of its own per training), automatic collection off, and every `every`
-steps, between steps, a collection of the young generations only: what the steps made since the last one. What
-survives it (the compiled graphs of the first steps, caches) moves to the oldest generation, which no scheduled
-collection walks again. A full collection walked it every time: 0.82 s every 50 steps of the `w0.5_L512` MFU
-run on an H100, about a tenth of the step time; 0.23-0.31 s against 2 ms for the young ones after a compiled
-step on the CPU."""
+steps, between steps, a collection: the first a full one (the first steps' compiles leave garbage in reference
+cycles), then of the young generations only, what the steps made since the last one. What survives one (compiled
+graphs, caches) moves to the oldest generation, which no later collection walks. A full collection every time
+walked it all again: 0.82 s every 50 steps of the `w0.5_L512` MFU run on an H100, about a tenth of the step time;
+on the CPU, benchmarks/gc_pauses.py."""
 
 from __future__ import annotations
 
@@ -19,14 +19,18 @@ import time
 
 class CollectionSchedule:
     """`start()` before the first step, `after_step(step)` after each, `stop()` at the end (an exception's
-    too). every=0 leaves the collector as it was (automatic)."""
+    too). every=0 leaves the collector as it was (automatic). `pauses.seconds`: every collection's, in between."""
 
     def __init__(self, every: int):
         self.every = every
+        self.pauses = CollectionPauses()
         self._was_enabled = gc.isenabled()
         self._froze = False
+        self._collected = False
 
     def start(self) -> None:
+        self.pauses.start()
+        self._collected = False
         if self.every:
             self._was_enabled = gc.isenabled()
             # A caller's own frozen objects (e.g. a server that froze before forking) stay its business.
@@ -37,9 +41,12 @@ class CollectionSchedule:
 
     def after_step(self, step: int) -> None:
         if self.every and (step + 1) % self.every == 0:
-            gc.collect(1)
+            # The first is full: the first steps' compiles leave garbage in cycles that survives a young collection.
+            gc.collect(1 if self._collected else 2)
+            self._collected = True
 
     def stop(self) -> None:
+        self.pauses.stop()
         if self.every:
             if self._froze:
                 gc.unfreeze()
