@@ -80,7 +80,7 @@ def test_gems_step_after_the_lookups_replays_from_one_cuda_graph():
 def test_the_engine_replays_its_compiled_step_from_cuda_graphs(tmp_path):
     """TrainConfig.cuda_graphs: the engine's compiled step ("reduce-overhead") trains what the compiled step without
     graphs trains, on exact and on bucketed sizes (size_bucket), every graph Inductor was asked for recorded (no
-    skip), the step's start marked each step."""
+    skip), the step's start marked each step and each warm-up pass (warm_up_lengths, as MFU windows run)."""
     import dataclasses
 
     from torch._dynamo.utils import counters
@@ -92,7 +92,7 @@ def test_the_engine_replays_its_compiled_step_from_cuda_graphs(tmp_path):
 
     data = learnable_data(tmp_path, days=4, eval_days=1, max_history_len=32, sub_batch_size=16, n_users=300)
     logs = data.open()
-    config = model_config("vertical", width=0.5, **{"sequence.max_history_len": 16})
+    config = model_config("vertical", width=0.5, **{"sequence.max_history_len": 32})  # two warm-up passes
     base = TrainConfig(max_steps=6, eval_max_examples=64, log_every=2, warmup_steps=2, compile="model",
                        precision="bf16")
     counters.clear()
@@ -100,7 +100,8 @@ def test_the_engine_replays_its_compiled_step_from_cuda_graphs(tmp_path):
                    model=seeded_model(FeatureSpec.from_logs(logs), config))[1]
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     torch._dynamo.reset()
-    bucketed = train(logs, data.plans[1], config, dataclasses.replace(base, cuda_graphs=True, size_bucket=1.5),
+    bucketed = train(logs, data.plans[1], config, dataclasses.replace(base, cuda_graphs=True, size_bucket=1.5,
+                                                                     warm_up_lengths=True),
                      device="cuda", model=seeded_model(FeatureSpec.from_logs(logs), config))[1]
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     torch._dynamo.reset()

@@ -402,13 +402,26 @@ def test_warming_up_every_length_bucket_leaves_training_unchanged(data, monkeypa
 
     assert length_buckets(1024) == [16, 32, 64, 128, 256, 512, 1024] and length_buckets(48) == [16, 32, 48]
     assert length_buckets(8) == [8]
-    ran = []
-    monkeypatch.setattr(engine.Trainer, "warm_up_lengths",
-                        lambda self, run=engine.Trainer.warm_up_lengths: ran.append(run(self)) or ran[-1])
+    ran, accumulated = [], []
+
+    def warm_up_lengths(self, run=engine.Trainer.warm_up_lengths):
+        # A parameter's hook runs before its gradient is accumulated: each pass finds none there (under CUDA graphs
+        # the pass before's gradient lives in memory its graphs own).
+        hooks = [p.register_hook(lambda g, p=p: accumulated.append(p.grad is not None))
+                 for p in self.module.parameters() if p.requires_grad]
+        try:
+            ran.append(run(self))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return ran[-1]
+
+    monkeypatch.setattr(engine.Trainer, "warm_up_lengths", warm_up_lengths)
     config = model_config("vertical", width=0.5, **{"sequence.max_history_len": 32})
     plain_model, plain = train(data.open(), data.plans[1], config, CONFIG)
     warm_model, warm = train(data.open(), data.plans[1], config, dataclasses.replace(CONFIG, warm_up_lengths=True))
     assert ran == [[16, 32]]  # one zero-loss pass per bucket, then the same run
+    assert accumulated and not any(accumulated)
     assert warm.losses == plain.losses
     for (name, a), (_, b) in zip(plain_model.state_dict().items(), warm_model.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

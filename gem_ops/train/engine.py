@@ -342,8 +342,7 @@ class Trainer:
                 # Dropout's masks as a function of the step: a run resumed from a checkpoint draws what an
                 # unbroken one did.
                 torch.manual_seed(config.seed * 1_000_003 + step)
-                if config.cuda_graphs:  # the graphs' outputs of the step before may be overwritten from here
-                    torch.compiler.cudagraph_mark_step_begin()
+                self._mark_step_begin()
                 lr = set_dense_lr(sharded.optimizer, config, step, self.total)
                 with record_function("data"):  # waiting for the prefetched batch, and the copy to the device
                     _, (size, x, costs) = next(inputs)
@@ -476,12 +475,23 @@ class Trainer:
         with record_function("warm_up"):
             for length, x in warm_up_inputs(self.logs, self.spec, self.model_config,
                                             size_bucket=self.config.size_bucket):
+                self._mark_step_begin()
                 with autocast_context(self.device, self.config.precision):
                     sums = self.module.loss_sums(x.to(self.device))
+                # Each pass's gradients its own, as a step's are: under CUDA graphs one accumulated onto the pass
+                # before's would read memory that pass's graphs own and the next pass has overwritten.
+                self.sharded.optimizer.zero_grad(set_to_none=True)
                 global_batch_loss(sums, self.topology.world_size)[0].backward()
                 ran.append(length)
         self.sharded.optimizer.zero_grad(set_to_none=True)
         return ran
+
+    def _mark_step_begin(self) -> None:
+        """Before each forward and backward pair under TrainConfig.cuda_graphs: the graphs' outputs of the pass
+        before may be overwritten from here (unmarked, a second pass's replay overwrites what the first one's backward
+        still reads)."""
+        if self.config.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def _load(self, step: int) -> tuple[int, Any, dict[str, Any]]:
         """A step's input, built (and pinned, for a GPU) in the prefetch thread, with what it costs."""
