@@ -283,7 +283,7 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
                                      "step_read_waits", "losses", "phase_seconds", "phase_cpu_seconds",
                                      "module_seconds", "communication",
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
-                                     "rank_measures", "step_stalls", "attention_configs",
+                                     "rank_measures", "step_stalls", "cuda_graph_skips", "attention_configs",
                                      "attention_key_sources", "top_kernels", "eager_operators", "host", "host_python")
                   if k in report}}
     if run.get("top_kernels"):  # where the profiled steps' device time went, by kind of kernel
@@ -317,6 +317,10 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
           f"{100 * run['mfu_median_step']:.1f}%), {run['model_tflops']:.0f} model TFLOP/s, "
           f"{run['samples_per_second']:.0f} samples/s, mean step {run['step_seconds_mean'] * 1e3:.0f} ms "
           f"(median {run['step_seconds_median'] * 1e3:.0f} ms){_stalls(run.get('step_stalls') or {})}", flush=True)
+    skips = run.get("cuda_graph_skips") or {}
+    if skips.get("count"):
+        print(f"  CUDA graphs: {skips['count']} of the compiled step's graphs ran without them: "
+              f"{'; '.join(skips['reasons']) or 'no reason given'}", flush=True)
     python = run.get("host_python") or {}
     for row in python.get("own", [])[:12]:  # where the host's Python time goes, per step
         print(f"  host {row['own_ms']:7.2f} ms own, {row['ms']:7.2f} ms in, {row['calls']:6.1f} calls  "

@@ -425,3 +425,12 @@ def test_warming_up_every_length_bucket_leaves_training_unchanged(data, monkeypa
     assert warm.losses == plain.losses
     for (name, a), (_, b) in zip(plain_model.state_dict().items(), warm_model.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_a_run_under_cuda_graphs_reports_the_graphs_run_without_them(data):
+    """On the CPU Inductor records no CUDA graph: both compiled regions of the step (the history tokens, the step
+    after the lookups) are reported as run without one (about 40 s of compiling on the CPU)."""
+    _, result = train(data.open(), data.plans[1], TINY, dataclasses.replace(CONFIG, compile="model", cuda_graphs=True))
+    assert result.cuda_graph_skips == 2 and result.cuda_graph_skip_reasons == []
+    assert result.to_dict()["cuda_graph_skips"] == 2

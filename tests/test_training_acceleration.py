@@ -349,6 +349,28 @@ def test_a_step_replayed_from_cuda_graphs_shares_no_tile_table_between_calls():
         triton_tile_table.tile_cache.enabled = True
 
 
+def test_a_run_under_cuda_graphs_counts_the_graphs_inductor_ran_without_them_and_why():
+    """gem_ops.train.cuda_graph_skips: Inductor's own counter and the reasons its cudagraphs log gives, each once,
+    for the steps inside the context only."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    from gem_ops.train.cuda_graph_skips import CudaGraphSkips
+
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to an earlier run")  # before: not this run's
+    with CudaGraphSkips() as skips:
+        assert skips.count == 0 and skips.summary() == "CUDA graphs: every graph of the compiled step was recorded"
+        for _ in range(2):
+            log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)")
+        compiled = torch.compile(lambda x: (2 * x).sin(), mode="reduce-overhead")  # on the CPU: no graph, no reason
+        compiled(torch.randn(8, requires_grad=True)).sum().backward()
+    after = skips.count
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a later run")
+    assert skips.count == after >= 3
+    assert skips.reasons == ["skipping cudagraphs due to mutated inputs (1 instances)"]
+    assert skips.summary() == (f"CUDA graphs: {after} of the compiled step's graphs ran without them: "
+                               "skipping cudagraphs due to mutated inputs (1 instances)")
+
+
 def test_cuda_graphs_without_the_compiled_step_names_the_setting():
     with pytest.raises(ValueError, match=r"TrainConfig.cuda_graphs .* needs compile='model', got compile='dense'"):
         TrainConfig(compile="dense", cuda_graphs=True)

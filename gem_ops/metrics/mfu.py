@@ -141,6 +141,8 @@ class MFUReport:
     # per timed step, what stalled it from the host: seconds in garbage collection, graphs that torch.compile
     # compiled, attention-kernel tunings (gem_ops.train.mfu_window)
     step_stalls: dict[str, list[float]] = field(default_factory=dict)
+    # with TrainConfig.cuda_graphs, over the run: the compiled step's graphs run without them, and Inductor's reasons
+    cuda_graph_skips: dict[str, Any] = field(default_factory=dict)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # per profiled step (device time on a GPU)
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)  # host time per phase, on a GPU
     module_seconds: dict[str, float] = field(default_factory=dict)  # forward, per profiled step

@@ -50,6 +50,7 @@ class TrainConfig:
     # repeat (size_bucket rounds them to a ladder: an 81-step plan of the MFU benchmark's meets 81 sets exact, 47 at
     # 1.05, 31 at 1.1; later epochs meet the same sets). Off: on one H100 at half width, L512 it trained at 0.87x
     # the samples/s of the step without graphs even where every step had the same sizes (benchmarks/README.md).
+    # A run reports the graphs Inductor ran without them and why (TrainResult.cuda_graph_skips, MLflow too).
     cuda_graphs: bool = False
     # > 1: every size the compiled step sees (history events, each pyramid level's tokens) rounded up to a ladder
     # of sizes this ratio apart (features.bucketed), rows past the last example's no example's; 0: exact sizes

@@ -46,6 +46,7 @@ from gem_ops.train.calibration_rate import retarget_shifts
 from gem_ops.train.calibration_trend import find_trends, step_trends, trend_examples
 from gem_ops.train.checkpoint import latest_checkpoint, load_checkpoint, load_into, read_progress, save_checkpoint
 from gem_ops.train.config import TrainConfig
+from gem_ops.train.cuda_graph_skips import CudaGraphSkips
 from gem_ops.train.data_check import training_data_problem, unscored_objectives
 from gem_ops.train.evaluation import evaluate, gathered_predictions
 from gem_ops.train.gc_schedule import CollectionSchedule
@@ -112,6 +113,9 @@ class TrainResult:
     # This session's seconds in garbage collection while its steps ran, this rank: the scheduled collections'
     # share of the run's time, which a timed window of a few steps may hold none of.
     gc_seconds: float = 0.0
+    # Under TrainConfig.cuda_graphs: the compiled step's graphs Inductor ran without them, and the reasons it gave
+    cuda_graph_skips: int = 0
+    cuda_graph_skip_reasons: list[str] = field(default_factory=list)
     started: float = 0.0  # time.perf_counter when this session's first step began
     # With validation days: the reports on them (rank 0's), the step whose weights were kept, and the
     # calibration fitted on them ({"scale", "shift"}: [domains][tasks]).
@@ -154,6 +158,7 @@ class TrainResult:
             "checkpoint": str(self.checkpoint), "model_state": str(self.model_state_path),
             "resumed_from": self.resumed_from, "step_seconds": self.step_seconds,
             "best_step": self.best_step, "stopped_early": self.stopped_early, "gc_seconds": self.gc_seconds,
+            "cuda_graph_skips": self.cuda_graph_skips, "cuda_graph_skip_reasons": self.cuda_graph_skip_reasons,
         }
 
 
@@ -330,52 +335,59 @@ class Trainer:
         inputs = prefetched(self._load, range(self.start, end), config.prefetch_batches)
         unit_prefetch = UnitPrefetch(units) if config.unit_prefetch and units else None
         self.module.train()
-        if config.warm_up_lengths and self.start < end:
-            self.say(f"warmed up at history lengths {self.warm_up_lengths()}")
-        collection.start()
-        result.started = loop.last_read = time.perf_counter()
+        # Under cuda_graphs: which of the compiled step's graphs Inductor ran without them, and why
+        graph_skips = CudaGraphSkips() if config.cuda_graphs else None
+        with graph_skips if graph_skips is not None else contextlib.nullcontext():
+            if config.warm_up_lengths and self.start < end:
+                self.say(f"warmed up at history lengths {self.warm_up_lengths()}")
+            collection.start()
+            result.started = loop.last_read = time.perf_counter()
 
-        queued: QueuedStep | None = None  # read late: the step before the one being queued
-        try:
-            for step in range(self.start, end):
-                began = time.perf_counter()
-                # Dropout's masks as a function of the step: a run resumed from a checkpoint draws what an
-                # unbroken one did.
-                torch.manual_seed(config.seed * 1_000_003 + step)
-                self._mark_step_begin()
-                lr = set_dense_lr(sharded.optimizer, config, step, self.total)
-                with record_function("data"):  # waiting for the prefetched batch, and the copy to the device
-                    _, (size, x, costs) = next(inputs)
-                    x = x.to(device, non_blocking=True)
-                with autocast_context(device, config.precision), record_function("forward"), \
-                        (timer.span() if not units else contextlib.nullcontext()):
-                    sums = self.module.loss_sums(x)
-                loss, share, labelled = global_batch_loss(sums, world)
-                sharded.optimizer.zero_grad(set_to_none=True)
-                with record_function("backward"):
-                    loss.backward()
-                with record_function("optimizer"):
-                    grad_norm, flags = clip_dense_gradients(sharded.dense_parameters, config.clip_grad_norm)
-                    sharded.optimizer.step()
-                    if self.average is not None:
-                        self.average.update()
-                if unit_prefetch is not None:  # the first step has shown the units' order
-                    self.say(f"FSDP2 prefetch set over {len(unit_prefetch.arm())} units, in the first step's order")
-                    unit_prefetch = None
-                current = queue_step(step, size, lr, costs, began, timer.cut(), share, labelled, grad_norm, flags)
-                previous, queued = queued, None
-                if previous is not None and self._read_step(previous, loop, another_queued=True):
-                    break
-                if late and not read_at_once(step, end, config.eval_every, config.checkpoint_every):
-                    queued = current
-                elif self._read_step(current, loop, another_queued=False):
-                    break
-        finally:
-            collection.stop()
-            result.gc_seconds = collection.pauses.seconds
-            inputs.close()  # an early stop leaves no loads running
-            timer.remove()
+            queued: QueuedStep | None = None  # read late: the step before the one being queued
+            try:
+                for step in range(self.start, end):
+                    began = time.perf_counter()
+                    # Dropout's masks as a function of the step: a run resumed from a checkpoint draws what an
+                    # unbroken one did.
+                    torch.manual_seed(config.seed * 1_000_003 + step)
+                    self._mark_step_begin()
+                    lr = set_dense_lr(sharded.optimizer, config, step, self.total)
+                    with record_function("data"):  # waiting for the prefetched batch, and the copy to the device
+                        _, (size, x, costs) = next(inputs)
+                        x = x.to(device, non_blocking=True)
+                    with autocast_context(device, config.precision), record_function("forward"), \
+                            (timer.span() if not units else contextlib.nullcontext()):
+                        sums = self.module.loss_sums(x)
+                    loss, share, labelled = global_batch_loss(sums, world)
+                    sharded.optimizer.zero_grad(set_to_none=True)
+                    with record_function("backward"):
+                        loss.backward()
+                    with record_function("optimizer"):
+                        grad_norm, flags = clip_dense_gradients(sharded.dense_parameters, config.clip_grad_norm)
+                        sharded.optimizer.step()
+                        if self.average is not None:
+                            self.average.update()
+                    if unit_prefetch is not None:  # the first step has shown the units' order
+                        self.say(f"FSDP2 prefetch set over {len(unit_prefetch.arm())} units, in the first step's order")
+                        unit_prefetch = None
+                    current = queue_step(step, size, lr, costs, began, timer.cut(), share, labelled, grad_norm, flags)
+                    previous, queued = queued, None
+                    if previous is not None and self._read_step(previous, loop, another_queued=True):
+                        break
+                    if late and not read_at_once(step, end, config.eval_every, config.checkpoint_every):
+                        queued = current
+                    elif self._read_step(current, loop, another_queued=False):
+                        break
+            finally:
+                collection.stop()
+                result.gc_seconds = collection.pauses.seconds
+                inputs.close()  # an early stop leaves no loads running
+                timer.remove()
         self.tracker.log_metrics_by_step(loop.pending)  # an early stop's last steps
+        if graph_skips is not None:
+            result.cuda_graph_skips, result.cuda_graph_skip_reasons = graph_skips.count, list(graph_skips.reasons)
+            self.tracker.log_metrics({"train.cuda_graph_skips": result.cuda_graph_skips}, step=result.steps)
+            self.say(graph_skips.summary())
         result.seconds = time.perf_counter() - result.started
         result.imbalance = result.balance.observed()
         if result.samples and result.seconds:

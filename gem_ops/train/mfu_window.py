@@ -109,6 +109,8 @@ class MFUWindow:
             settings={"model": model_config.to_dict(), "train": train_config.to_dict(),
                       "window": dataclasses.asdict(self), "world_size": result.world_size})
         report.step_stalls = observer.step_stalls(first, last)
+        if train_config.cuda_graphs:
+            report.cuda_graph_skips = {"count": result.cuda_graph_skips, "reasons": result.cuda_graph_skip_reasons}
         report.attention_configs = chosen_configs()
         report.attention_key_sources = {"tuned": tuning_runs(), "from_store": stored_tunings_used()}
         if observer.alloc_retries:
