@@ -1067,6 +1067,25 @@ def test_kernels_compile_when_integer_arguments_are_one():
                    options={"num_warps": 4})
 
 
+@pytest.mark.skipif(INTERPRETING, reason="compiles for Hopper instead")
+def test_the_tile_table_kernel_compiles_for_hopper_with_its_parts_as_one_integer():
+    """tile_table_kernel decodes its parts from one 64-bit integer (triton_tile_table.part_codes, the globals it
+    reads constexprs): compiled for sm_90a on the host, causal and not."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from benchmarks.kernel_registers import TARGET
+    from kernels.triton.triton_tile_table import tile_table_kernel
+
+    pointers = {"q_offsets_ptr": "*i64", "kv_offsets_ptr": "*i64", "tiles_ptr": "*i32", "index_ptr": "*i32"}
+    types = {p.name: pointers.get(p.name, "constexpr" if p.is_constexpr else "i64" if p.name == "part_codes"
+                                  else "i32") for p in tile_table_kernel.params}
+    for causal in (True, False):
+        triton.compile(ASTSource(fn=tile_table_kernel, signature=types,
+                                 constexprs={"CAUSAL": causal, "TILES": 16, "SEQS": 128}), target=TARGET,
+                       options={"num_warps": 4})
+
+
 @pytest.mark.skipif(INTERPRETING, reason="needs no interpreter")
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter does not specialise")
 def test_kernels_compile_no_variant_per_batch_size():

@@ -51,6 +51,7 @@ class TileTable:
 
 
 PART_BITS = 5  # a part's code: its direction (0 queries, 1 keys) times 16, plus its block size's log2
+_PART_BITS, _PART_MASK = tl.constexpr(PART_BITS), tl.constexpr((1 << PART_BITS) - 1)  # globals a kernel may read
 
 
 def part_codes(parts: tuple) -> int:
@@ -70,7 +71,7 @@ def part_codes(parts: tuple) -> int:
 @triton.jit
 def _part(part_codes, part):
     """(direction, block size, its log2) of one part from part_codes."""
-    code = (part_codes >> (5 * part)) & 31  # 5: PART_BITS
+    code = (part_codes >> (_PART_BITS * part)) & _PART_MASK
     shift = (code & 15).to(tl.int32)
     return (code >> 4).to(tl.int32), tl.full([], 1, tl.int32) << shift, shift
 
