@@ -508,20 +508,8 @@ class Trainer:
     def _load(self, step: int) -> tuple[int, Any, dict[str, Any]]:
         """A step's input, built (and pinned, for a GPU) in the prefetch thread, with what it costs."""
         with record_function("data.load"):
-            examples, max_len = self.schedule.examples(step), self.model_config.sequence.max_history_len
-            caps = history_caps(len(examples), max_len, self.config.history_cut_share, self.config.seed, step)
-            sequence = self.model_config.sequence
-            batch = self.logs.batch(examples, max_len, caps, retrieved_events=sequence.retrieved_events,
-                                    retrieval_key=sequence.retrieval_key)
-            x = model_input(batch, self.spec, self.model_config, with_level_sizes=True,
-                            size_bucket=self.config.size_bucket)
-            if self.device.type == "cuda":
-                x = x.pin_memory()
-            tokens = batch.history_lengths.double() + 1.0  # the candidate is a token too
-            flops = batch_flops(batch, self.spec, self.model_config)
-            costs = {"tokens": float(tokens.sum()), "attention_cost": float((tokens * tokens).sum()),
-                     "flops": flops.training, "forward_by_module": flops.forward_by_module}
-            return batch.size, x, costs
+            return step_input(self.logs, self.schedule.examples(step), step, self.spec, self.model_config,
+                              self.config, pin=self.device.type == "cuda")
 
     def validate(self, step: int) -> bool:
         """Evaluates on the validation examples, keeps the weights if their NE is the best yet, and says
@@ -644,6 +632,24 @@ class Trainer:
             self.average = WeightAverage(sharded.module, self.config.weight_average_decay)
             self.say("weight average started from the resumed weights (the checkpoint has none for this world size)")
         return progress
+
+
+def step_input(logs: SequenceLogs, examples: np.ndarray, step: int, spec: FeatureSpec, model_config: ModelConfig,
+               config: TrainConfig, pin: bool = False) -> tuple[int, Any, dict[str, Any]]:
+    """(examples, the model's input, what the step costs: tokens, attention cost, FLOPs) of one step's `examples`;
+    `pin`: in page-locked memory, for an asynchronous copy to a GPU."""
+    max_len, sequence = model_config.sequence.max_history_len, model_config.sequence
+    caps = history_caps(len(examples), max_len, config.history_cut_share, config.seed, step)
+    batch = logs.batch(examples, max_len, caps, retrieved_events=sequence.retrieved_events,
+                       retrieval_key=sequence.retrieval_key)
+    x = model_input(batch, spec, model_config, with_level_sizes=True, size_bucket=config.size_bucket)
+    if pin:
+        x = x.pin_memory()
+    tokens = batch.history_lengths.double() + 1.0  # the candidate is a token too
+    flops = batch_flops(batch, spec, model_config)
+    costs = {"tokens": float(tokens.sum()), "attention_cost": float((tokens * tokens).sum()),
+             "flops": flops.training, "forward_by_module": flops.forward_by_module}
+    return batch.size, x, costs
 
 
 def validation_ne(report: dict[str, dict[str, float]], objectives: Sequence[str]) -> float:

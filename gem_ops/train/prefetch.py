@@ -1,8 +1,8 @@
 """Loads the next steps' inputs in a background thread while the current step runs on the device.
 
-Batch building is numpy/pyarrow and torch CPU work that releases the GIL for most of its time, so on
-a GPU it overlaps the step's kernels instead of adding to every step (each step ends on a host sync
-when its loss is read)."""
+Batch building is numpy/pyarrow and torch CPU work, so on a GPU it overlaps the step's kernels instead of adding to
+every step. Its Python still holds the interpreter lock part of the time: beside a thread loading without pause, a
+stand-in for a step's kernel launches took 1.1-1.5x as long (benchmarks/loader_contention.py)."""
 
 from __future__ import annotations
 
