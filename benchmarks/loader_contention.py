@@ -65,7 +65,7 @@ def launches(ops: int) -> float:
 
 def contention(load, steps: list[int], ops: int, repeats: int, rounds: int) -> dict:
     """The stand-in's seconds alone and beside a thread loading without pause, `rounds` turns of `repeats` each."""
-    alone, beside, loads = [], [], 0
+    alone, beside, loads, ratios = [], [], 0, []
     for _ in range(rounds):
         alone += [launches(ops) for _ in range(repeats)]
         stop, done = threading.Event(), [0]
@@ -84,12 +84,13 @@ def contention(load, steps: list[int], ops: int, repeats: int, rounds: int) -> d
         stop.set()
         thread.join()
         loads += done[0]
+        ratios.append(statistics.mean(beside[-repeats:]) / statistics.mean(alone[-repeats:]))  # a round's pair
 
     def figures(seconds):
         return {"ms_mean": 1e3 * statistics.mean(seconds), "ms_median": 1e3 * statistics.median(seconds)}
 
     return {"alone": figures(alone), "beside_a_loading_thread": figures(beside), "loads": loads,
-            "ratio_mean": statistics.mean(beside) / statistics.mean(alone)}
+            "ratio_mean": statistics.mean(beside) / statistics.mean(alone), "round_ratios": ratios}
 
 
 def main() -> None:
@@ -119,7 +120,8 @@ def main() -> None:
           f"({batch['thread_cpu_ms_mean']:.1f} ms of the thread's CPU time)")
     beside = shared["beside_a_loading_thread"]
     print(f"stand-in step: {shared['alone']['ms_mean']:.2f} ms alone, {beside['ms_mean']:.2f} ms beside a thread "
-          f"loading without pause ({shared['loads']} batches): {shared['ratio_mean']:.3f}x")
+          f"loading without pause ({shared['loads']} batches): {shared['ratio_mean']:.3f}x (rounds "
+          f"{min(shared['round_ratios']):.2f}-{max(shared['round_ratios']):.2f}x)")
     save(args.output_name, vars(args), results)
 
 

@@ -636,7 +636,7 @@ class Trainer:
 
 def step_input(logs: SequenceLogs, examples: np.ndarray, step: int, spec: FeatureSpec, model_config: ModelConfig,
                config: TrainConfig, pin: bool = False) -> tuple[int, Any, dict[str, Any]]:
-    """(examples, the model's input, what the step costs: tokens, attention cost, FLOPs) of one step's `examples`;
+    """(the batch's size, the model's input, what it costs: tokens, attention cost, FLOPs) of one step's `examples`;
     `pin`: in page-locked memory, for an asynchronous copy to a GPU."""
     max_len, sequence = model_config.sequence.max_history_len, model_config.sequence
     caps = history_caps(len(examples), max_len, config.history_cut_share, config.seed, step)

@@ -2,7 +2,7 @@
 
 Batch building is numpy/pyarrow and torch CPU work, so on a GPU it overlaps the step's kernels instead of adding to
 every step. Its Python still holds the interpreter lock part of the time: beside a thread loading without pause, a
-stand-in for a step's kernel launches took 1.1-1.5x as long (benchmarks/loader_contention.py)."""
+stand-in for a step's kernel launches took longer (benchmarks/loader_contention.py)."""
 
 from __future__ import annotations
 
