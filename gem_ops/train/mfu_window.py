@@ -135,6 +135,7 @@ class WindowObserver:
         self.profiler = contextlib.nullcontext()
         self.python = PythonStepProfile() if profiling and window.profiler == "python" else None
         if self.python is not None:
+            self.scopes.enter_context(self.python.backward_on_this_thread())
             self.scopes.callback(self.python.stop)
         elif profiling:
             activities = [torch.profiler.ProfilerActivity.CPU]

@@ -2,8 +2,9 @@
 
 torch.profiler's records of a step whose host bounds it name operators, not the Python around them (on some builds
 not even with stacks), and recording stacks and shapes slows the host several fold. cProfile counts every Python
-function's own and inclusive time at a smaller cost. The backward runs on the calling thread while it counts
-(autograd's device threads would run the compiled backward's Python, where cProfile does not look).
+function's own and inclusive time at a smaller cost. The backward runs on the calling thread (autograd's device
+threads would run the compiled backward's Python, where cProfile does not look), and for the whole run, not just the
+profiled steps, so that those run as the timed ones did.
 """
 
 from __future__ import annotations
@@ -28,22 +29,24 @@ def _name(function: tuple[str, int, str]) -> str:
 
 
 class PythonStepProfile:
-    """cProfile between `start` and `stop`, the backward on the calling thread meanwhile; `summary` per step."""
+    """cProfile between `start` and `stop`; `summary` per step. Run the whole run inside `backward_on_this_thread`."""
 
     def __init__(self):
         self.profile = cProfile.Profile()
-        self._threads = contextlib.ExitStack()
         self.active = False
 
+    @staticmethod
+    def backward_on_this_thread() -> contextlib.AbstractContextManager:
+        """Autograd runs the backward on the thread that calls it, from here until the context exits."""
+        return torch.autograd.set_multithreading_enabled(False)
+
     def start(self) -> None:
-        self._threads.enter_context(torch.autograd.set_multithreading_enabled(False))
         self.profile.enable()
         self.active = True
 
     def stop(self) -> None:
         if self.active:
             self.profile.disable()
-            self._threads.close()
             self.active = False
 
     def summary(self, limit: int = 40) -> dict:
