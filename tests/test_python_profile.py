@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from gem_ops.metrics.quality import binary_quality
+from gem_ops.train.config import TrainConfig
 from gem_ops.train.mfu_window import MFUWindow
 from gem_ops.train.python_profile import PythonStepProfile, _name
 from gem_ops.train.step_readout import queue_step
@@ -40,6 +41,14 @@ def test_the_window_profiles_the_steps_after_it_with_cprofile():
     assert len(quality) == 1 and quality[0]["calls"] == 1.0 and quality[0]["ms"] > 0
     own = [r["own_ms"] for r in summary["own"]]
     assert own == sorted(own, reverse=True) and all(r["own_ms"] <= r["ms"] + 1e-9 for r in summary["own"])
+
+
+def test_under_the_python_profiler_every_batch_is_loaded_before_the_profiled_steps():
+    # From Python 3.12 cProfile counts every thread on one stack: the loading thread is done by then.
+    config = TrainConfig(prefetch_batches=1)
+    window = MFUWindow(steps=20, warmup_steps=10, profile_steps=4, profiler="python")
+    assert window.train_config(config, plan_steps=81).prefetch_batches == window.total_steps == 35
+    assert MFUWindow(steps=20, profiler="torch").train_config(config, plan_steps=81).prefetch_batches == 1
 
 
 def test_functions_are_named_from_their_packages_root():
