@@ -280,8 +280,8 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
            **{k: report[k] for k in ("model_tflops", "samples_per_second", "step_seconds_mean", "step_seconds_median",
                                      "model_tflop_per_step", "peak_source", "peak_flops", "gemm_flops", "steps",
                                      "warmup_steps", "seconds", "step_seconds", "step_flops", "all_step_seconds",
-                                     "step_read_waits", "losses", "phase_seconds", "phase_cpu_seconds",
-                                     "module_seconds", "communication",
+                                     "step_read_waits", "step_host_seconds", "losses", "phase_seconds",
+                                     "phase_cpu_seconds", "module_seconds", "communication",
                                      "forward_flops_by_module", "max_memory_gib", "allocator", "step_measures",
                                      "rank_measures", "step_stalls", "cuda_graph_skips", "attention_configs",
                                      "attention_key_sources", "top_kernels", "eager_operators", "host", "host_python")
@@ -317,6 +317,9 @@ def end_to_end(args, shape_name: str, shape: dict, variant: str, seconds_left: f
           f"{100 * run['mfu_median_step']:.1f}%), {run['model_tflops']:.0f} model TFLOP/s, "
           f"{run['samples_per_second']:.0f} samples/s, mean step {run['step_seconds_mean'] * 1e3:.0f} ms "
           f"(median {run['step_seconds_median'] * 1e3:.0f} ms){_stalls(run.get('step_stalls') or {})}", flush=True)
+    if host := run.get("step_host_seconds"):  # the host's side of the unprofiled steps, by phase
+        means = [f"{phase} {statistics.mean(seconds) * 1e3:.1f} ms" for phase, seconds in host.items() if seconds]
+        print(f"  host queuing a step, mean over the window: {', '.join(means)}", flush=True)
     skips = run.get("cuda_graph_skips") or {}
     if skips.get("count"):
         print(f"  CUDA graphs: {skips['count']} of the compiled step's graphs ran without them: "

@@ -100,6 +100,11 @@ def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
     # the host's time blocked reading each step back: part of the step's own time
     waits = report["step_read_waits"]
     assert len(waits) == STEPS and all(0 <= w <= s for w, s in zip(waits, report["step_seconds"]))
+    # the host's time in each phase of queuing each timed step, the profiler off
+    host = report["step_host_seconds"]
+    assert list(host) == ["data", "forward", "backward", "optimizer"]
+    assert all(len(v) == STEPS and all(x >= 0 for x in v) for v in host.values())
+    assert all(f > 0 and b > 0 for f, b in zip(host["forward"], host["backward"]))
     assert report["attention_key_sources"] == {"tuned": 0, "from_store": 0}  # keys tuned here or taken from disk
     # MFU over the window's wall time (the mean step), which holds every step's own time and what runs
     # between steps; the median step's figure beside it.

@@ -12,7 +12,7 @@ from gem_ops.train.checkpoint import checkpoint_steps, load_checkpoint
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.engine import train
 from gem_ops.train.model_state import seeded_model
-from gem_ops.train.step_readout import read_at_once, reads_late
+from gem_ops.train.step_readout import HOST_PHASES, host_phase_seconds, read_at_once, reads_late
 from tests.training_data import learnable_data
 
 TINY = model_config("vertical", width=0.5, **{"sequence.max_history_len": 16})
@@ -85,6 +85,33 @@ def test_the_time_a_step_waits_to_be_read_back_is_recorded(data, monkeypatch):
     result = train(data.open(), data.plans[1], TINY, AT_ONCE)[1]
     assert len(result.step_read_waits) == result.steps == CONFIG.max_steps
     assert all(0.03 <= w <= s for w, s in zip(result.step_read_waits, result.step_seconds))
+
+
+def test_the_hosts_time_in_each_phase_of_a_step_is_recorded(data, monkeypatch):
+    """TrainResult.step_host_seconds: per step, the host's time queuing its data, forward, backward and optimizer
+    (here the optimizer's clipping held 100 ms, in that phase alone)."""
+    import time
+
+    import gem_ops.train.engine as engine
+
+    clip = engine.clip_dense_gradients
+    monkeypatch.setattr(engine, "clip_dense_gradients", lambda *a: (time.sleep(0.1), clip(*a))[1])
+    result = train(data.open(), data.plans[1], TINY, LATE)[1]
+    assert len(result.step_host_seconds) == result.steps == CONFIG.max_steps
+    for phases, wall in zip(result.step_host_seconds, result.step_seconds):
+        assert tuple(phases) == HOST_PHASES and all(s >= 0 for s in phases.values())
+        assert phases["optimizer"] >= 0.1 and phases["forward"] < 0.1 and phases["backward"] < 0.1
+    # The phases lie inside the step's wall time from the previous read (steps read late: a step after the first
+    # is timed from the previous read, which comes after this step's phases were queued, so the first alone).
+    assert sum(result.step_host_seconds[0].values()) <= result.step_seconds[0]
+    assert result.to_dict()["step_host_seconds"] == result.step_host_seconds
+
+
+def test_host_phase_seconds_are_the_gaps_between_the_marks():
+    assert host_phase_seconds(1.0, [1.5, 3.0, 6.0, 6.25]) == {"data": 0.5, "forward": 1.5, "backward": 3.0,
+                                                               "optimizer": 0.25}
+    with pytest.raises(ValueError, match="4 marks expected"):
+        host_phase_seconds(1.0, [2.0])
 
 
 def test_bucketed_sizes_train_what_exact_sizes_do(data, monkeypatch):

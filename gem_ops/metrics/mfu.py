@@ -129,6 +129,9 @@ class MFUReport:
     all_step_seconds: list[float] = field(default_factory=list)  # every step run, warm-up (compilation) included
     # per timed step, rank 0's host seconds blocked reading it back (TrainResult.step_read_waits)
     step_read_waits: list[float] = field(default_factory=list)
+    # per phase (data, forward, backward, optimizer), per timed step: rank 0's host seconds queuing it, no sync added
+    # (TrainResult.step_host_seconds)
+    step_host_seconds: dict[str, list[float]] = field(default_factory=dict)
     # per timed step, the ranks' mean forward compute seconds, tokens and attention cost ((L + 1)^2 summed): what
     # the batch planner's cost model is fitted to (linear, so it holds for the means as for each rank)
     step_measures: dict[str, list[float]] = field(default_factory=dict)

@@ -61,7 +61,8 @@ from gem_ops.train.prefetch import prefetched
 from gem_ops.train.process_group import Topology, job_process_group
 from gem_ops.train.sharding import ShardedModel, describe_plan, shard_model
 from gem_ops.train.step_balance import MEASURES, BalanceLog, ForwardComputeTimer, gather_rows, host_group
-from gem_ops.train.step_readout import QueuedStep, queue_step, read_at_once, read_figures, reads_late
+from gem_ops.train.step_readout import (QueuedStep, host_phase_seconds, queue_step, read_at_once, read_figures,
+                                       reads_late)
 from gem_ops.train.unit_prefetch import UnitPrefetch
 from gem_ops.train.warm_up import warm_up_inputs
 from gem_ops.train.weight_average import CHECKPOINT_KEY as AVERAGE_KEY
@@ -110,6 +111,10 @@ class TrainResult:
     # ran behind the host once the next step was queued. Near zero through a window, the device had finished first
     # (a host that bounds the step, or one held up inside launches by a full launch queue).
     step_read_waits: list[float] = field(default_factory=list)
+    # This rank's host seconds per step in each phase of queuing it (data, forward, backward, optimizer), no sync
+    # added: on a GPU, how long the host took to issue each phase's work (or sat in a wait inside it), the host's
+    # side of a step that no profiler or tracer changes (a compiled step under cProfile does not replay its graphs).
+    step_host_seconds: list[dict[str, float]] = field(default_factory=list)
     # This session's seconds in garbage collection while its steps ran, this rank: the scheduled collections'
     # share of the run's time, which a timed window of a few steps may hold none of.
     gc_seconds: float = 0.0
@@ -355,22 +360,27 @@ class Trainer:
                     with record_function("data"):  # waiting for the prefetched batch, and the copy to the device
                         _, (size, x, costs) = next(inputs)
                         x = x.to(device, non_blocking=True)
+                    phases = [time.perf_counter()]
                     with autocast_context(device, config.precision), record_function("forward"), \
                             (timer.span() if not units else contextlib.nullcontext()):
                         sums = self.module.loss_sums(x)
                     loss, share, labelled = global_batch_loss(sums, world)
                     sharded.optimizer.zero_grad(set_to_none=True)
+                    phases.append(time.perf_counter())
                     with record_function("backward"):
                         loss.backward()
+                    phases.append(time.perf_counter())
                     with record_function("optimizer"):
                         grad_norm, flags = clip_dense_gradients(sharded.dense_parameters, config.clip_grad_norm)
                         sharded.optimizer.step()
                         if self.average is not None:
                             self.average.update()
+                    phases.append(time.perf_counter())
                     if unit_prefetch is not None:  # the first step has shown the units' order
                         self.say(f"FSDP2 prefetch set over {len(unit_prefetch.arm())} units, in the first step's order")
                         unit_prefetch = None
                     current = queue_step(step, size, lr, costs, began, timer.cut(), share, labelled, grad_norm, flags)
+                    current.host_seconds = host_phase_seconds(began, phases)
                     previous, queued = queued, None
                     if previous is not None and self._read_step(previous, loop, another_queued=True):
                         break
@@ -447,6 +457,7 @@ class Trainer:
         result.samples += queued.size * world
         result.step_samples.append(queued.size * world)
         result.step_read_waits.append(waited)
+        result.step_host_seconds.append(queued.host_seconds)
         result.steps = step + 1
         result.step_seconds.append(float(rows[:, n].max()))
         result.step_flops.append(float(rows[:, n + 1].sum()))

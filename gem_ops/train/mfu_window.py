@@ -26,6 +26,7 @@ from gem_ops.train.config import TrainConfig
 from gem_ops.train.gc_schedule import CollectionPauses
 from gem_ops.train.host_profile import caller, host_profile
 from gem_ops.train.python_profile import PythonStepProfile
+from gem_ops.train.step_readout import HOST_PHASES
 from kernels.jagged_attention import chosen_configs, compiled_variants, stored_tunings_used, tuning_runs
 
 # What the CUDA profiler lists with device time that is no GPU work: a kernel launch that waited for
@@ -108,6 +109,8 @@ class MFUWindow:
             step_seconds=result.step_seconds[first:last], step_flops=step_flops, losses=list(result.losses),
             all_step_seconds=list(result.step_seconds), world_size=result.world_size,
             step_read_waits=list(result.step_read_waits[first:last]),
+            step_host_seconds={phase: [step.get(phase, 0.0) for step in result.step_host_seconds[first:last]]
+                               for phase in HOST_PHASES},
             step_measures={m: list(v[first:last]) for m, v in result.balance.mean.items()},
             rank_measures={m: list(v[first:last]) for m, v in result.balance.ranks.items()},
             settings={"model": model_config.to_dict(), "train": train_config.to_dict(),

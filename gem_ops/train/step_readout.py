@@ -17,7 +17,7 @@ the model itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ class QueuedStep:
     figures: torch.Tensor
     ready: torch.cuda.Event | None
     held: list[int]  # the indices of the dense parameters with a gradient, flagged non-finite or not in `figures`
+    host_seconds: dict[str, float] = field(default_factory=dict)  # the host's time queuing each phase
 
 
 def queue_step(step: int, size: int, lr: float, costs: dict[str, Any], began: float, forward_spans: list,
@@ -57,6 +58,19 @@ def queue_step(step: int, size: int, lr: float, costs: dict[str, Any], began: fl
         ready.record()
         figures = host
     return QueuedStep(step, size, lr, costs, began, forward_spans, figures, ready, held if flags is not None else [])
+
+
+HOST_PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def host_phase_seconds(began: float, marks: list[float]) -> dict[str, float]:
+    """The host's seconds in each of HOST_PHASES of one step, from when it began and the time.perf_counter marks
+    at the end of data (the batch on its way to the device), the forward (with the loss), the backward and the
+    optimizer."""
+    if len(marks) != len(HOST_PHASES):
+        raise ValueError(f"host_phase_seconds: {len(HOST_PHASES)} marks expected ({HOST_PHASES}), got {len(marks)}")
+    ends = [began, *marks]
+    return {phase: ends[i + 1] - ends[i] for i, phase in enumerate(HOST_PHASES)}
 
 
 def read_figures(queued: QueuedStep) -> tuple[np.ndarray, list[int]]:
