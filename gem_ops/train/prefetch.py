@@ -2,7 +2,8 @@
 
 Batch building is numpy/pyarrow and torch CPU work, so on a GPU it overlaps the step's kernels instead of adding to
 every step. Its Python still holds the interpreter lock part of the time: beside a thread loading without pause, a
-stand-in for a step's kernel launches took longer (benchmarks/loader_contention.py)."""
+stand-in for a step's kernel launches took longer on a 2-core machine (benchmarks/loader_contention.py); on the
+16-core GPU host hardly (1.04x), and a GPU step did not gain from every batch loaded before it (0.99x)."""
 
 from __future__ import annotations
 
