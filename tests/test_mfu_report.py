@@ -212,14 +212,15 @@ def test_a_variants_cold_first_run_does_not_hold_back_its_repeats():
     assert seconds_needed({"w/a": [{"wall_seconds": 250.0}], "w/b": [{"wall_seconds": 80.0}]}, "w", "w/a") == 250.0
 
 
-def test_a_run_stopped_by_the_budget_after_writing_its_result_keeps_its_figures(monkeypatch):
+def test_a_run_stopped_by_the_budget_after_writing_its_result_keeps_its_figures(monkeypatch, capsys):
     """The job writes its result, then shuts down; a budget that ends during the shutdown keeps the figures."""
     import sys
 
     import benchmarks.mfu as mfu
 
+    host = {"data": [0.001, 0.003], "forward": [0.05, 0.07], "backward": [0.1, 0.1], "optimizer": [0.01, 0.01]}
     report = {"mfu": 0.3, "mfu_median_step": 0.31, "model_tflops": 300.0, "samples_per_second": 4500.0,
-              "step_seconds_mean": 0.2, "step_seconds_median": 0.2}
+              "step_seconds_mean": 0.2, "step_seconds_median": 0.2, "step_host_seconds": host}
     result = {"path": "engine", "world_size": 1, "embedding_sharding": "none", "mfu_report": report}
 
     def job(args, shape, variant, output):
@@ -230,6 +231,10 @@ def test_a_run_stopped_by_the_budget_after_writing_its_result_keeps_its_figures(
     monkeypatch.setattr(mfu, "engine_command", job)
     run = mfu.end_to_end(None, "preset", {}, "bf16", seconds_left=3.0, seconds_needed=0.0)
     assert run["cut_after_its_result"] and run["mfu_window_mean"] == 0.3 and run["samples_per_second"] == 4500.0
+    # the host's time by phase kept per step, and printed as the window's means
+    assert run["step_host_seconds"] == host
+    assert ("host queuing a step, mean over the window: data 2.0 ms, forward 60.0 ms, backward 100.0 ms, "
+            "optimizer 10.0 ms") in capsys.readouterr().out
     # Stopped before it wrote anything: no figures.
     monkeypatch.setattr(mfu, "engine_command", lambda *a: [sys.executable, "-c", "import time; time.sleep(60)"])
     assert mfu.end_to_end(None, "preset", {}, "bf16", seconds_left=3.0, seconds_needed=0.0)["error"].startswith(
