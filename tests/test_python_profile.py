@@ -33,7 +33,7 @@ def test_the_window_profiles_the_steps_after_it_with_cprofile():
     # started after step 3's hook (one step after the window), stopped after the last's: steps 4, 5 and 6
     assert window.total_steps == 7 and summary["steps"] == 3
     # The backward on the calling thread in every step, not from the profiled ones on: the steps it times and the
-    # steps it profiles run alike (a switch mid-run, under CUDA graphs, met graphs recorded anew).
+    # steps it profiles run alike.
     assert threads == [False] * 7
     assert torch.autograd.is_multithreading_enabled()
     quality = [r for r in summary["inclusive"] if r["function"].startswith("gem_ops/metrics/quality.py:")

@@ -113,7 +113,7 @@ class TrainResult:
     step_read_waits: list[float] = field(default_factory=list)
     # This rank's host seconds per step in each phase of queuing it (data, forward, backward, optimizer), no sync
     # added: on a GPU, how long the host took to issue each phase's work (or sat in a wait inside it), the host's
-    # side of a step that no profiler or tracer changes (a compiled step under cProfile does not replay its graphs).
+    # side of a step that no profiler or tracer changes (steps profiled under CUDA graphs were seen recording anew).
     step_host_seconds: list[dict[str, float]] = field(default_factory=list)
     # This session's seconds in garbage collection while its steps ran, this rank: the scheduled collections'
     # share of the run's time, which a timed window of a few steps may hold none of.
