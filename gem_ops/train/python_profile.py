@@ -2,10 +2,11 @@
 
 torch.profiler's records of a step whose host bounds it name operators, not the Python around them (on some builds
 not even with stacks), and recording stacks and shapes slows the host several fold. cProfile counts every Python
-function's own and inclusive time at a smaller cost. The backward runs on the calling thread (autograd's device
-threads would run the compiled backward's Python, where cProfile does not look), and for the whole run, not just the
-profiled steps, so that those run as the timed ones did. From Python 3.12 cProfile counts every thread's calls on
-one stack: the MFU window has every batch loaded before the profiled steps (`MFUWindow.train_config`).
+function's own and inclusive time at a smaller cost. The backward runs on the calling thread (before Python 3.12
+cProfile does not look into autograd's device threads, where the compiled backward's Python runs), and for the whole
+run, not just the profiled steps, so that those run as the timed ones did. From Python 3.12 cProfile counts every
+thread's calls on one stack: the MFU window has every batch loaded before the profiled steps
+(`MFUWindow.train_config`).
 """
 
 from __future__ import annotations
