@@ -109,7 +109,7 @@ class MFUWindow:
             step_seconds=result.step_seconds[first:last], step_flops=step_flops, losses=list(result.losses),
             all_step_seconds=list(result.step_seconds), world_size=result.world_size,
             step_read_waits=list(result.step_read_waits[first:last]),
-            step_host_seconds={phase: [step.get(phase, 0.0) for step in result.step_host_seconds[first:last]]
+            step_host_seconds={phase: [step[phase] for step in result.step_host_seconds[first:last]]
                                for phase in HOST_PHASES},
             step_measures={m: list(v[first:last]) for m, v in result.balance.mean.items()},
             rank_measures={m: list(v[first:last]) for m, v in result.balance.ranks.items()},
