@@ -3,6 +3,8 @@ and survive, evaluation runs periodically, warm start loads weights, bad losses 
 
 import dataclasses
 import json
+import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,20 @@ def test_resumed_run_matches_the_uninterrupted_run(data, tmp_path):
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-4)
     for (name, a), (_, b) in zip(whole_model.state_dict().items(), resumed_model.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_job_resumed_after_its_last_step_states_no_throughput_and_keeps_its_steps(data, tmp_path, caplog):
+    """A restart that finds the last step's checkpoint (a job killed after saving it) trains nothing: its samples/s
+    is NaN (none measured), not a rate of zero reported as the job's throughput."""
+    caplog.set_level(logging.INFO)
+    config = dataclasses.replace(CONFIG, max_steps=2)
+    _, first = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)
+    _, again = train(data.open(), data.plans[1], TINY, config, checkpoint_dir=tmp_path)
+    assert first.samples > 0 and first.samples_per_second > 0
+    assert again.resumed_from == 2 and again.steps == 2 and again.samples == 0
+    assert math.isnan(again.samples_per_second) and math.isnan(again.metadata()["samples_per_second"])
+    assert again.losses == first.losses
+    assert "nothing trained this session: resumed at step 2" in caplog.text
 
 
 def test_resuming_into_another_model_names_the_settings_that_differ(data, tmp_path):

@@ -136,7 +136,9 @@ class TrainResult:
 
     @property
     def samples_per_second(self) -> float:
-        return self.samples / self.seconds if self.seconds else math.nan
+        """This session's throughput; NaN where it trained nothing (a job restarted after its last step's
+        checkpoint), which measures none rather than a rate of zero."""
+        return self.samples / self.seconds if self.samples and self.seconds else math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain data (JSON), for the record of a finished run."""
@@ -417,6 +419,9 @@ class Trainer:
             self.say(f"kept the average of the weights (decay {config.weight_average_decay})")
         self.evaluate(result.steps, averaged=False)  # the average is the model's weights by now
         self.save(result.steps)
+        if not result.samples:
+            self.say(f"nothing trained this session: resumed at step {result.steps}, with no step left")
+            return result
         self.say(f"trained {result.steps} steps ({result.samples} samples this session) at "
                  f"{result.samples_per_second:.0f} samples/s; observed imbalance "
                  f"{result.imbalance['compute_seconds']:.3f} (compute), {result.imbalance['tokens']:.3f} (tokens)")
