@@ -1,5 +1,8 @@
 """Fixtures shared by test modules: the gem_foundation_model asset trained on two days (an expensive
-torchrun job through Dagster Pipes), which the GEM asset tests and the transfer asset tests both read."""
+torchrun job through Dagster Pipes), which the GEM asset tests and the transfer asset tests both read; the Triton
+interpreter's run of the kernel tests' CPU cases."""
+
+import os
 
 import pytest
 
@@ -39,6 +42,31 @@ def gem_asset_runs(tmp_path_factory):
         logs = {day: [e.message for e in instance.all_logs(r.run_id)] for day, r in results.items()}
         yield {"root": root, "results": results, "client": MlflowClient(uri), "uri": uri, "logs": logs,
                "resources": resources, "instance": instance}
+
+
+INTERPRETER_RUN = pytest.StashKey()
+
+
+def pytest_collection_finish(session):
+    """The Triton interpreter's run of the `on_cpu_interpreter` cases of every file whose test_interpreter_cases
+    this session runs starts now, in the background (tests/triton_interpreter.py)."""
+    from tests.triton_interpreter import BACKGROUND_NICENESS, InterpreterRun
+
+    files = sorted({str(item.path) for item in session.items
+                    if getattr(item, "originalname", None) == "test_interpreter_cases"})
+    if files and not session.config.option.collectonly and os.environ.get("TRITON_INTERPRET") != "1":
+        session.config.stash[INTERPRETER_RUN] = InterpreterRun(files).start(BACKGROUND_NICENESS)
+
+
+def pytest_sessionfinish(session):
+    if INTERPRETER_RUN in session.config.stash:
+        session.config.stash[INTERPRETER_RUN].stop()
+
+
+@pytest.fixture(scope="session")
+def interpreter_runs(request):
+    """How the `on_cpu_interpreter` cases ended."""
+    return request.config.stash[INTERPRETER_RUN].outcomes()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -39,17 +39,18 @@ def start_server(
     ready: str | Callable[[], bool],
     env: Mapping[str, str] | None = None,
     timeout: float = 60.0,
+    wait: bool = True,
     **popen_options,
 ) -> subprocess.Popen:
     """Starts `cmd` and returns once it is ready: `ready` is a URL that answers 200, or a predicate (for a
     server that speaks no HTTP); the output goes to `proc.log`. `popen_options` go to Popen (e.g. `user`).
+    With `wait=False` it returns at once, and `until_ready` waits (the `timeout` counting from the start).
 
     A new session makes the process a group leader, so `stop_server` can end it together with any workers it
     forks. SIGINT and SIGTERM start at their defaults, as from a shell: an ignored signal is inherited through
     exec, and in the full test run something in this process ignores SIGINT (dagster dev, its webserver,
     daemon and code servers then all outlived Ctrl-C).
     """
-    is_ready = ready if callable(ready) else lambda: _is_up(ready)
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(
         list(cmd),
@@ -61,16 +62,24 @@ def start_server(
         **popen_options,
     )
     proc.log = log
-    deadline = time.monotonic() + timeout
+    proc.ready, proc.timeout, proc.deadline = ready, timeout, time.monotonic() + timeout
+    if wait:
+        until_ready(proc)
+    return proc
+
+
+def until_ready(proc: subprocess.Popen) -> None:
+    """Returns once a server from `start_server` is ready; stops it if it is not by its deadline."""
+    ready = proc.ready
+    is_ready = ready if callable(ready) else lambda: _is_up(ready)
     while not is_ready():
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}:\n{_log_tail(proc)}")
-        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{_log_tail(proc)}")
+        if time.monotonic() > proc.deadline:
             stop_server(proc)
-            raise TimeoutError(f"{ready if isinstance(ready, str) else cmd[0]} was not ready within {timeout} s:\n"
-                               f"{_log_tail(proc)}")
+            raise TimeoutError(f"{ready if isinstance(ready, str) else proc.args[0]} was not ready within "
+                               f"{proc.timeout} s:\n{_log_tail(proc)}")
         time.sleep(0.2)
-    return proc
 
 
 def group_processes(pgid: int) -> list[psutil.Process]:

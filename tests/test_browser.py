@@ -14,9 +14,10 @@ import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
 from assets.resources import MLflowResource
+from gem_ops.tracking import tracking_client
 from tests.gem_asset_setup import DATA_CONFIG, DAYS, MODEL_NAME, TRAIN_CONFIG
 from tests.local_runs import local_gem_pipeline, run_local
-from tests.servers import free_port, start_server, stop_server
+from tests.servers import free_port, start_server, stop_server, until_ready
 
 PROJECT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium")
@@ -34,29 +35,43 @@ pytestmark = [
 
 def test_dagster_and_mlflow_uis_in_a_browser(tmp_path):
     mlflow_url = f"http://127.0.0.1:{free_port()}"
-    gem_run = _record_gem_run(tmp_path, mlflow_url)
+    dagster_url = f"http://127.0.0.1:{free_port()}"
     shots = tmp_path / "screenshots"
+    _create_stores(tmp_path)
     servers = []
     try:
+        # Both servers come up while the runs they will show are recorded: each of the three spends most of its
+        # time in a process importing its code.
         servers.append(_start_mlflow_server(tmp_path, mlflow_url))
-        dagster_url = f"http://127.0.0.1:{free_port()}"
         servers.append(_start_dagster_dev(tmp_path, dagster_url, mlflow_url))
+        gem_run = _record_gem_run(tmp_path, mlflow_url)
+        for server in servers:
+            until_ready(server)
         with _browser(shots) as page:
             _find_run_under_job(page, dagster_url, gem_run.run_id, shots)
-            _materialize_from_ui(page, dagster_url, "raw_event_logs", LAUNCHED_DAY, shots)
-            _open_mlflow_run_of_gem(page, dagster_url, mlflow_url, _mlflow_run_id(gem_run), shots)
+            _launch_from_ui(page, dagster_url, "raw_event_logs", LAUNCHED_DAY, shots)
+            # While the launched run works, in a page of its own: GEM's run in MLflow.
+            _open_mlflow_run_of_gem(page.context.new_page(), dagster_url, mlflow_url, _mlflow_run_id(gem_run), shots)
+            _launched_run_succeeds(page, shots)
     finally:
         for server in servers:
             stop_server(server)
 
 
-def _record_gem_run(home: Path, mlflow_url: str):
-    """What `make pipeline` leaves behind, in small: raw events for the days before, then one gem_pipeline run
-    of the day that trains and registers GEM; the links in its metadata point at `mlflow_url`."""
-    instance_config = (PROJECT / "pipelines" / "configs" / "dagster.yaml").read_text()  # as make pipeline copies it
+def _create_stores(home: Path) -> None:
+    """The Dagster instance (configured as `make pipeline` copies it) and the MLflow store, created before any
+    server opens them: two processes creating one SQLite schema at once can collide."""
+    instance_config = (PROJECT / "pipelines" / "configs" / "dagster.yaml").read_text()
     # Without the newsletter dialog a fresh instance opens a second after the first page loads: it raced the
     # test's first clicks (one landed under it and was lost).
     (home / "dagster.yaml").write_text(instance_config + "nux:\n  enabled: false\n")
+    dg.DagsterInstance.from_config(str(home)).dispose()
+    tracking_client(_tracking_uri(home))  # MLflow's tables, as the pipeline's first step creates them
+
+
+def _record_gem_run(home: Path, mlflow_url: str):
+    """What `make pipeline` leaves behind, in small: raw events for the days before, then one gem_pipeline run
+    of the day that trains and registers GEM; the links in its metadata point at `mlflow_url`."""
     mlflow = MLflowResource(tracking_uri=_tracking_uri(home), artifact_location=str(home / "artifacts"),
                             ui_url=mlflow_url)
     job = local_gem_pipeline(home / "lake", mlflow)
@@ -80,7 +95,7 @@ def _mlflow_run_id(result) -> str:
 def _start_mlflow_server(home: Path, url: str):
     command = [sys.executable, str(PROJECT / "mlflow" / "server.py"), "--port", str(urlparse(url).port),
                "--backend-store-uri", _tracking_uri(home), "--artifact-root", str(home / "artifacts")]
-    return start_server(command, f"{url}/health", timeout=120)
+    return start_server(command, f"{url}/health", timeout=120, wait=False)
 
 
 def _start_dagster_dev(home: Path, url: str, mlflow_url: str):
@@ -90,7 +105,7 @@ def _start_dagster_dev(home: Path, url: str, mlflow_url: str):
     env = {"DAGSTER_HOME": str(home), "GEM_LAKE_DIR": str(home / "lake"), "MLFLOW_TRACKING_URI": _tracking_uri(home),
            "MLFLOW_UI_URL": mlflow_url}
     command = [dagster, "dev", "-w", str(PROJECT / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(urlparse(url).port)]
-    return start_server(command, f"{url}/server_info", env=env, timeout=180)
+    return start_server(command, f"{url}/server_info", env=env, timeout=180, wait=False)
 
 
 @contextlib.contextmanager
@@ -100,7 +115,7 @@ def _browser(shots: Path):
         # No sandbox and no GPU: CI containers run as root without either; /dev/shm is small there.
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
                                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
         try:
             yield page
         except Exception:
@@ -126,9 +141,8 @@ def _find_run_under_job(page: Page, dagster_url: str, run_id: str, shots: Path) 
     _screenshot(page, shots, "gem_pipeline_runs")
 
 
-def _materialize_from_ui(page: Page, dagster_url: str, asset: str, day: str, shots: Path) -> None:
-    """Materialize… on the asset's page, the day typed into the partition picker, then the run's page until
-    the run ends; it must end in success."""
+def _launch_from_ui(page: Page, dagster_url: str, asset: str, day: str, shots: Path) -> None:
+    """Materialize… on the asset's page, the day typed into the partition picker, then the run's page."""
     page.goto(f"{dagster_url}/assets/{asset}")
     page.get_by_role("button", name="Materialize…").click()
     dialog = page.get_by_role("dialog")
@@ -140,6 +154,10 @@ def _materialize_from_ui(page: Page, dagster_url: str, asset: str, day: str, sho
     page.get_by_role("link", name="View", exact=True).click()  # in the "Launched run" toast
     expect(page).to_have_url(re.compile(r"/runs/[0-9a-f-]{36}$"))
     expect(page.get_by_text(f"partition: {day}").first).to_be_visible()
+
+
+def _launched_run_succeeds(page: Page, shots: Path) -> None:
+    """The launched run's page until the run ends; it must end in success."""
     ended = page.get_by_text(re.compile(r"^(Success|Failure|Canceled)$")).first
     expect(ended).to_be_visible(timeout=RUN_TIMEOUT_MS)
     _screenshot(page, shots, "launched_run")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port, group_processes, start_server, stop_server
+from tests.servers import free_port, group_processes, start_server, stop_server, until_ready
 
 PROJECT = Path(__file__).resolve().parents[1]
 QUERY = """
@@ -22,42 +22,45 @@ QUERY = """
 """
 
 
-def _local_run(home: Path, lake: Path) -> str:
+def _local_run(instance, home: Path) -> str:
     """A day of raw events through the gem_pipeline job as `pipelines.run_local` runs it (in process, into
-    the instance at `home`); its run id."""
-    import dagster as dg
-
+    `instance`, the one at `home`); its run id."""
     from assets.resources import MLflowResource
     from tests.local_runs import local_gem_pipeline, run_local
 
-    job = local_gem_pipeline(lake, MLflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}"))
-    with dg.DagsterInstance.from_config(str(home)) as instance:
-        return run_local(job, instance, "2026-11-14", ["raw_event_logs"],
-                         {"ops": {"raw_event_logs": {"config": {"synthetic_users": 200}}}}).run_id
+    job = local_gem_pipeline(home / "lake", MLflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}"))
+    return run_local(job, instance, "2026-11-14", ["raw_event_logs"],
+                     {"ops": {"raw_event_logs": {"config": {"synthetic_users": 200}}}}).run_id
 
 
 @pytest.mark.server
 def test_dagster_dev_serves_the_asset_graph(tmp_path):
-    run_id = _local_run(tmp_path, tmp_path / "lake")
+    import dagster as dg
+
     port = free_port()
     dagster = str(Path(sys.executable).with_name("dagster"))
-    proc = start_server(
-        [dagster, "dev", "-w", str(PROJECT / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
-        ready=f"http://127.0.0.1:{port}/server_info",
-        env={"DAGSTER_HOME": str(tmp_path), "GEM_LAKE_DIR": str(tmp_path / "lake"), "DAGSTER_DISABLE_TELEMETRY": "yes"},
-        timeout=120,
-    )
-    try:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/graphql",
-            data=json.dumps({"query": QUERY}).encode(),
-            headers={"Content-Type": "application/json"},
+    # The instance is made before the server opens it; the server comes up while the run is recorded.
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        proc = start_server(
+            [dagster, "dev", "-w", str(PROJECT / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
+            ready=f"http://127.0.0.1:{port}/server_info",
+            env={"DAGSTER_HOME": str(tmp_path), "GEM_LAKE_DIR": str(tmp_path / "lake"),
+                 "DAGSTER_DISABLE_TELEMETRY": "yes"},
+            timeout=120, wait=False,
         )
-        data = _until_loaded(request)
-    finally:
-        stopping = time.monotonic()
-        ended_by = stop_server(proc, timeout=30, first=signal.SIGINT)
-        stop_seconds = time.monotonic() - stopping
+        try:
+            run_id = _local_run(instance, tmp_path)
+            until_ready(proc)
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/graphql",
+                data=json.dumps({"query": QUERY}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            data = _until_loaded(request)
+        finally:
+            stopping = time.monotonic()
+            ended_by = stop_server(proc, timeout=30, first=signal.SIGINT)
+            stop_seconds = time.monotonic() - stopping
     # Ctrl-C (`make dagster`) ends the webserver, the daemon and the code server.
     assert ended_by == signal.SIGINT and proc.poll() is not None and not group_processes(proc.pid), \
         f"still running {stop_seconds:.0f} s after Ctrl-C"

@@ -59,6 +59,32 @@ def union_run(data, tmp_path_factory):
                  checkpoint_dir=tmp_path_factory.mktemp("union"), union_of_ranks=True)[1]
 
 
+@pytest.fixture(scope="module")
+def row_wise_job(data, tmp_path_factory) -> dict:
+    """The 2-rank job on row-wise tables, watched while it runs for the sockets its processes listen on: the
+    comparison with one process and the loopback check both read this one job."""
+    folder = tmp_path_factory.mktemp("row_wise")
+    proc = start_job(data, folder / "checkpoints", folder / "result.json", "--embedding-sharding", "row_wise")
+    listening: set[tuple[str, int, str]] = set()
+    try:
+        while proc.poll() is None:
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            for process in tree:
+                try:
+                    listening |= {(c.laddr.ip, c.laddr.port, " ".join(process.cmdline()[:4]))
+                                  for c in process.net_connections("inet")
+                                  if c.status == psutil.CONN_LISTEN}
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            time.sleep(0.1)
+    finally:
+        result = finish(proc, folder / "result.json")
+    return {"result": result, "log": (folder / "result.log").read_text(), "listening": listening}
+
+
 def start_job(data, checkpoint_dir: Path, result: Path, *extra: str, max_restarts: int = 0,
               env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.Popen:
     # With faults to inject, the test's wrapper of the entry point; else the production one.
@@ -112,11 +138,15 @@ def run_job(data, tmp_path: Path, *extra: str, **kwargs) -> dict:
 @pytest.mark.parametrize("sharding", [pytest.param("table_wise", marks=pytest.mark.slow), "row_wise",
                                       "row_wise+next_step", "fsdp",
                                       pytest.param("fsdp+unit_prefetch", marks=pytest.mark.slow)])
-def test_two_ranks_match_one_process_on_the_same_batches(data, union_run, sharding, tmp_path):
+def test_two_ranks_match_one_process_on_the_same_batches(data, union_run, sharding, tmp_path, request):
     sharding, _, option = sharding.partition("+")
     flags = {"unit_prefetch": ["--unit-prefetch"], "next_step": ["--step-readout", "next_step"], "": []}[option]
-    result = run_job(data, tmp_path, "--embedding-sharding", sharding, *flags)
-    log = (tmp_path / "result.log").read_text()
+    if (sharding, option) == ("row_wise", ""):
+        job = request.getfixturevalue("row_wise_job")
+        result, log = job["result"], job["log"]
+    else:
+        result = run_job(data, tmp_path, "--embedding-sharding", sharding, *flags)
+        log = (tmp_path / "result.log").read_text()
     assert ("FSDP2 prefetch set over" in log) == (option == "unit_prefetch")
     assert ("steps read late" in log) == (option == "next_step")
     assert result["world_size"] == 2 and result["embedding_sharding"] == sharding and result["steps"] == STEPS
@@ -234,27 +264,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_job_listens_on_loopback_alone(data, tmp_path):
+def test_the_job_listens_on_loopback_alone(row_wise_job):
     """Every socket the torchrun agent and its ranks listen on is bound to the loopback address, not to
     every interface."""
-    proc = start_job(data, tmp_path / "checkpoints", tmp_path / "result.json")
-    listening: set[tuple[str, int, str]] = set()
-    try:
-        while proc.poll() is None:
-            try:
-                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                break
-            for process in tree:
-                try:
-                    listening |= {(c.laddr.ip, c.laddr.port, " ".join(process.cmdline()[:4]))
-                                  for c in process.net_connections("inet")
-                                  if c.status == psutil.CONN_LISTEN}
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    pass
-            time.sleep(0.1)
-    finally:
-        finish(proc, tmp_path / "result.json")
+    listening = row_wise_job["listening"]
     assert listening, "saw no listening socket: the probe missed the job"
     assert all(ip in ("127.0.0.1", "::1") for ip, _, _ in listening), sorted(listening)
 

@@ -16,7 +16,6 @@ import torch
 
 from kernels.fp8_cast import cast_to_fp8
 from kernels.pytorch.pt_fp8_cast import FP8_MAX, pt_cast_to_fp8
-from tests.triton_interpreter import run_interpreter_cases
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -81,8 +80,8 @@ def test_reference_turns_non_finite_values_into_nan():
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
-def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(SHAPES) * 4 + 2)
+def test_interpreter_cases(interpreter_runs):
+    interpreter_runs.check(__file__, expected_passed=len(SHAPES) * 4 + 2)
 
 
 @pytest.mark.gpu

@@ -237,7 +237,7 @@ def test_a_run_stopped_by_the_budget_after_writing_its_result_keeps_its_figures(
             "optimizer 10.0 ms") in capsys.readouterr().out
     # Stopped before it wrote anything: no figures.
     monkeypatch.setattr(mfu, "engine_command", lambda *a: [sys.executable, "-c", "import time; time.sleep(60)"])
-    assert mfu.end_to_end(None, "preset", {}, "bf16", seconds_left=3.0, seconds_needed=0.0)["error"].startswith(
+    assert mfu.end_to_end(None, "preset", {}, "bf16", seconds_left=1.0, seconds_needed=0.0)["error"].startswith(
         "timed out")
 
 

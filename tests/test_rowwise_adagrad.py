@@ -12,7 +12,6 @@ from torchrec.optim import RowWiseAdagrad
 
 from kernels.pytorch.pt_rowwise_adagrad import pt_rowwise_adagrad_
 from kernels.rowwise_adagrad import rowwise_adagrad_
-from tests.triton_interpreter import run_interpreter_cases
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 SHAPES = [(1, 1), (37, 50), (9, 64), (5, 1056), (70, 3)]  # rows past a program's, widths off a power of two
@@ -67,8 +66,8 @@ def test_rows_of_zero_gradient_come_out_as_the_reference_leaves_them_on_cpu_inte
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
-def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(SHAPES) + 2)
+def test_interpreter_cases(interpreter_runs):
+    interpreter_runs.check(__file__, expected_passed=len(SHAPES) + 2)
 
 
 @pytest.mark.gpu

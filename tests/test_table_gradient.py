@@ -18,6 +18,11 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # (part sizes, rows, width, skew): skew > 0 draws ids from a Zipf-like law, so one row holds most of them
 CASES = [((50,), 7, 5, 0.0), ((100, 13), 30, 130, 0.0), ((64,), 3, 8, 0.0), ((1,), 1, 1, 0.0),
          ((33, 7), 1000, 16, 0.0), ((200, 3), 4, 3, 2.0), ((0,), 5, 4, 0.0), ((90,), 400, 260, 1.5)]
+# The widest case under the interpreter runs with the slow tests (test_every_interpreter_case): the others take every
+# path already (column blocks past the first, skewed runs across many chunks, two parts, many rows).
+SLOW_INTERPRETER_CASES = [((90,), 400, 260, 1.5)]
+INTERPRETER_CASES = [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_INTERPRETER_CASES else case
+                     for case in CASES]
 
 
 def _case(sizes, rows, dim, skew, device="cpu", dtype=torch.float32, id_dtype=torch.int64, seed=0):
@@ -45,7 +50,7 @@ def _check(sizes, rows, dim, skew, device, dtype=torch.float32, id_dtype=torch.i
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("case", CASES if INTERPRETING else [])
+@pytest.mark.parametrize("case", INTERPRETER_CASES if INTERPRETING else [])
 def test_kernel_matches_reference_on_cpu_interpreter(case):
     from kernels.triton.triton_table_gradient import supports
 
@@ -83,8 +88,14 @@ def test_an_unknown_kernel_setting_is_named_on_cpu_interpreter(monkeypatch):
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
-def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=len(CASES) + 3)
+def test_interpreter_cases(interpreter_runs):
+    interpreter_runs.check(__file__, expected_passed=len(CASES) - len(SLOW_INTERPRETER_CASES) + 3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
+def test_every_interpreter_case():
+    run_interpreter_cases(__file__, expected_passed=len(CASES) + 3, markers="")
 
 
 @pytest.mark.skipif(INTERPRETING, reason="outside the interpreter")

@@ -216,8 +216,19 @@ SAMPLE_CASES = [p for p in CPU_CASES if p.id in ("self-mixed-causal-softmax", "s
                                                    "self-outside-full-silu")]
 
 
+def _samples(default_ids: set[str]) -> list:
+    return [p if p.id in default_ids else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+            for p in SAMPLE_CASES]
+
+
+# In the default run, dq added atomically: through pointers and descriptors (d16), both masks and activations, cross
+# attention, rows outside the sequences; the rest under `slow`.
+ATOMIC_DQ_CASES = _samples({"self-long_tail-full-silu", "cross-causal-softmax", "self-mixed-d16-causal-silu",
+                            "self-outside-full-silu"})
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("case", SAMPLE_CASES if INTERPRETING else [])
+@pytest.mark.parametrize("case", ATOMIC_DQ_CASES if INTERPRETING else [])
 def test_atomic_dq_backward_matches_reference_on_cpu_interpreter(case, monkeypatch):
     from kernels.triton import triton_jagged_attention as kernel
 
@@ -569,8 +580,14 @@ def test_tile_table_matches_reference_on_cpu_interpreter(q_lengths, kv_lengths, 
     check_tile_table(q_lengths, kv_lengths, causal, ((0, 16), (0, 32), (1, 16), (1, 64)), "cpu")
 
 
+# In the default run, the kernels on counted tile lists of self attention under a full mask, cross attention under a
+# causal one and offsets that start past row 0 (the lists themselves are checked above, for every mask and kind);
+# the rest under `slow`.
+COUNTED_TILE_CASES = _samples({"self-long_tail-full-silu", "cross-causal-softmax", "self-outside-full-silu"})
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="runs inside the interpreter subprocess of test_interpreter_cases")
-@pytest.mark.parametrize("case", SAMPLE_CASES if INTERPRETING else [])
+@pytest.mark.parametrize("case", COUNTED_TILE_CASES if INTERPRETING else [])
 def test_kernels_run_on_counted_tile_lists_on_cpu_interpreter(case, monkeypatch):
     """The interpreter's other cases take sorted tile lists (MAX_COUNTED_PAIRS, for speed); these take the
     counting kernel's, as the GPU does."""
@@ -861,10 +878,10 @@ def test_compiled_caller_runs_the_kernels_on_gpu():
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
-def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=_default_count(CPU_CASES) + 2 * len(SAMPLE_CASES)
-                          + len(FP8_CASES) + len(TILE_TABLE_CASES) + 3 + _default_count(NAN_INTERPRETER_CASES)
-                          + _default_count(SPLIT_CASES) + 5)
+def test_interpreter_cases(interpreter_runs):
+    interpreter_runs.check(__file__, expected_passed=_default_count(CPU_CASES) + _default_count(ATOMIC_DQ_CASES)
+                           + _default_count(COUNTED_TILE_CASES) + len(FP8_CASES) + len(TILE_TABLE_CASES) + 3
+                           + _default_count(NAN_INTERPRETER_CASES) + _default_count(SPLIT_CASES) + 5)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.triton_interpreter import ROOT, run_interpreter_cases
+from tests.triton_interpreter import ROOT
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS = ("forward", "dq", "dkdv")
@@ -129,8 +129,8 @@ def test_a_changed_kernel_list_or_device_starts_a_new_store_file_on_cpu_interpre
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run itself")
-def test_interpreter_cases():
-    run_interpreter_cases(__file__, expected_passed=3)
+def test_interpreter_cases(interpreter_runs):
+    interpreter_runs.check(__file__, expected_passed=3)
 
 
 @pytest.mark.parametrize("setting, interpret, folder", [
