@@ -52,7 +52,8 @@ test-all: setup chromium
 GPU_TORCH := .torch-gpu
 GPU_TORCH_TESTS := tests/test_training_acceleration.py tests/test_model_blocks.py tests/test_step_readout.py \
 	tests/test_training.py tests/test_triton_jagged_attention.py tests/test_fp8_cast.py tests/test_fp8_linear.py \
-	tests/test_table_gradient.py tests/test_rowwise_adagrad.py
+	tests/test_table_gradient.py tests/test_rowwise_adagrad.py tests/test_host_profile.py \
+	tests/test_mfu_report.py
 
 $(GPU_TORCH)/.installed: requirements-gpu-torch.txt | $(STAMP)
 	$(BIN)/python -m pip install --quiet --upgrade --target $(GPU_TORCH) torch==2.11.0

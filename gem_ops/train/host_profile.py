@@ -8,9 +8,11 @@ record (taken with stacks) from the host's side.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 
 import torch
+from torch._C._profiler import _EventType
 
 # Runtime calls that block the host until the device has caught up, and ATen ops that read a device value back
 # (each one's runtime copy then waits for the stream).
@@ -18,6 +20,7 @@ DEVICE_WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cud
                           "cuStreamSynchronize", "cuCtxSynchronize"})
 VALUE_READS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::item", "aten::unique",
                          "aten::_unique2", "aten::repeat_interleave"})
+_PYTHON_CALL = _EventType.PyCall
 LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                       "cudaGraphLaunch"})
 
@@ -35,17 +38,65 @@ def short_frame(name: str) -> str:
     return name
 
 
-def caller(event) -> str:
-    """The first project frame on the stack of the op or of its nearest recorded parent; in the backward
-    (autograd's thread, no Python stack) the autograd node that ran it."""
-    while event is not None:  # Python frames are events of their own, named "path(line): function"
-        frame = next((f for f in [event.name, *(event.stack or ())] if project_frame(f)), None)
-        if frame:
-            return short_frame(frame)
-        if event.name.startswith("autograd::engine::evaluate_function"):
-            return event.name.split(": ", 1)[-1]
-        event = event.cpu_parent
-    return ""
+class ProjectFrames:
+    """The project's Python frames of a profile taken with stacks, per thread, from the profile's event tree: the
+    calling line of any of its events, and the host time inside each frame. The tree is read rather than
+    `profile.events()`, which holds no Python frames and empty stacks on torch 2.11 (the GPU machine's); the tree
+    holds them on every version."""
+
+    def __init__(self, profile):
+        found: dict[int, list[tuple[int, int, str]]] = defaultdict(list)  # thread -> (start, -end, frame)
+        result = getattr(getattr(profile, "profiler", None), "kineto_results", None)
+        self.trace_start_ns = result.trace_start_ns() if result is not None else 0
+        nodes = list(result.experimental_event_tree()) if result is not None else []
+        while nodes:
+            node = nodes.pop()
+            nodes.extend(node.children)
+            if node.tag == _PYTHON_CALL and project_frame(node.name):
+                found[node.start_tid].append((node.start_time_ns, -node.end_time_ns, short_frame(node.name)))
+        self.threads = {thread: _Nesting(sorted(frames)) for thread, frames in found.items()}
+
+    def caller(self, event) -> str:
+        """The project line that ran the event: the innermost project frame around it; in the backward
+        (autograd's thread, no Python frames) the autograd node that ran it."""
+        nesting = self.threads.get(event.thread)
+        frame = nesting.around(self.trace_start_ns + round(event.time_range.start * 1000)) if nesting else ""
+        while not frame and event is not None:
+            if event.name.startswith("autograd::engine::evaluate_function"):
+                return event.name.split(": ", 1)[-1]
+            event = event.cpu_parent
+        return frame
+
+    def host_ms(self) -> dict[str, dict]:
+        """Each project frame's host milliseconds (nested frames inside their callers' too) and calls."""
+        rows: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0.0})
+        for nesting in self.threads.values():
+            for start, end, frame in zip(nesting.starts, nesting.ends, nesting.names):
+                rows[frame]["ms"] += (end - start) / 1e6
+                rows[frame]["calls"] += 1
+        return rows
+
+
+class _Nesting:
+    """One thread's frames by start (an outer frame before an inner one of the same start), each with the index
+    of the frame it runs in: the innermost frame around a time in O(log n + depth)."""
+
+    def __init__(self, frames: list[tuple[int, int, str]]):
+        self.starts = [start for start, _, _ in frames]
+        self.ends = [-negative_end for _, negative_end, _ in frames]
+        self.names = [name for _, _, name in frames]
+        self.parents, open_frames = [], []
+        for i, start in enumerate(self.starts):
+            while open_frames and self.ends[open_frames[-1]] < start:
+                open_frames.pop()
+            self.parents.append(open_frames[-1] if open_frames else -1)
+            open_frames.append(i)
+
+    def around(self, at_ns: int) -> str:
+        i = bisect.bisect_right(self.starts, at_ns) - 1  # the last frame started by then, else one it runs in
+        while i >= 0 and self.ends[i] < at_ns:
+            i = self.parents[i]
+        return self.names[i] if i >= 0 else ""
 
 
 def _python_frame(name: str) -> bool:
@@ -62,9 +113,9 @@ def host_profile(profile, steps: int, limit: int = 30) -> dict:
     milliseconds, calls); the operators and runtime calls by their own host time (less their children's); the
     project functions by the host time spent inside them (nested ones inside their callers' too)."""
     per = 1 / max(1, steps)
+    frames = ProjectFrames(profile)
     launches = 0.0
     waits: dict[tuple[str, str], dict] = {}
-    functions: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0.0})
     operators: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0.0})
     for event in profile.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
@@ -77,14 +128,11 @@ def host_profile(profile, steps: int, limit: int = 30) -> dict:
         if name in LAUNCHES:
             launches += per
         elif name in DEVICE_WAITS or name in VALUE_READS:
-            key = (name, caller(event))
+            key = (name, frames.caller(event))
             row = waits.setdefault(key, {"name": name, "caller": key[1], "ms": 0.0, "calls": 0.0})
             row["ms"] += _host_ms(event) * per
             row["calls"] += per
-        elif project_frame(name):
-            row = functions[short_frame(name)]
-            row["ms"] += _host_ms(event) * per
-            row["calls"] += per
+    functions = {frame: {"ms": row["ms"] * per, "calls": row["calls"] * per} for frame, row in frames.host_ms().items()}
     return {"launches": launches,
             "device_waits": sorted(waits.values(), key=lambda r: r["ms"], reverse=True)[:limit],
             "operators": _ranked(operators, "name", limit), "functions": _ranked(functions, "function", limit)}

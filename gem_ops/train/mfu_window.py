@@ -24,7 +24,7 @@ from gem_ops.metrics.overlap import communication_overlap, device_kernels
 from gem_ops.model.config import ModelConfig
 from gem_ops.train.config import TrainConfig
 from gem_ops.train.gc_schedule import CollectionPauses
-from gem_ops.train.host_profile import caller, host_profile
+from gem_ops.train.host_profile import ProjectFrames, host_profile
 from gem_ops.train.python_profile import PythonStepProfile
 from gem_ops.train.step_readout import HOST_PHASES
 from kernels.jagged_attention import chosen_configs, compiled_variants, stored_tunings_used, tuning_runs
@@ -294,13 +294,14 @@ def eager_operators(profile, steps: int, device: torch.device, limit: int = 40) 
     first line of project code that called them: what runs outside compiled graphs (Inductor's kernels have no
     ATen op). Needs a profile recorded with shapes and stacks."""
     rows = {}
+    frames = ProjectFrames(profile)
     for event in profile.events():
         if event.device_type != torch.autograd.DeviceType.CPU or not event.name.startswith("aten::"):
             continue
         ms = (event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total) / 1e3
         if ms <= 0:
             continue
-        where = caller(event)
+        where = frames.caller(event)
         key = (event.name, str(event.input_shapes)[:160], where)
         row = rows.setdefault(key, {"name": key[0], "input_shapes": key[1], "caller": where, "ms": 0.0, "calls": 0})
         row["ms"] += ms / max(1, steps)
