@@ -45,15 +45,16 @@ test: setup chromium
 test-all: setup chromium
 	$(BIN)/python -m pytest -q -m ""
 
-# The tests that trace and compile GEM's step or build the kernels for Hopper, under the GPU machine's torch 2.11
-# instead of the CPU's 2.13: a tracer difference shows here before it stops a GPU run. Installs torch 2.11 with its
+# The tests that trace and compile GEM's step, build the kernels for Hopper or read profiles for the MFU report,
+# under the GPU machine's torch 2.11 instead of the CPU's 2.13: a tracer or profiler difference shows here before it
+# stops a GPU run or empties its report. Installs torch 2.11 with its
 # CUDA libraries (about 3.5 GB to download, 7 GB on disk) into .torch-gpu once. Triton 3.6's interpreter is not
 # what the GPU runs, so the interpreter cases are left out.
 GPU_TORCH := .torch-gpu
 GPU_TORCH_TESTS := tests/test_training_acceleration.py tests/test_model_blocks.py tests/test_step_readout.py \
 	tests/test_training.py tests/test_triton_jagged_attention.py tests/test_fp8_cast.py tests/test_fp8_linear.py \
 	tests/test_table_gradient.py tests/test_rowwise_adagrad.py tests/test_host_profile.py \
-	tests/test_mfu_report.py
+	tests/test_mfu_report.py tests/test_communication_overlap.py tests/test_python_profile.py
 
 $(GPU_TORCH)/.installed: requirements-gpu-torch.txt | $(STAMP)
 	$(BIN)/python -m pip install --quiet --upgrade --target $(GPU_TORCH) torch==2.11.0
