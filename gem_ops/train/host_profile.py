@@ -20,7 +20,6 @@ DEVICE_WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cud
                           "cuStreamSynchronize", "cuCtxSynchronize"})
 VALUE_READS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::item", "aten::unique",
                          "aten::_unique2", "aten::repeat_interleave"})
-_PYTHON_CALL = _EventType.PyCall
 LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                       "cudaGraphLaunch"})
 
@@ -52,7 +51,7 @@ class ProjectFrames:
         while nodes:
             node = nodes.pop()
             nodes.extend(node.children)
-            if node.tag == _PYTHON_CALL and project_frame(node.name):
+            if node.tag == _EventType.PyCall and project_frame(node.name):
                 found[node.start_tid].append((node.start_time_ns, -node.end_time_ns, short_frame(node.name)))
         self.threads = {thread: _Nesting(sorted(frames)) for thread, frames in found.items()}
 
@@ -108,12 +107,13 @@ def _host_ms(event) -> float:
     return event.time_range.elapsed_us() / 1e3
 
 
-def host_profile(profile, steps: int, limit: int = 30) -> dict:
+def host_profile(profile, steps: int, limit: int = 30, frames: ProjectFrames | None = None) -> dict:
     """Per profiled step: kernel launches; each device wait and value read with its calling line (host
     milliseconds, calls); the operators and runtime calls by their own host time (less their children's); the
-    project functions by the host time spent inside them (nested ones inside their callers' too)."""
+    project functions by the host time spent inside them (nested ones inside their callers' too). `frames`: the
+    profile's, where the caller has read them already."""
     per = 1 / max(1, steps)
-    frames = ProjectFrames(profile)
+    frames = frames if frames is not None else ProjectFrames(profile)
     launches = 0.0
     waits: dict[tuple[str, str], dict] = {}
     operators: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "calls": 0.0})

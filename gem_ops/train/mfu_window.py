@@ -220,8 +220,9 @@ class WindowObserver:
         report.profile_table = averages.table(sort_by=sort_by, row_limit=25)
         if device.type == "cuda":
             report.top_kernels = top_device_operators(averages, steps)
-            report.eager_operators = eager_operators(prof, steps, device)
-            report.host = host_profile(prof, steps)
+            frames = ProjectFrames(prof)  # the profile's Python frames, read once for both tables
+            report.eager_operators = eager_operators(prof, steps, device, frames=frames)
+            report.host = host_profile(prof, steps, frames=frames)
 
 
 @contextlib.contextmanager
@@ -289,12 +290,13 @@ def top_device_operators(averages, steps: int, limit: int | None = None) -> list
             for a in rows]
 
 
-def eager_operators(profile, steps: int, device: torch.device, limit: int = 40) -> list[dict]:
+def eager_operators(profile, steps: int, device: torch.device, limit: int = 40,
+                    frames: ProjectFrames | None = None) -> list[dict]:
     """The ATen ops that launched the most device time themselves (CPU time on a CPU), by input shapes and the
     first line of project code that called them: what runs outside compiled graphs (Inductor's kernels have no
     ATen op). Needs a profile recorded with shapes and stacks."""
     rows = {}
-    frames = ProjectFrames(profile)
+    frames = frames if frames is not None else ProjectFrames(profile)
     for event in profile.events():
         if event.device_type != torch.autograd.DeviceType.CPU or not event.name.startswith("aten::"):
             continue
