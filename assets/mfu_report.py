@@ -15,11 +15,12 @@ from assets.shuffled_batches import shuffled_batches
 class MFUReportConfig(TorchrunJobConfig):
     max_restarts: int = Field(0, description="torchrun restarts of the whole job when a rank dies.")
     steps: int = Field(20, description="Timed training steps.")
-    warmup_steps: int = Field(5, description="Untimed steps first (lazy initialisation, compilation, autotuning).")
+    # Not warmup_steps: that is the learning rate's warm-up, a training setting this job passes on too
+    untimed_steps: int = Field(5, description="Untimed steps first (lazy initialisation, compilation, autotuning).")
     profile_steps: int = Field(3, description="Profiled steps after the timed ones (per-module time breakdown).")
 
     def window_flags(self) -> list[str]:
-        return ["--mfu-steps", str(self.steps), "--mfu-warmup-steps", str(self.warmup_steps),
+        return ["--mfu-steps", str(self.steps), "--mfu-warmup-steps", str(self.untimed_steps),
                 "--mfu-profile-steps", str(self.profile_steps)]
 
 

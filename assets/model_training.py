@@ -68,6 +68,28 @@ class ModelTrainingConfig(dg.Config):
         "auto", description="next_step: read a step's loss once the next step is queued, so the GPU does not wait "
         "for the host between steps; each_step: after every step (a diverging step stops in itself); auto: next_step "
         "on CUDA.")
+    dense_optimizer: str = Field("adamw", description="adamw, or radam (rectified: no warm-up needed).")
+    weight_decay: float = Field(0.01, description="Decoupled weight decay of the dense parameters.")
+    clip_grad_norm: float = Field(1.0, description="Clip the dense gradients' norm to this (0: no clipping).")
+    cuda_graphs: bool = Field(
+        False, description="With compile model: replay the compiled step from CUDA graphs, one per set of batch sizes "
+        "met (pair with size_bucket so that sizes repeat).")
+    size_bucket: float = Field(
+        0.0, description="> 1: round every size the compiled step sees up to a ladder of sizes this ratio apart (fewer "
+        "recompiles and graphs); 0: exact sizes.")
+    unit_prefetch: bool = Field(
+        False, description="Several ranks under FSDP2: start the next dense unit's all-gather (and the previous one's "
+        "in the backward) while this one computes.")
+    warm_up_lengths: bool = Field(
+        False, description="Before the first step, one zero-loss pass per history-length bucket, so that tuning and "
+        "compiling happen before the timed steps.")
+    gc_every: int = Field(
+        50, description="Python's garbage collector paused while steps run and run between steps every this many "
+        "steps (0: automatic collection).")
+    prefetch_batches: int = Field(1, description="Batches loaded ahead in a background thread (0: none).")
+    eval_batch_size: int = 512
+    keep_checkpoints: int = Field(2, description="Checkpoints kept on disk (the newest).")
+    log_every: int = Field(10, description="Steps between metric flushes to MLflow.")
     seed: int = 0
 
     def model(self) -> ModelConfig:
@@ -81,7 +103,6 @@ class ModelTrainingConfig(dg.Config):
 
     def train(self) -> TrainConfig:
         return TrainConfig(**self.train_settings())
-
 
 
 class TorchrunJobConfig(ModelTrainingConfig):

@@ -6,6 +6,7 @@ the next day warm-starts from the sharded checkpoint on one process."""
 import dagster as dg
 import mlflow.pyfunc
 import numpy as np
+import pytest
 import torch
 
 from gem_ops.data.loader import SequenceLogs
@@ -133,6 +134,30 @@ def test_training_settings_of_the_run_config_reach_the_torchrun_job(tmp_path):
                            LakeResource(base_dir=str(tmp_path)), "2026-11-01", None, None, "run-1")
     assert parse_args(off[off.index("gem_ops.train") + 1:]).sparse_table_gradients is False
     assert config.train().checkpoint_every == 50
+
+
+def test_every_training_setting_is_a_run_config_field_and_reaches_the_job_with_its_value(tmp_path):
+    """A user in the Dagster UI sets what the engine takes, the speed settings included: each TrainConfig field is a
+    field of the run config, and the torchrun job parses the value the config gave it."""
+    import dataclasses
+
+    from assets.gem_foundation_model import GEMTrainingConfig, training_command
+    from assets.resources import LakeResource
+    from gem_ops.train.__main__ import parse_args, train_config_from
+    from gem_ops.train.config import TrainConfig
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert names - set(GEMTrainingConfig.model_fields) == set()
+    config = GEMTrainingConfig(preset="gem_gpu", compile="model", cuda_graphs=True, size_bucket=1.1, gc_every=0,
+                               prefetch_batches=3, dense_optimizer="radam", weight_decay=0.05, clip_grad_norm=0.0,
+                               unit_prefetch=True, warm_up_lengths=True, eval_batch_size=64, keep_checkpoints=5,
+                               log_every=4, lr_schedule="constant", validation_days=2, seed=9)
+    command = training_command(config, LakeResource(base_dir=str(tmp_path)), "2026-11-01", None, None, "run-1")
+    parsed = train_config_from(parse_args(command[command.index("gem_ops.train") + 1:]))
+    assert parsed == config.train()
+    assert (parsed.cuda_graphs, parsed.size_bucket, parsed.gc_every, parsed.prefetch_batches) == (True, 1.1, 0, 3)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        config.model_copy(update={"compile": "dense"}).train()
 
 
 def _materialize_gem(gem_asset_runs, day, **config):

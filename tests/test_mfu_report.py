@@ -25,7 +25,7 @@ DATA_CONFIG = {
     "shuffled_batches": {"config": {"world_sizes": [1], "sub_batches_per_rank": 1, "sub_batch_size": 32}},
 }
 STEPS, WARMUP, PROFILED = 4, 1, 2
-MFU_CONFIG = {"preset": "vertical", "width": 0.5, "steps": STEPS, "warmup_steps": WARMUP, "profile_steps": PROFILED,
+MFU_CONFIG = {"preset": "vertical", "width": 0.5, "steps": STEPS, "untimed_steps": WARMUP, "profile_steps": PROFILED,
               "model_overrides": {"sequence.max_history_len": "16", "embedding.item_buckets": "4096"}}
 
 
@@ -68,6 +68,16 @@ def test_materializes_with_mfu_figures_as_metadata(materialized):
     shares = meta["flops_share"].value
     assert sum(shares.values()) == pytest.approx(1.0)
     assert shares["sequence.ffn"] > 0 and shares["wukong.fm_mlp"] > 0
+
+
+def test_the_windows_untimed_steps_leave_the_learning_rates_warm_up_alone(tmp_path):
+    from assets.mfu_report import MFUReportConfig
+    from gem_ops.train.__main__ import parse_args
+
+    config = MFUReportConfig(untimed_steps=3, warmup_steps=40)
+    command = config.torchrun_command(tmp_path / "logs", tmp_path / "plans", config.window_flags())
+    args = parse_args(command[command.index("gem_ops.train") + 1:])
+    assert (args.mfu_warmup_steps, args.warmup_steps) == (3, 40)
 
 
 def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
