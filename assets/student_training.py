@@ -28,6 +28,15 @@ class StudentTrainingConfig(ModelTrainingConfig):
     adapter_shift_only: bool = Field(
         False, description="The Student Adapter shifts the teacher's logits per domain (and per adapter_feature value) "
         "only: the targets rank as the teacher does within each.")
+    adapter_hidden: int = Field(TransferConfig.adapter_hidden, description="Hidden width of the Student Adapter's MLP.")
+    adapter_steps: int = Field(TransferConfig.adapter_steps, description="Full-batch Adam steps fitting the Student "
+                               "Adapter on the student's days.")
+    adapter_lr: float = TransferConfig.adapter_lr
+    adapter_feature_buckets: int = Field(TransferConfig.adapter_feature_buckets, description="Hash buckets of "
+                                         "adapter_feature's values (one shift each).")
+    adapter_shrinkage: bool = Field(
+        False, description="A Gaussian prior pulls the Student Adapter towards the identity, weighed against each "
+        "task's labels (for students of few labels).")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")
     shared_table_training: str = Field(
@@ -35,11 +44,11 @@ class StudentTrainingConfig(ModelTrainingConfig):
         "learn on the student's days too; auto: both, keeping the student with the lower validation NE.")
 
     def transfer(self) -> TransferConfig:
-        return TransferConfig(distillation_weight=self.distillation_weight, distillation_head=self.distillation_head,
-                              student_adapter=self.student_adapter, adapter_feature=self.adapter_feature,
-                              adapter_fit=self.adapter_fit, adapter_shift_only=self.adapter_shift_only,
-                              representation=self.representation, shared_tables=tuple(self.shared_tables),
-                              freeze_shared=self.freeze_shared())
+        """TransferConfig's fields of the same names, freeze_shared from shared_table_training."""
+        same = {name: getattr(self, name) for name in TransferConfig.__dataclass_fields__
+                if name in type(self).model_fields}
+        return TransferConfig(**{**same, "shared_tables": tuple(self.shared_tables),
+                                 "freeze_shared": self.freeze_shared()})
 
     def freeze_shared(self) -> bool | str:
         modes = {"fixed": True, "trained": False, "auto": "auto"}

@@ -300,6 +300,25 @@ def test_shared_table_training_setting_maps_to_the_transfer_and_names_a_bad_valu
         StudentTrainingConfig(adapter_fit="newest").transfer()
 
 
+def test_every_transfer_setting_is_a_student_run_config_field():
+    import dataclasses
+
+    from assets.student_training import StudentTrainingConfig
+    from gem_ops.transfer.config import TransferConfig
+
+    named_apart = {"freeze_shared": "shared_table_training"}
+    fields = {named_apart.get(f.name, f.name) for f in dataclasses.fields(TransferConfig)}
+    assert fields - set(StudentTrainingConfig.model_fields) == set()
+    config = StudentTrainingConfig(adapter_hidden=8, adapter_steps=50, adapter_lr=0.1, adapter_feature_buckets=16,
+                                   adapter_shrinkage=True, distillation_head="auxiliary", representation=False,
+                                   shared_tables=["item", "user_id"], student_adapter=False)
+    assert config.transfer() == TransferConfig(
+        distillation_head="auxiliary", student_adapter=False, adapter_hidden=8, adapter_steps=50, adapter_lr=0.1,
+        adapter_feature_buckets=16, adapter_shrinkage=True, representation=False, shared_tables=("item", "user_id"))
+    with pytest.raises(ValueError, match="adapter_steps"):
+        StudentTrainingConfig(adapter_steps=0).transfer()
+
+
 def test_verticals_weigh_the_teachers_targets_four_times_the_labels_and_domain_fms_once():
     from assets.domain_foundation_models import DomainFoundationModelsConfig
     from assets.vertical_models import VerticalModelsConfig
