@@ -59,6 +59,9 @@ class ModelTrainingConfig(dg.Config):
         "tensorwise, tensorwise_fast_accum or rowwise.")
     compile: str = Field("none", description="dense: torch.compile of the dense blocks and sequence layers; model: of "
                          "the whole step after the embedding lookups, as one graph.")
+    compile_options: str = Field(
+        "", description="Inductor settings for compile, NAME=VALUE pairs separated by commas (names as in "
+        "torch._inductor.config), e.g. cpp_wrapper=true: the compiled graphs launch their kernels from C++.")
     sparse_table_gradients: bool = Field(
         False, description="One-process training: update only the embedding rows a batch looked up (slower on the "
         "H200).")

@@ -377,6 +377,48 @@ def test_cuda_graphs_without_the_compiled_step_names_the_setting():
     assert TrainConfig(compile="model", cuda_graphs=True).cuda_graphs
 
 
+def test_compile_options_read_as_inductor_settings_and_name_a_bad_one():
+    from gem_ops.train.config import compile_option_values
+
+    assert compile_option_values("cpp_wrapper=true, combo_kernels=1,max_autotune_gemm_backends=ATEN") == {
+        "cpp_wrapper": True, "combo_kernels": 1, "max_autotune_gemm_backends": "ATEN"}
+    assert TrainConfig(compile="model", compile_options="triton.cudagraph_trees=false").compile_options
+    with pytest.raises(ValueError, match=r"compile_options: 'cpp_wraper' is not an Inductor setting"):
+        TrainConfig(compile="model", compile_options="cpp_wraper=true")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        TrainConfig(compile="dense", compile_options="cpp_wrapper")
+    with pytest.raises(ValueError, match="need compile='dense' or 'model', got compile='none'"):
+        TrainConfig(compile_options="cpp_wrapper=true")
+
+
+def test_compile_options_reach_inductor():
+    """cpp_wrapper=true: the compiled block's wrapper is C++ (Inductor's generated code says so); without it the
+    wrapper is Python."""
+    from torch._inductor.utils import run_and_get_code
+
+    def wrapper_code(options):
+        torch._dynamo.reset()
+        model = nn.Module()
+        model.trunk = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        prepare_for_training(model, TrainConfig(compile="dense", compile_options=options), "cpu")
+        return run_and_get_code(model.trunk, torch.randn(4, 8))[1][0]
+
+    assert "CppWrapperCodeCache" in wrapper_code("cpp_wrapper=true")
+    assert "CppWrapperCodeCache" not in wrapper_code("")
+
+
+def test_cuda_graphs_join_inductors_options_as_its_cudagraphs_setting():
+    """torch.compile takes a mode or options, not both: with options, CUDA graphs are the setting that
+    "reduce-overhead" stands for."""
+    from gem_ops.train.acceleration import _compile_settings
+
+    assert _compile_settings("inductor", True, {}) == {"mode": "reduce-overhead"}
+    assert _compile_settings("inductor", True, {"cpp_wrapper": True}) == {
+        "options": {"cpp_wrapper": True, "triton.cudagraphs": True}}
+    assert _compile_settings("inductor", False, {"cpp_wrapper": True}) == {"options": {"cpp_wrapper": True}}
+    assert _compile_settings("eager", False, {"cpp_wrapper": True}) == {"mode": None}
+
+
 @pytest.mark.slow
 def test_checkpointed_compiled_layers_give_eager_gradients():
     """prepare_for_training compiles first, then checkpoints: a checkpointed layer recomputes its

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gem_ops.train.config import compile_option_values
+
 # torchao's recipes, and tensorwise_triton: tensorwise scaling with this project's casts (fp8_linear.py).
 FP8_RECIPES = ("tensorwise", "tensorwise_fast_accum", "rowwise", "tensorwise_triton")
 TORCHAO_RECIPES = FP8_RECIPES[:3]
@@ -114,27 +116,36 @@ def dense_blocks(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if pattern.fullmatch(name)}
 
 
-def compile_dense_blocks(model: nn.Module) -> list[str]:
+def compile_dense_blocks(model: nn.Module, options: dict | None = None) -> list[str]:
     """torch.compile of each dense block's forward (dynamic in the token dimension after the first
-    recompile, as Inductor's automatic dynamic shapes do)."""
+    recompile, as Inductor's automatic dynamic shapes do); `options`: Inductor settings."""
     blocks = dense_blocks(model)
     # Blocks share forward code objects (every layer of a kind): each block gets its own graphs, static
     # then dynamic.
     _allow_recompiles(max(64, 8 * len(blocks)))
     for module in blocks.values():
-        module.forward = torch.compile(module.forward)
+        module.forward = torch.compile(module.forward, **_compile_settings("inductor", False, options))
     return list(blocks)
 
 
+def _compile_settings(backend, cuda_graphs: bool, options: dict | None) -> dict:
+    """torch.compile's mode or options (it takes one of the two): CUDA graphs are Inductor's "reduce-overhead" mode,
+    which is its triton.cudagraphs setting among other options. Options reach Inductor alone."""
+    if not options or backend != "inductor":
+        return {"mode": "reduce-overhead" if cuda_graphs else None}
+    return {"options": {**options, **({"triton.cudagraphs": True} if cuda_graphs else {})}}
+
+
 def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", fullgraph: bool = False,
-                       cuda_graphs: bool = False) -> list[str]:
+                       cuda_graphs: bool = False, options: dict | None = None) -> list[str]:
     """torch.compile of everything in a training step's forward after the embedding lookups
     (GEMModel.dense_loss_sums), as one graph: the jagged attention enters it as a custom op, the jagged
     bookkeeping fuses with the layers around it, and its backward compiles too. Sizes are dynamic from the
     first compile (a batch's size, token counts and the pyramid's level sizes change every step).
     `cuda_graphs`: forward and backward replayed from CUDA graphs (mode "reduce-overhead"), recorded per set of
-    sizes; the caller marks each training step's start (torch.compiler.cudagraph_mark_step_begin)."""
-    mode = "reduce-overhead" if cuda_graphs else None
+    sizes; the caller marks each training step's start (torch.compiler.cudagraph_mark_step_begin). `options`:
+    Inductor settings."""
+    settings = _compile_settings(backend, cuda_graphs, options)
     if not hasattr(model, "dense_loss_sums"):
         raise ValueError(f"TrainConfig.compile='model' compiles GEM's step; {type(model).__name__} has none: "
                          "use compile='dense' or 'none'")
@@ -146,12 +157,12 @@ def compile_model_step(model: nn.Module, backend: str | Callable = "inductor", f
     # its graph rather than the step falling back to eager past Dynamo's default limit of 8.
     _allow_recompiles(64)
     _cache_custom_autograd_functions()
-    compiled = torch.compile(model.dense_loss_sums, dynamic=True, backend=backend, fullgraph=fullgraph, mode=mode)
+    compiled = torch.compile(model.dense_loss_sums, dynamic=True, backend=backend, fullgraph=fullgraph, **settings)
     model.dense_loss_sums = functools.partial(_size_oblivious, compiled)
     # The history tokens' sum and norm run inside the embeddings' forward (an FSDP2 unit of its own on some
     # paths, so not within the step's graph): a graph of their own, one kernel for the sum, norm and cast.
     embeddings = model.embeddings
-    tokens = torch.compile(embeddings.history_tokens, dynamic=True, backend=backend, fullgraph=True, mode=mode)
+    tokens = torch.compile(embeddings.history_tokens, dynamic=True, backend=backend, fullgraph=True, **settings)
     embeddings.history_tokens = functools.partial(_size_oblivious, tokens)
     return ["dense_loss_sums", "embeddings.history_tokens"]
 
@@ -215,8 +226,9 @@ def prepare_for_training(model: nn.Module, config, device: torch.device | str) -
         applied["fp8"] = convert_to_fp8(model, config.fp8_recipe)
     # Compiled first, so that a checkpointed layer recomputes its compiled forward.
     if config.compile in ("dense", "model"):
-        applied["compile"] = (compile_dense_blocks(model) if config.compile == "dense"
-                              else compile_model_step(model, cuda_graphs=config.cuda_graphs))
+        options = compile_option_values(config.compile_options)
+        applied["compile"] = (compile_dense_blocks(model, options) if config.compile == "dense"
+                              else compile_model_step(model, cuda_graphs=config.cuda_graphs, options=options))
     if config.activation_checkpointing == "sequence":
         applied["activation_checkpointing"] = checkpoint_sequence_layers(model)
     return applied

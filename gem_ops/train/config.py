@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import typing
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -52,6 +53,10 @@ class TrainConfig:
     # the samples/s of the step without graphs even where every step had the same sizes (benchmarks/README.md).
     # A run reports the graphs Inductor ran without them and why (TrainResult.cuda_graph_skips, MLflow too).
     cuda_graphs: bool = False
+    # Inductor settings for what compile compiles, NAME=VALUE pairs separated by commas (values as JSON where they
+    # parse, else text; names as in torch._inductor.config), e.g. "cpp_wrapper=true" (the compiled graphs launch
+    # their kernels from C++) or "combo_kernels=true"; torch.compile's `options`. "": Inductor's defaults
+    compile_options: str = ""
     # > 1: every size the compiled step sees (history events, each pyramid level's tokens) rounded up to a ladder
     # of sizes this ratio apart (features.bucketed), rows past the last example's no example's; 0: exact sizes
     size_bucket: float = 0.0
@@ -114,6 +119,11 @@ class TrainConfig:
         if self.cuda_graphs and self.compile != "model":
             raise ValueError(f"TrainConfig.cuda_graphs replays the compiled step: it needs compile='model', "
                              f"got compile={self.compile!r}")
+        if self.compile_options:
+            if self.compile == "none":
+                raise ValueError(f"TrainConfig.compile_options {self.compile_options!r} set Inductor's compile: they "
+                                 "need compile='dense' or 'model', got compile='none'")
+            check_inductor_options(compile_option_values(self.compile_options))
         if self.size_bucket and self.size_bucket <= 1:
             raise ValueError(f"TrainConfig.size_bucket must be 0 (exact sizes) or > 1, got {self.size_bucket}")
         if self.gc_every < 0:
@@ -145,3 +155,28 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def compile_option_values(text: str) -> dict[str, Any]:
+    """TrainConfig.compile_options as torch.compile's options: "cpp_wrapper=true,max_autotune=false" ->
+    {"cpp_wrapper": True, "max_autotune": False}."""
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"TrainConfig.compile_options takes NAME=VALUE pairs separated by commas, got {item!r}")
+        try:
+            options[name.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[name.strip()] = value.strip()
+    return options
+
+
+def check_inductor_options(options: dict[str, Any]) -> None:
+    """A name that is no Inductor setting is a typo that torch.compile would only report at the first step."""
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    if unknown := sorted(set(options) - set(known)):
+        raise ValueError(f"TrainConfig.compile_options: {unknown[0]!r} is not an Inductor setting "
+                         "(torch._inductor.config)")
