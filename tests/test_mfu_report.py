@@ -80,6 +80,36 @@ def test_the_windows_untimed_steps_leave_the_learning_rates_warm_up_alone(tmp_pa
     assert (args.mfu_warmup_steps, args.warmup_steps) == (3, 40)
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_the_profile_holds_profile_steps_steps_whether_steps_are_read_late_or_at_once(late):
+    """Read late, a step's hook runs once the next step is queued: the recording from the hook after the window to
+    the last one would hold one step fewer than the figures are divided by (2/3 of each per-step figure at 3)."""
+    import torch
+    from torch.autograd.profiler import record_function
+
+    from gem_ops.train.mfu_window import MFUWindow, recorded_steps
+
+    window = MFUWindow(steps=2, warmup_steps=1, profile_steps=3, reads_late=late)
+    assert window.total_steps == 7 + late
+    queued = []
+    with window.observe(torch.device("cpu")) as observer:
+        for step in range(window.total_steps):  # the engine's order: queue a step, then read the one before it
+            with record_function("forward"):
+                torch.ones(8).sum()
+            with record_function("optimizer"):
+                torch.ones(8).mul_(2)
+            queued.append(step)
+            if not late:
+                observer(step, 0.0)
+            elif step:
+                observer(step - 1, 0.0)
+        if late:
+            observer(window.total_steps - 1, 0.0)  # the last step read at once
+    assert recorded_steps(observer.prof) == 3
+    assert sum(e.name == "forward" for e in observer.prof.events()) == 3
+    assert observer.recorded_seconds > 0
+
+
 def test_mlflow_run_has_metrics_curve_plot_and_report(materialized):
     client = materialized["client"]
     run = client.get_run(_metadata(materialized["result"])["mlflow_run_id"].value)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from gem_ops.data.atomic import atomic_path
 from gem_ops.data.loader import SequenceLogs
@@ -38,6 +39,7 @@ from gem_ops.train.engine import StepHook, TrainResult, train
 from gem_ops.train.mfu_window import MFUWindow
 from gem_ops.train.pipes_reporting import open_reporter
 from gem_ops.train.sharding import EMBEDDING_SHARDINGS
+from gem_ops.train.step_readout import reads_late
 
 log = logging.getLogger("gem_ops.train")
 
@@ -171,8 +173,9 @@ def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> 
     plan = plan_for_world_size(args.plans, args.plan_world_size or world_size)
     logs = SequenceLogs(args.sequence_logs)
     tracker = RunTracker.attach(args.mlflow_run_id, args.mlflow_tracking_uri)
-    window = MFUWindow(args.mfu_steps, args.mfu_warmup_steps, args.mfu_profile_steps,
-                       args.mfu_profiler) if args.mfu_steps else None
+    late = reads_late(config.step_readout, torch.device(args.device))
+    window = MFUWindow(args.mfu_steps, args.mfu_warmup_steps, args.mfu_profile_steps, args.mfu_profiler,
+                       reads_late=late) if args.mfu_steps else None
     with open_reporter(rank, args.progress_every) as reporter:
         if window is None:
             _, result = train(logs, plan, model, config, device=args.device, checkpoint_dir=args.checkpoint_dir,
@@ -200,8 +203,6 @@ def main(argv: list[str] | None = None, step_hooks: Sequence[StepHook] = ()) -> 
 def measure_mfu(window: MFUWindow, logs: SequenceLogs, plan: Path, model, config: TrainConfig, args,
                 tracker: RunTracker, reporter, step_hooks: Sequence[StepHook], rank: int) -> dict[str, Any]:
     """The window's run through the engine; rank 0's figures (MFU, where the time goes) as metadata."""
-    import torch
-
     from gem_ops.data.batch_shuffling import read_rank_plan
     from gem_ops.metrics.mfu import log_mfu_report
 

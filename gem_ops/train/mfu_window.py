@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.autograd.profiler import record_function
 
@@ -49,6 +49,11 @@ class MFUWindow:
     # "torch": torch.profiler (device kernels, phases, modules, the host's operators); "python": cProfile, the
     # host's Python time by function (gem_ops.train.python_profile)
     profiler: str = "torch"
+    # Steps read late (TrainConfig.step_readout next_step): a step's hook runs once the next step is queued, so the
+    # profiler's last profile_steps intervals would hold one step fewer of the host's work (and part of a step's
+    # kernels queued before them), while every figure is divided by profile_steps: 2/3 of each per-step figure. The
+    # window runs one step more and the profiler records one interval more: profile_steps steps queued within it.
+    reads_late: bool = False
 
     def __post_init__(self):
         if self.steps < 1 or self.warmup_steps < 0 or self.profile_steps < 0:
@@ -58,8 +63,13 @@ class MFUWindow:
             raise ValueError(f"MFU window: profiler must be one of {PROFILERS}, got {self.profiler!r}")
 
     @property
+    def profiled_intervals(self) -> int:
+        """The profiler's recorded intervals (from hook to hook) that hold profile_steps steps of host work."""
+        return self.profile_steps + (1 if self.reads_late and self.profile_steps else 0)
+
+    @property
     def total_steps(self) -> int:
-        return self.warmup_steps + self.steps + (1 + self.profile_steps if self.profile_steps else 0)
+        return self.warmup_steps + self.steps + (1 + self.profiled_intervals if self.profile_steps else 0)
 
     def train_config(self, config: TrainConfig, plan_steps: int) -> TrainConfig:
         """The run's settings: the window's length, no validation, periodic eval or checkpoints, a small
@@ -124,7 +134,7 @@ class MFUWindow:
             report.settings["allocator_retries_in_window"] = observer.alloc_retries[last - 1] - (
                 observer.alloc_retries[first - 1] if first else 0)
         if observer.profiling:
-            observer.add_profile(report, result.step_seconds[last + 1:])
+            observer.add_profile(report)
         return report
 
 
@@ -134,6 +144,7 @@ class WindowObserver:
     def __init__(self, window: MFUWindow, profiling: bool, device: torch.device):
         self.window, self.profiling, self.device = window, profiling, device
         self.prof = None
+        self.recording_began, self.recorded_seconds = math.nan, math.nan  # the profiler's recorded steps, wall
         self.alloc_retries: list[int] = []  # the allocator's count after each step (CUDA)
         # What can stall a step from the host, as running totals: before the first step, then after each
         self.pauses = CollectionPauses()
@@ -151,7 +162,7 @@ class WindowObserver:
             # Shapes and stacks name the tensors of the ops run outside compiled code (profiled steps only).
             self.profiler = torch.profiler.profile(
                 activities=activities, record_shapes=True, with_stack=True, schedule=torch.profiler.schedule(
-                    wait=window.warmup_steps + window.steps, warmup=1, active=window.profile_steps, repeat=1))
+                    wait=window.warmup_steps + window.steps, warmup=1, active=window.profiled_intervals, repeat=1))
 
     def _stall_counts(self) -> tuple[float, int, int, int, int]:
         from torch._dynamo.utils import counters
@@ -177,7 +188,17 @@ class WindowObserver:
         if self.device.type == "cuda":  # a step that found no free block freed the cache and retried: a sync
             self.alloc_retries.append(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self.prof is not None:
+            starts = step + 1 == self.window.warmup_steps + self.window.steps + 1
+            ends = step + 1 == self.window.total_steps
+            if self.device.type == "cuda" and (starts or ends):
+                # Recording starts (or ends) with no earlier step's kernels (or this one's) still to run: the
+                # device's figures are those of the steps queued within the recording
+                torch.cuda.synchronize(self.device)
+            if ends:
+                self.recorded_seconds = time.perf_counter() - self.recording_began
             self.prof.step()
+            if starts:
+                self.recording_began = time.perf_counter()
         if self.python is not None:  # one step after the window, as the torch profiler's warm-up step
             if step == self.window.warmup_steps + self.window.steps:
                 self.python.start()
@@ -190,13 +211,15 @@ class WindowObserver:
         if step + 1 == self.window.total_steps:  # the final eval runs compiled blocks eagerly: no new graphs
             _set_compiler_stance("force_eager")
 
-    def add_profile(self, report: MFUReport, profiled_step_seconds: list[float]) -> None:
+    def add_profile(self, report: MFUReport) -> None:
         """Seconds per profiled step by phase and by module, and the profiler's table."""
         if self.python is not None:
             report.host_python = self.python.summary()
             report.profiled_steps = report.host_python["steps"]
             return
-        prof, device, steps = self.prof, self.device, self.window.profile_steps
+        prof, device = self.prof, self.device
+        # the steps whose work the recording holds, counted (an early stop, a readout this window did not expect)
+        steps = recorded_steps(prof) or self.window.profile_steps
         report.profiled_steps = steps
         report.phase_seconds = scope_seconds(prof, device, PHASES, steps)
         if device.type == "cuda":
@@ -209,7 +232,7 @@ class WindowObserver:
             report.phase_seconds["device_busy"] = busy
             report.communication = overlap.to_dict()
             report.phase_cpu_seconds = scope_seconds(prof, torch.device("cpu"), PHASES, steps)
-        report.phase_seconds["step"] = float(np.mean(profiled_step_seconds)) if profiled_step_seconds else math.nan
+        report.phase_seconds["step"] = self.recorded_seconds / steps
         report.module_seconds = scope_seconds(prof, device, MODULE_SCOPES, steps)
         # The forward outside the scoped modules (concatenations, the loss, unscoped projections).
         top = ("embeddings", "input_projections", "sequence.branch", "wukong", "trunk", "towers")
@@ -223,6 +246,11 @@ class WindowObserver:
             frames = ProjectFrames(prof)  # the profile's Python frames, read once for both tables
             report.eager_operators = eager_operators(prof, steps, device, frames=frames)
             report.host = host_profile(prof, steps, frames=frames)
+
+
+def recorded_steps(profile) -> int:
+    """Training steps whose host work a profile holds: the engine's "optimizer" scopes on the host."""
+    return sum(1 for event in profile.events() if event.name == "optimizer" and event.device_type.name == "CPU")
 
 
 @contextlib.contextmanager
