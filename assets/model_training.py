@@ -71,9 +71,11 @@ class ModelTrainingConfig(dg.Config):
         "auto", description="next_step: read a step's loss once the next step is queued, so the GPU does not wait "
         "for the host between steps; each_step: after every step (a diverging step stops in itself); auto: next_step "
         "on CUDA.")
-    dense_optimizer: str = Field("adamw", description="adamw, or radam (rectified: no warm-up needed).")
-    weight_decay: float = Field(0.01, description="Decoupled weight decay of the dense parameters.")
-    clip_grad_norm: float = Field(1.0, description="Clip the dense gradients' norm to this (0: no clipping).")
+    dense_optimizer: str = Field(TrainConfig.dense_optimizer,
+                                 description="adamw, or radam (rectified: no warm-up needed).")
+    weight_decay: float = Field(TrainConfig.weight_decay, description="Decoupled weight decay of the dense parameters.")
+    clip_grad_norm: float = Field(TrainConfig.clip_grad_norm,
+                                  description="Clip the dense gradients' norm to this (0: no clipping).")
     cuda_graphs: bool = Field(
         False, description="With compile model: replay the compiled step from CUDA graphs, one per set of batch sizes "
         "met (pair with size_bucket so that sizes repeat).")
@@ -87,12 +89,13 @@ class ModelTrainingConfig(dg.Config):
         False, description="Before the first step, one zero-loss pass per history-length bucket, so that tuning and "
         "compiling happen before the timed steps.")
     gc_every: int = Field(
-        50, description="Python's garbage collector paused while steps run and run between steps every this many "
-        "steps (0: automatic collection).")
-    prefetch_batches: int = Field(1, description="Batches loaded ahead in a background thread (0: none).")
-    eval_batch_size: int = 512
-    keep_checkpoints: int = Field(2, description="Checkpoints kept on disk (the newest).")
-    log_every: int = Field(10, description="Steps between metric flushes to MLflow.")
+        TrainConfig.gc_every, description="Python's garbage collector paused while steps run and run between steps "
+        "every this many steps (0: automatic collection).")
+    prefetch_batches: int = Field(TrainConfig.prefetch_batches,
+                                  description="Batches loaded ahead in a background thread (0: none).")
+    eval_batch_size: int = TrainConfig.eval_batch_size
+    keep_checkpoints: int = Field(TrainConfig.keep_checkpoints, description="Checkpoints kept on disk (the newest).")
+    log_every: int = Field(TrainConfig.log_every, description="Steps between metric flushes to MLflow.")
     seed: int = 0
 
     def model(self) -> ModelConfig:

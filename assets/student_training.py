@@ -35,8 +35,8 @@ class StudentTrainingConfig(ModelTrainingConfig):
     adapter_feature_buckets: int = Field(TransferConfig.adapter_feature_buckets, description="Hash buckets of "
                                          "adapter_feature's values (one shift each).")
     adapter_shrinkage: bool = Field(
-        False, description="A Gaussian prior pulls the Student Adapter towards the identity, weighed against each "
-        "task's labels (for students of few labels).")
+        TransferConfig.adapter_shrinkage, description="A Gaussian prior pulls the Student Adapter towards the "
+        "identity, weighed against each task's labels (for students of few labels).")
     representation: bool = Field(True, description="The teacher's trunk representation is a student input.")
     shared_tables: list[str] = Field(["item"], description="Embedding tables initialised from the teacher.")
     shared_table_training: str = Field(

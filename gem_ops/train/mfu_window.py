@@ -188,7 +188,7 @@ class WindowObserver:
         if self.device.type == "cuda":  # a step that found no free block freed the cache and retried: a sync
             self.alloc_retries.append(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self.prof is not None:
-            starts = step + 1 == self.window.warmup_steps + self.window.steps + 1
+            starts = step == self.window.warmup_steps + self.window.steps  # the recording starts after this hook
             ends = step + 1 == self.window.total_steps
             if self.device.type == "cuda" and (starts or ends):
                 # Recording starts (or ends) with no earlier step's kernels (or this one's) still to run: the
@@ -250,7 +250,8 @@ class WindowObserver:
 
 def recorded_steps(profile) -> int:
     """Training steps whose host work a profile holds: the engine's "optimizer" scopes on the host."""
-    return sum(1 for event in profile.events() if event.name == "optimizer" and event.device_type.name == "CPU")
+    return sum(1 for event in profile.events()
+               if event.name == "optimizer" and event.device_type == torch.autograd.DeviceType.CPU)
 
 
 @contextlib.contextmanager
