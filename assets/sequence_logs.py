@@ -16,19 +16,27 @@ from gem_ops.data.quality import leakage_violations, length_distribution
 from gem_ops.data.sequence_logs import SequenceLogsConfig, build_sequence_logs
 
 MAX_EMPTY_HISTORY_SHARE = 0.5
+BUILDER_DEFAULTS = SequenceLogsConfig()
 
 
 class SequenceLogsAssetConfig(dg.Config):
     lookback_days: int = Field(LOOKBACK_DAYS, description=f"Raw days read, at most {LOOKBACK_DAYS}.")
-    max_history_len: int = 1024
-    eval_days: int = 1
+    max_history_len: int = Field(BUILDER_DEFAULTS.max_history_len,
+                                 description="Histories longer than this keep their most recent events.")
+    eval_days: int = Field(BUILDER_DEFAULTS.eval_days,
+                           description="Requests on the last this many days form the eval split.")
     history_event_types: list[str] | None = Field(None, description="Event types that join timelines; all if unset.")
-    max_events_in_memory: int = 30_000_000
+    max_events_in_memory: int = Field(BUILDER_DEFAULTS.max_events_in_memory,
+                                      description="Above this many events, users are read a range at a time.")
+    chunk_events: int = Field(BUILDER_DEFAULTS.chunk_events,
+                              description="Users are processed in ranges of about this many events (the working "
+                                          "set: lower it when memory is short).")
 
     def builder_config(self) -> SequenceLogsConfig:
         types = tuple(self.history_event_types) if self.history_event_types else None
         return SequenceLogsConfig(max_history_len=self.max_history_len, eval_days=self.eval_days,
-                                  history_event_types=types, max_events_in_memory=self.max_events_in_memory)
+                                  history_event_types=types, max_events_in_memory=self.max_events_in_memory,
+                                  chunk_events=self.chunk_events)
 
 
 def sequence_logs_path(lake: LakeResource, day: str):

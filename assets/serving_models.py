@@ -9,7 +9,7 @@ from assets.partitions import daily_partitions
 from assets.resources import MLflowResource
 from assets.vertical_models import vertical_models
 from gem_ops.serving.export import FORMATS
-from gem_ops.serving.latency import LatencySettings
+from gem_ops.serving.latency import CANDIDATE_COUNTS, LatencySettings
 from gem_ops.serving.registry import GATE_CANDIDATES, SERVING, serve_champion
 
 CHECK = "champions_within_latency_budget"
@@ -27,6 +27,21 @@ class ServingModelsConfig(dg.Config):
                               description="Only these registered models; empty: all of the prefix.")
     latency_requests: int = Field(50, description="Timed requests per candidate count (1, 100 and 1000).")
     latency_threads: int = Field(0, description="torch threads while timing; 0: the process's setting.")
+    latency_warmup: int = Field(LatencySettings.warmup,
+                                description="Untimed requests per candidate count before the timed ones.")
+    latency_candidates: list[int] = Field(list(CANDIDATE_COUNTS),
+                                          description=f"Candidate counts per request measured; must include "
+                                                      f"{GATE_CANDIDATES}, where the budget is judged.")
+
+    def latency_settings(self) -> LatencySettings:
+        if GATE_CANDIDATES not in self.latency_candidates or min(self.latency_candidates) < 1:
+            raise ValueError(f"serving_models config latency_candidates {self.latency_candidates} must be positive "
+                             f"and include {GATE_CANDIDATES}: the latency budget is judged there")
+        if self.latency_requests < 1 or self.latency_warmup < 0:
+            raise ValueError(f"serving_models config latency_requests must be >= 1 and latency_warmup >= 0, got "
+                             f"{self.latency_requests} and {self.latency_warmup}")
+        return LatencySettings(candidate_counts=tuple(self.latency_candidates), requests=self.latency_requests,
+                               warmup=self.latency_warmup, threads=self.latency_threads)
 
 
 @dg.asset(
@@ -44,7 +59,7 @@ def serving_models(context: dg.AssetExecutionContext, config: ServingModelsConfi
         raise ValueError(f"serving_models config models {unknown} are not registered models of the prefix "
                          f"{config.registered_model_prefix!r}: {names}")
     names = [name for name in names if not config.models or name in config.models]
-    latency = LatencySettings(requests=config.latency_requests, threads=config.latency_threads)
+    latency = config.latency_settings()
     decisions = []
     with mlflow.asset_run(context) as run:
         run.log_params(config.model_dump())

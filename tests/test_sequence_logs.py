@@ -250,3 +250,18 @@ def test_history_event_types_matching_nothing_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="history_event_types"):
         build(hand_events(), tmp_path / "seq", history_event_types=("no_such_type",))
     assert not (tmp_path / "seq").exists()
+
+
+def test_every_builder_setting_is_a_sequence_logs_run_config_field():
+    import dataclasses
+
+    from assets.sequence_logs import SequenceLogsAssetConfig
+
+    assert {f.name for f in dataclasses.fields(SequenceLogsConfig)} - set(SequenceLogsAssetConfig.model_fields) == set()
+    assert SequenceLogsAssetConfig().builder_config() == SequenceLogsConfig()
+    config = SequenceLogsAssetConfig(max_history_len=64, eval_days=2, history_event_types=["click"],
+                                     max_events_in_memory=10, chunk_events=5)
+    assert config.builder_config() == SequenceLogsConfig(
+        max_history_len=64, eval_days=2, history_event_types=("click",), max_events_in_memory=10, chunk_events=5)
+    with pytest.raises(ValueError, match="chunk_events"):
+        SequenceLogsAssetConfig(chunk_events=0).builder_config()

@@ -270,18 +270,33 @@ def test_serving_models_measures_each_champion_and_refuses_one_slower_than_the_b
     from gem_ops.serving.registry import SERVING
 
     client, name = transferred["client"], "vertical_feed_click"
-    config = {"latency_budget_ms": 1e-3, "latency_requests": 3, "models": [name]}
+    config = {"latency_budget_ms": 1e-3, "latency_requests": 3, "latency_warmup": 1, "latency_candidates": [1, 100],
+              "models": [name]}
     result = dg.materialize([serving_models], run_config={"ops": {"serving_models": {"config": config}}},
                             resources=transferred["resources"], instance=transferred["instance"],
                             partition_key=transferred["day"], selection=[serving_models], raise_on_error=False)
     figures = _materialization(result, "serving_models").metadata["models"].value[name]
     assert not figures["served"] and figures["version"] == str(current_version(client, name, CHAMPION))
     assert 1e-3 < figures["p50_ms.1"] and figures["p50_ms.100"] <= figures["p99_ms.100"]
-    assert figures["requests_per_s.1000"] > 0 and figures["artifact"].startswith("runs:/")
+    assert figures["requests_per_s.100"] > 0 and figures["artifact"].startswith("runs:/")
+    assert "p50_ms.1000" not in figures  # only the configured candidate counts are measured
     check = _check(result)[0]
     assert not check.passed and check.metadata["refused"].value == [name]
     with pytest.raises(MlflowException):
         client.get_model_version_by_alias(name, SERVING)
+
+
+def test_serving_latency_settings_come_from_the_run_config_and_the_gate_count_is_required():
+    from assets.serving_models import ServingModelsConfig
+    from gem_ops.serving.latency import LatencySettings
+
+    assert ServingModelsConfig().latency_settings() == LatencySettings()
+    config = ServingModelsConfig(latency_requests=7, latency_warmup=0, latency_candidates=[100, 10], latency_threads=2)
+    assert config.latency_settings() == LatencySettings(candidate_counts=(100, 10), requests=7, warmup=0, threads=2)
+    with pytest.raises(ValueError, match="latency_candidates .* include 100"):
+        ServingModelsConfig(latency_candidates=[1, 1000]).latency_settings()
+    with pytest.raises(ValueError, match="latency_warmup"):
+        ServingModelsConfig(latency_warmup=-1).latency_settings()
 
 
 def test_shared_table_training_setting_maps_to_the_transfer_and_names_a_bad_value():
