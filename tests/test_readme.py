@@ -95,3 +95,26 @@ def _check_entry_point(module: str, args: list[str]) -> None:
     for value in vars(parsed).values():  # a file the example names is in the project
         if isinstance(value, Path) and value.suffix in (".yaml", ".yml"):
             assert (PROJECT / value).is_file(), value
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`a_{b,c}.json` -> [a_b.json, a_c.json], nested left to right."""
+    group = re.search(r"\{([^{}]*)\}", pattern)
+    if group is None:
+        return [pattern]
+    return [name for choice in group.group(1).split(",")
+            for name in expand_braces(pattern[:group.start()] + choice + pattern[group.end():])]
+
+
+def test_every_result_file_the_guides_name_exists():
+    """The READMEs quote figures by the result file they come from (often `name_{a,b}.json`): each must be there."""
+    import fnmatch
+
+    results = PROJECT / "benchmarks" / "results"
+    stored = [path.name for path in results.iterdir()]
+    text = GUIDES + (PROJECT / "benchmarks" / "README.md").read_text()
+    named = {name.rsplit("/", 1)[-1] for quoted in re.findall(r"results/[\w.{},*\-]+\.(?:json|png|log)", text)
+             for name in expand_braces(quoted)}
+    assert len(named) > 50
+    missing = sorted(name for name in named if not fnmatch.filter(stored, name))
+    assert missing == [], f"named in the guides but not in {results}: {missing}"
