@@ -695,3 +695,12 @@ def test_the_student_and_the_benchmark_keep_the_same_shared_tables_candidate():
         validated = with_validated_pair(row, ("a", "b"))["validated_tables"]
         assert validated["kept_fixed_tables"] == float(kept == "fixed")
         assert validated["auc"] == (1.0 if kept == "fixed" else 2.0)
+
+
+def test_a_domain_fms_summary_leaves_out_the_auc_of_a_one_class_group():
+    from gem_ops.transfer.domain_models import DomainModel
+
+    report = {"all/click": {"auc": 0.71234, "ne": 0.9}, "all/conversion": {"auc": float("nan"), "ne": 1.0},
+              "feed/click": {"auc": 0.7}}
+    summary = DomainModel("domain_fm_stories", "3", 100, report).summary()
+    assert summary == {"model": "domain_fm_stories", "version": "3", "train_examples": 100, "all/click": 0.7123}

@@ -3,6 +3,8 @@ with a one-day-stale GEM, domain_foundation_models, and vertical_models twice: a
 (domain, objective) becomes champion; a second one that does not beat it by the required margin is kept
 out by the blocking check and the champion stays."""
 
+import math
+
 import dagster as dg
 import mlflow.pyfunc
 import numpy as np
@@ -75,6 +77,7 @@ def test_domain_models_and_verticals_carry_their_lineage(transferred):
     fm_meta = _materialization(transferred["first"], "domain_foundation_models").metadata
     fms = fm_meta["models"].value
     assert set(fms) == set(DOMAINS)
+    assert all(math.isfinite(v) for fm in fms.values() for v in fm.values() if isinstance(v, float))
     # Each FM's eval figures, read as a table on the run page.
     rows = [r.data for r in fm_meta["quality"].value.records]
     assert {r["model"] for r in rows} == {f"domain_fm_{d} v{fms[d]['version']}" for d in DOMAINS}

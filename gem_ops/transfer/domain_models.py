@@ -39,7 +39,8 @@ class DomainModel:
 
     def summary(self) -> dict[str, Any]:
         return {"model": self.name, "version": self.version, "train_examples": self.train_examples,
-                **{g: round(self.report[g]["auc"], 4) for g in self.report if g.startswith("all/")},
+                **{g: round(figures["auc"], 4) for g, figures in self.report.items()  # AUC of a one-class group: none
+                   if g.startswith("all/") and math.isfinite(figures.get("auc", math.nan))},
                 **({"verticals_learn_from": self.teaches["teacher"], "held_out_day": self.teaches}
                    if self.teaches else {})}
 
