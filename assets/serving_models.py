@@ -25,8 +25,9 @@ class ServingModelsConfig(dg.Config):
     registered_model_prefix: str = Field("vertical", description="Serve the champions of <prefix>_* registered models.")
     models: list[str] = Field(default_factory=list,
                               description="Only these registered models; empty: all of the prefix.")
-    latency_requests: int = Field(50, description="Timed requests per candidate count (1, 100 and 1000).")
-    latency_threads: int = Field(0, description="torch threads while timing; 0: the process's setting.")
+    latency_requests: int = Field(LatencySettings.requests, description="Timed requests per candidate count.")
+    latency_threads: int = Field(LatencySettings.threads,
+                                 description="torch threads while timing; 0: the process's setting.")
     latency_warmup: int = Field(LatencySettings.warmup,
                                 description="Untimed requests per candidate count before the timed ones.")
     latency_candidates: list[int] = Field(list(CANDIDATE_COUNTS),
