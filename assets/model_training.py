@@ -60,8 +60,10 @@ class ModelTrainingConfig(dg.Config):
     compile: str = Field("none", description="dense: torch.compile of the dense blocks and sequence layers; model: of "
                          "the whole step after the embedding lookups, as one graph.")
     compile_options: str = Field(
-        "", description="Inductor settings for compile, NAME=VALUE pairs separated by commas (names as in "
-        "torch._inductor.config), e.g. cpp_wrapper=true: the compiled graphs launch their kernels from C++.")
+        TrainConfig.compile_options,
+        description="Inductor settings for compile, NAME=VALUE pairs separated by commas (names as in "
+                    "torch._inductor.config), e.g. cpp_wrapper=true: the compiled graphs launch their kernels from "
+                    "C++.")
     sparse_table_gradients: bool = Field(
         False, description="One-process training: update only the embedding rows a batch looked up (slower on the "
         "H200).")
@@ -77,17 +79,21 @@ class ModelTrainingConfig(dg.Config):
     clip_grad_norm: float = Field(TrainConfig.clip_grad_norm,
                                   description="Clip the dense gradients' norm to this (0: no clipping).")
     cuda_graphs: bool = Field(
-        False, description="With compile model: replay the compiled step from CUDA graphs, one per set of batch sizes "
-        "met (pair with size_bucket so that sizes repeat).")
+        TrainConfig.cuda_graphs,
+        description="With compile model: replay the compiled step from CUDA graphs, one per set of batch sizes met "
+                    "(pair with size_bucket so that sizes repeat).")
     size_bucket: float = Field(
-        0.0, description="> 1: round every size the compiled step sees up to a ladder of sizes this ratio apart (fewer "
-        "recompiles and graphs); 0: exact sizes.")
+        TrainConfig.size_bucket,
+        description="> 1: round every size the compiled step sees up to a ladder of sizes this ratio apart (fewer "
+                    "recompiles and graphs); 0: exact sizes.")
     unit_prefetch: bool = Field(
-        False, description="Several ranks under FSDP2: start the next dense unit's all-gather (and the previous one's "
-        "in the backward) while this one computes.")
+        TrainConfig.unit_prefetch,
+        description="Several ranks under FSDP2: start the next dense unit's all-gather (and the previous one's in the "
+                    "backward) while this one computes.")
     warm_up_lengths: bool = Field(
-        False, description="Before the first step, one zero-loss pass per history-length bucket, so that tuning and "
-        "compiling happen before the timed steps.")
+        TrainConfig.warm_up_lengths,
+        description="Before the first step, one zero-loss pass per history-length bucket, so that tuning and "
+                    "compiling happen before the timed steps.")
     gc_every: int = Field(
         TrainConfig.gc_every, description="Python's garbage collector paused while steps run and run between steps "
         "every this many steps (0: automatic collection).")

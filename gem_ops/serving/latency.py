@@ -19,6 +19,13 @@ class LatencySettings:
     warmup: int = 3
     threads: int = 0  # torch intra-op threads while timing; 0: as set
 
+    def __post_init__(self):
+        if not self.candidate_counts or min(self.candidate_counts) < 1:
+            raise ValueError(f"latency candidate_counts must be positive, got {self.candidate_counts}")
+        if self.requests < 1 or self.warmup < 0 or self.threads < 0:
+            raise ValueError(f"latency requests must be >= 1, warmup and threads >= 0, got requests={self.requests}, "
+                             f"warmup={self.warmup}, threads={self.threads}")
+
 
 Scorer = Callable[[dict], object]
 RequestMaker = Callable[[int, int], dict[str, torch.Tensor]]
